@@ -1,0 +1,88 @@
+"""Megatron dist-checkpoint save/load for a worker's model (any TP/PP on either side).
+
+`megatron.core.dist_checkpointing` stores global tensors with their shard layout, so a
+checkpoint saved at TP=2 loads at TP=1 (and any other split). Saving is collective; all ranks
+write into one temp directory beside the destination and rank 0 renames it into place after a
+barrier, so a crash never leaves a half-written checkpoint under the final name.
+Its async writer starts a spawn-method multiprocessing Manager: entry points that save need an
+`if __name__ == "__main__":` guard.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import torch.distributed as dist
+
+from megarl.convert.hf_io import SIDE_FILES, commit_dir
+
+logger = logging.getLogger(__name__)
+
+META = "megarl_meta.json"
+
+
+def _tmp_name(dst: Path) -> Path:
+    # Deterministic so that every rank agrees on it without communicating.
+    return dst.with_name(f".{dst.name}.tmp")
+
+
+def save_checkpoint(worker, path, **meta) -> Path:
+    from megatron.core import dist_checkpointing
+
+    dst = Path(path)
+    tmp = _tmp_name(dst)
+    rank = dist.get_rank()
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    dist_checkpointing.save(worker.model.sharded_state_dict(), str(tmp))
+    dist.barrier()
+    if rank == 0:
+        side = tmp / "hf"
+        side.mkdir()
+        for fname in SIDE_FILES:
+            src = Path(worker.model_dir) / fname
+            if src.is_file():
+                shutil.copy2(src, side / fname)
+        with open(tmp / META, "w") as f:
+            json.dump({"format": "megarl-mcore-v1", "model_dir": str(worker.model_dir),
+                       "tp": worker.ps.get_tensor_model_parallel_world_size(),
+                       "pp": worker.ps.get_pipeline_model_parallel_world_size(), **meta}, f,
+                      indent=2)
+        commit_dir(tmp, dst)
+        logger.info("saved Megatron checkpoint to %s", dst)
+    dist.barrier()
+    return dst
+
+
+def read_meta(path) -> dict:
+    f = Path(path) / META
+    if not f.is_file():
+        raise FileNotFoundError(f"{path}: not a megarl Megatron checkpoint (no {META})")
+    with open(f) as fh:
+        return json.load(fh)
+
+
+def load_checkpoint(worker, path) -> dict:
+    from megatron.core import dist_checkpointing
+
+    meta = read_meta(path)
+    state = dist_checkpointing.load(worker.model.sharded_state_dict(), str(path))
+    missing, unexpected = worker.model.load_state_dict(state, strict=False)
+    # Megatron keeps non-parameter extra state (e.g. `_extra_state`) that may be absent.
+    missing = [k for k in missing if not k.endswith("_extra_state")]
+    if missing or unexpected:
+        raise RuntimeError(f"{path}: checkpoint does not match the model: missing {missing[:5]}, "
+                           f"unexpected {unexpected[:5]}")
+    logger.info("loaded Megatron checkpoint %s (saved at TP=%s PP=%s)", path, meta.get("tp"),
+                meta.get("pp"))
+    return meta
+
+
+def hf_side_dir(path) -> str:
+    """The tokenizer/config copy saved with a checkpoint (for conversion back to HF)."""
+    return os.fspath(Path(path) / "hf")

@@ -1,0 +1,134 @@
+"""Megatron-core GPTModel from a Hugging Face `config.json` (Llama and Qwen2 families).
+
+Owns the mapping from HF hyper-parameters to Megatron's `TransformerConfig` and the layer
+spec. The spec is Megatron's local one with `SDPAttention` as core attention (see
+attention.py), so the parameter names are the local spec's on every device; Transformer
+Engine layers are not used yet (a GPU speed-up left for later, it renames the fused norms).
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_ARCHS = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelArgs:
+    """The architecture facts both sides of a conversion agree on."""
+    arch: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    ffn_hidden_size: int
+    norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> "ModelArgs":
+        archs = hf.get("architectures") or []
+        known = [SUPPORTED_ARCHS[a] for a in archs if a in SUPPORTED_ARCHS]
+        if not known:
+            raise ValueError(f"config.json architectures={archs}: supported are "
+                             f"{sorted(SUPPORTED_ARCHS)}")
+        arch = known[0]
+        rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+        if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
+            raise ValueError(f"config.json rope_scaling={rope}: only plain RoPE is supported")
+        theta = hf.get("rope_theta", rope.get("rope_theta", 10000.0))
+        heads = hf["num_attention_heads"]
+        hidden = hf["hidden_size"]
+        if hf.get("use_sliding_window"):
+            raise ValueError("config.json use_sliding_window=true: not supported")
+        return cls(
+            arch=arch, vocab_size=hf["vocab_size"], hidden_size=hidden,
+            num_layers=hf["num_hidden_layers"], num_heads=heads,
+            num_kv_heads=hf.get("num_key_value_heads") or heads,
+            head_dim=hf.get("head_dim") or hidden // heads,
+            ffn_hidden_size=hf["intermediate_size"], norm_eps=hf.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            max_position_embeddings=hf.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            # Qwen2 always has QKV bias; Llama has it only with attention_bias.
+            qkv_bias=arch == "qwen2" or bool(hf.get("attention_bias", False)),
+        )
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
+    """Megatron pads the vocabulary so every TP rank holds an equal, aligned slice."""
+    multiple = divisible_by * tp
+    return int(math.ceil(vocab_size / multiple) * multiple)
+
+
+def transformer_config(args: ModelArgs, tp: int, pp: int, params_dtype: str = "float32",
+                       **overrides):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    dtype = DTYPES[params_dtype]
+    on_gpu = torch.cuda.is_available()
+    kw = dict(
+        num_layers=args.num_layers, hidden_size=args.hidden_size,
+        num_attention_heads=args.num_heads, num_query_groups=args.num_kv_heads,
+        kv_channels=args.head_dim, ffn_hidden_size=args.ffn_hidden_size,
+        normalization="RMSNorm", layernorm_epsilon=args.norm_eps,
+        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
+        add_qkv_bias=args.qkv_bias, hidden_dropout=0.0, attention_dropout=0.0,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16, use_cpu_initialization=not on_gpu,
+        # The fused kernels below are CUDA/apex-only; their unfused paths are exact.
+        bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
+        apply_rope_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
+        # Every micro-batch of a call is padded to the same length, so pipeline stages can
+        # exchange fixed-shape tensors.
+        variable_seq_lengths=False, sequence_parallel=False,
+    )
+    kw.update(overrides)
+    return TransformerConfig(**kw)
+
+
+def layer_spec():
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from .attention import SDPAttention
+
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    spec.submodules.self_attention.submodules.core_attention = SDPAttention
+    return spec
+
+
+def build_gpt_model(args: ModelArgs, config, make_vocab_size_divisible_by: int = 128):
+    """Build this rank's pipeline stage of the model (parallel_state must be initialised)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+
+    from . import _patches
+
+    _patches.apply()
+    tp = ps.get_tensor_model_parallel_world_size()
+    model = GPTModel(
+        config=config, transformer_layer_spec=layer_spec(),
+        vocab_size=padded_vocab_size(args.vocab_size, make_vocab_size_divisible_by, tp),
+        max_sequence_length=args.max_position_embeddings,
+        pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=args.tie_word_embeddings,
+        position_embedding_type="rope", rotary_base=args.rope_theta, rotary_percent=1.0,
+        parallel_output=True,
+    )
+    if torch.cuda.is_available():
+        model = model.cuda()
+    return model

@@ -1,0 +1,62 @@
+"""Process-group set-up for the Megatron backend: torch.distributed + Megatron parallel_state.
+
+gloo on the CPU, NCCL on GPUs. Works under torchrun (env:// rendezvous) or with an explicit
+rank/world/master address, which is how Ray workers and tests start it.
+"""
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+
+def init_distributed(tp: int = 1, pp: int = 1, *, rank: int | None = None,
+                     world_size: int | None = None, master_addr: str | None = None,
+                     master_port: int | None = None, timeout_s: float = 600.0,
+                     seed: int = 1234) -> None:
+    """Initialise torch.distributed (if not yet) and Megatron's TP/PP/DP groups."""
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+
+    from . import _patches
+
+    _patches.apply()
+    if not dist.is_initialized():
+        rank = int(os.environ.get("RANK", 0)) if rank is None else rank
+        world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
+        os.environ.setdefault("MASTER_ADDR", master_addr or "127.0.0.1")
+        if master_port is not None:
+            os.environ["MASTER_PORT"] = str(master_port)
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            local = int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count()))
+            torch.cuda.set_device(local)
+        dist.init_process_group(backend, rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+    world = dist.get_world_size()
+    if world % (tp * pp):
+        raise ValueError(f"world size {world} is not divisible by TP×PP = {tp}×{pp}")
+    if ps.model_parallel_is_initialized():
+        if (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()) != (tp, pp):
+            raise RuntimeError("Megatron parallel_state already initialised with another TP/PP")
+        return
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                 create_gloo_process_groups=not torch.cuda.is_available())
+    tensor_parallel.model_parallel_cuda_manual_seed(seed) if torch.cuda.is_available() else \
+        torch.manual_seed(seed)
+    logger.info("rank %d/%d: TP=%d PP=%d DP=%d (%s)", dist.get_rank(), world, tp, pp,
+                ps.get_data_parallel_world_size(), dist.get_backend())
+
+
+def destroy_distributed() -> None:
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

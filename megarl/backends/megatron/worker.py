@@ -1,0 +1,220 @@
+"""The Megatron worker: one rank's shard of a policy (or reference) model.
+
+Coarse operations only — `compute_logp`, `train_step`, `export_hf`, `save`/`load` — so the Ray
+actor around it stays thin. Every rank of the TP×PP×DP world calls the same method with its
+data-parallel share of the batch; results are returned on every rank.
+
+Batch layout (right-padded, token-aligned): `input_ids` [B, S], `attention_mask` [B, S]
+(1 for real tokens). `logprobs[b, t]` is log p(input_ids[b, t] | input_ids[b, :t]) under
+softmax(logits / temperature); position 0 has no prediction and is 0.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from typing import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from megarl.convert import live
+from megarl.convert.hf_io import HFReader
+from megarl.utils.tiny_model import read_hf_config
+
+from . import model as mmodel
+from .logprobs import vocab_parallel_logprobs
+from .optim import OptimConfig, build_optimizer
+from .parallel import init_distributed
+
+logger = logging.getLogger(__name__)
+
+# loss_fn(logprobs [b, S], entropy [b, S] or None, micro_batch dict) -> (loss, metrics dict).
+# The returned loss is this micro-batch's *contribution* to the step's loss (e.g. a sum over its
+# tokens divided by the token count of the whole batch), so micro-batching never changes it.
+LossFn = Callable[[torch.Tensor, torch.Tensor | None, dict], tuple[torch.Tensor, dict]]
+
+
+class MegatronWorker:
+    def __init__(self, model_dir: str, tp: int = 1, pp: int = 1, *, params_dtype="float32",
+                 optim: OptimConfig | None = None, make_vocab_size_divisible_by: int = 128,
+                 seed: int = 1234, load_hf: bool = True, trainable: bool = True):
+        init_distributed(tp, pp, seed=seed)
+        from megatron.core import parallel_state as ps
+
+        self.ps = ps
+        self.model_dir = model_dir
+        self.args = mmodel.ModelArgs.from_hf(read_hf_config(model_dir))
+        self.config = mmodel.transformer_config(self.args, tp, pp, params_dtype)
+        self.model = mmodel.build_gpt_model(self.args, self.config, make_vocab_size_divisible_by)
+        if load_hf:
+            live.load_hf_into(self.model, self.args, HFReader(model_dir).get)
+        self.optimizer = None
+        self.fwd_model = self.model  # the DDP wrapper on GPU, once an optimizer exists
+        if trainable:
+            self.optimizer = build_optimizer(self.model, optim or OptimConfig(),
+                                             bf16=params_dtype == "bfloat16")
+            self.fwd_model = getattr(self.optimizer, "ddp", self.model)
+        else:
+            for p in self.model.parameters():
+                p.requires_grad_(False)
+
+    # ---------------------------------------------------------------- forward plumbing
+    def _device(self):
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+            else torch.device("cpu")
+
+    def _micro_batches(self, batch: dict, mbs: int) -> tuple[list[dict], int]:
+        """Split into equal micro-batches (pipeline stages exchange fixed shapes). The last one
+        is filled up with all-zero rows, whose masks are zero so no loss sees them."""
+        n = batch["input_ids"].shape[0]
+        mbs = max(1, min(mbs, n))
+        fill = -n % mbs
+        dev = self._device()
+        if fill:
+            batch = {k: (torch.cat([v, v.new_zeros(fill, *v.shape[1:])]) if torch.is_tensor(v)
+                         else v) for k, v in batch.items()}
+        mbatches = [{k: (v[i:i + mbs].to(dev) if torch.is_tensor(v) else v)
+                     for k, v in batch.items()} for i in range(0, n + fill, mbs)]
+        return mbatches, mbs
+
+    def _run(self, batch: dict, mbs: int, loss_of: Callable, forward_only: bool) -> list[dict]:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        mbatches, mbs = self._micro_batches(batch, mbs)
+        seq = batch["input_ids"].shape[1]
+
+        def step(data_iter, model):
+            mb = next(data_iter)
+            ids = mb["input_ids"]
+            pos = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0).expand_as(ids)
+            out = model(ids, pos, attention_mask=None)
+            return out, functools.partial(loss_of, mb)
+
+        return get_forward_backward_func()(
+            forward_step_func=step, data_iterator=iter(mbatches), model=[self.fwd_model],
+            num_microbatches=len(mbatches), seq_length=seq, micro_batch_size=mbs,
+            forward_only=forward_only)
+
+    def _token_logprobs(self, mb, logits, temperature, with_entropy):
+        ids = mb["input_ids"]
+        lp, ent = vocab_parallel_logprobs(logits[:, :-1], ids[:, 1:], self.args.vocab_size,
+                                          temperature, with_entropy)
+        pad = lp.new_zeros(ids.shape[0], 1)
+        lp = torch.cat([pad, lp], dim=1)
+        if ent is not None:
+            ent = torch.cat([pad, ent], dim=1)
+        return lp, ent
+
+    # ---------------------------------------------------------------- public operations
+    @torch.no_grad()
+    def compute_logp(self, batch: dict, temperature: float = 1.0, micro_batch_size: int = 8,
+                     with_entropy: bool = False) -> dict:
+        """Per-token log-probs (and entropy) for the batch; returned on every rank (CPU)."""
+        self.model.eval()
+
+        def loss_of(mb, logits):
+            lp, ent = self._token_logprobs(mb, logits, temperature, with_entropy)
+            out = {"logprobs": lp}
+            if ent is not None:
+                out["entropy"] = ent
+            return logits.new_zeros(()), out
+
+        store = self._run(batch, micro_batch_size, loss_of, forward_only=True)
+        B, S = batch["input_ids"].shape
+        keys = ["logprobs"] + (["entropy"] if with_entropy else [])
+        result = {}
+        for k in keys:
+            full = torch.cat([d[k] for d in store])[:B].float() if self.ps.is_pipeline_last_stage() \
+                else torch.empty(B, S, dtype=torch.float32, device=self._device())
+            if self.ps.get_pipeline_model_parallel_world_size() > 1:
+                dist.broadcast(full, src=self.ps.get_pipeline_model_parallel_last_rank(),
+                               group=self.ps.get_pipeline_model_parallel_group())
+            result[k] = full.cpu()
+        return result
+
+    @torch.no_grad()
+    def forward_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Full-vocab logits [B, S, vocab] (gathered; for tests and debugging, not training)."""
+        from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+        self.model.eval()
+        store = self._run({"input_ids": input_ids}, input_ids.shape[0],
+                          lambda mb, logits: (logits.new_zeros(()), {"logits": logits}),
+                          forward_only=True)
+        B, S = input_ids.shape
+        if self.ps.is_pipeline_last_stage():
+            logits = torch.cat([gather_from_tensor_model_parallel_region(d["logits"])
+                                for d in store])
+            logits = logits[..., : self.args.vocab_size].float().contiguous()
+        else:
+            logits = torch.empty(B, S, self.args.vocab_size, device=self._device())
+        if self.ps.get_pipeline_model_parallel_world_size() > 1:
+            dist.broadcast(logits, src=self.ps.get_pipeline_model_parallel_last_rank(),
+                           group=self.ps.get_pipeline_model_parallel_group())
+        return logits.cpu()
+
+    def train_step(self, batch: dict, loss_fn: LossFn, micro_batch_size: int = 8,
+                   temperature: float = 1.0, with_entropy: bool = False) -> dict:
+        """One optimizer step over the batch, split into micro-batches."""
+        if self.optimizer is None:
+            raise RuntimeError("train_step on a worker built with trainable=False")
+        self.model.train()
+        self.optimizer.zero_grad()
+        n_micro = -(-batch["input_ids"].shape[0] // max(1, min(micro_batch_size,
+                                                                batch["input_ids"].shape[0])))
+
+        def loss_of(mb, logits):
+            lp, ent = self._token_logprobs(mb, logits, temperature, with_entropy)
+            loss, metrics = loss_fn(lp, ent, mb)
+            metrics = {k: torch.as_tensor(v, dtype=torch.float32).detach().reshape(1)
+                       for k, v in {"loss": loss, **metrics}.items()}
+            # Megatron divides each micro-batch loss by the micro-batch count; undo it, since
+            # loss_fn already returns this micro-batch's share of the batch loss.
+            return loss * n_micro, metrics
+
+        store = self._run(batch, micro_batch_size, loss_of, forward_only=False)
+        stats = self._reduce_metrics(store)
+        stats.update(self.optimizer.step())
+        return stats
+
+    def _reduce_metrics(self, store: list[dict]) -> dict:
+        """Sum the per-micro-batch metrics (they are shares of batch totals) on the last
+        stage and broadcast them to every stage."""
+        names = sorted(store[0]) if store else []
+        ps = self.ps
+        if ps.get_pipeline_model_parallel_world_size() > 1:
+            src, grp = ps.get_pipeline_model_parallel_last_rank(), ps.get_pipeline_model_parallel_group()
+            obj = [names]
+            dist.broadcast_object_list(obj, src=src, group=grp)
+            names = obj[0]
+        vals = torch.stack([sum(d[k] for d in store).reshape(()) for k in names]).cpu() \
+            if ps.is_pipeline_last_stage() else torch.zeros(len(names))
+        if ps.get_pipeline_model_parallel_world_size() > 1:
+            dist.broadcast(vals, src=ps.get_pipeline_model_parallel_last_rank(),
+                           group=ps.get_pipeline_model_parallel_group())
+        return {k: float(v) for k, v in zip(names, vals)}
+
+    def export_hf(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """This PP stage's HF-named full tensors (collective over the TP group)."""
+        return live.export_hf(self.model, self.args, dtype)
+
+    def full_hf_state(self) -> dict[str, torch.Tensor]:
+        """Every HF tensor of the model on every rank (gathers over TP and PP; small models)."""
+        ps = self.ps
+        mine = {k: v.cpu().clone() for k, v in self.export_hf()}
+        if ps.get_pipeline_model_parallel_world_size() == 1:
+            return mine
+        parts = [None] * ps.get_pipeline_model_parallel_world_size()
+        dist.all_gather_object(parts, mine, group=ps.get_pipeline_model_parallel_group())
+        return {k: v for part in parts for k, v in part.items()}
+
+    def save(self, path: str | os.PathLike, **meta) -> None:
+        from .checkpoint import save_checkpoint
+
+        save_checkpoint(self, path, **meta)
+
+    def load(self, path: str | os.PathLike) -> dict:
+        from .checkpoint import load_checkpoint
+
+        return load_checkpoint(self, path)

@@ -1,0 +1,99 @@
+"""The ``megarl`` command line: thin subcommands over library entry points.
+
+Each subcommand is one function registered with ``@subcommand``; a subcommand that reads a
+config gets ``--config FILE`` and trailing ``key=value`` overrides. A bad config exits with
+status 2 and the ``ConfigError`` message on stderr, no traceback. Heavy modules (the
+controller, torch) are imported lazily so ``megarl config`` stays fast.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from typing import Callable, Optional, Sequence
+
+from megarl.config import ConfigError, load_config, to_yaml
+
+EXIT_USAGE = 2
+
+_Handler = Callable[[argparse.Namespace], int]
+_SUBCOMMANDS: list[tuple[str, str, bool, _Handler]] = []
+
+
+class _Abort(Exception):
+    """A user-facing failure: message to stderr, exit status 2."""
+
+
+def subcommand(name: str, help: str, config: bool = True) -> Callable[[_Handler], _Handler]:
+    """Register ``fn(args) -> exit status`` as ``megarl <name>``."""
+    def register(fn: _Handler) -> _Handler:
+        _SUBCOMMANDS.append((name, help, config, fn))
+        return fn
+    return register
+
+
+@subcommand("config", "print the resolved, validated config as YAML")
+def _config(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config, args.overrides)
+    print(to_yaml(cfg), end="")
+    return 0
+
+
+@subcommand("train", "train (trainer.val_only=True only validates)")
+def _train(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config, args.overrides)
+    _driver("train").run(cfg)
+    return 0
+
+
+@subcommand("validate", "run validation only (same as train with trainer.val_only=True)")
+def _validate(args: argparse.Namespace) -> int:
+    # Validate as val_only so a config with no data.val_files fails here, not in the driver.
+    cfg = load_config(args.config, [*args.overrides, "trainer.val_only=True"])
+    _driver("validate").run(cfg, val_only=True)
+    return 0
+
+
+def _driver(command: str):
+    module = "megarl.controller.driver"
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as err:
+        if err.name not in (module, module.rpartition(".")[0]):
+            raise  # the driver exists but one of its own imports is missing
+        raise _Abort(f"megarl {command}: the controller is not built yet") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="megarl", description="Asynchronous RL post-training on Megatron-core + SGLang.")
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, help_text, takes_config, handler in _SUBCOMMANDS:
+        sub = subparsers.add_parser(name, help=help_text, description=help_text)
+        if takes_config:
+            sub.add_argument("--config", "-c", metavar="FILE",
+                             help="YAML config (default: the schema defaults)")
+            sub.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                             help="overrides, e.g. trainer.nnodes=2 +trainer.val_only=True")
+        sub.set_defaults(handler=handler)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run ``megarl``; returns the exit status (0, or 2 for a bad config)."""
+    logging.basicConfig(level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    try:
+        return args.handler(args)
+    except ConfigError as err:
+        print(f"megarl {args.command}: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    except _Abort as err:
+        print(err, file=sys.stderr)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

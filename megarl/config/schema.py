@@ -1,0 +1,310 @@
+"""The megarl configuration schema: omegaconf structured dataclasses in the verl layout.
+
+This module owns the *shape* of the config: every key, its type, its default and what it
+means (the string under each field). Defaults are small and CPU-friendly so that the bare
+schema, with no YAML and no overrides, validates. Cross-field rules (ratios summing to one,
+TP dividing a group, ...) live in ``validate.py``; loading, overrides and aliases in
+``loader.py``. ``CHOICES`` lists the allowed values of the string-enum fields (plain ``str``
+in the schema because several values, like ``token-mean``, are not Python identifiers).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+KL_TYPES = ("low_var_kl", "k1", "k2", "k3", "kl", "abs", "mse")
+
+CHOICES: Dict[str, tuple] = {
+    "data.truncation": ("error", "left", "right"),
+    "data.bad_rows": ("skip", "error"),
+    "actor_rollout_ref.actor.strategy": ("megatron",),
+    "actor_rollout_ref.actor.loss_agg_mode": (
+        "token-mean", "seq-mean-token-sum", "seq-mean-token-mean"),
+    "actor_rollout_ref.actor.kl_loss_type": KL_TYPES,
+    "actor_rollout_ref.actor.megatron.params_dtype": ("float32", "bfloat16", "float16"),
+    "actor_rollout_ref.ref.megatron.params_dtype": ("float32", "bfloat16", "float16"),
+    "actor_rollout_ref.rollout.name": ("embedded", "sglang"),
+    "algorithm.adv_estimator": (
+        "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "drgrpo", "gae"),
+    "algorithm.kl_penalty": KL_TYPES,
+    "algorithm.kl_ctrl.type": ("fixed", "adaptive"),
+    "trainer.device": ("cpu", "cuda"),
+    "trainer.resume_mode": ("auto", "disable", "resume_path"),
+}
+
+
+@dataclass
+class DataConfig:
+    train_files: Any = "outputs/data/train.jsonl"
+    """Training data: a path or a list of paths (jsonl or parquet)."""
+    val_files: Any = None
+    """Validation data: a path, a list of paths, or null for no validation set."""
+    prompt_key: str = "prompt"
+    """Column holding the prompt (a string or a list of chat messages)."""
+    max_prompt_length: int = 256
+    """Longest prompt in tokens; see ``filter_overlong_prompts`` and ``truncation``."""
+    max_response_length: int = 128
+    """Longest response in tokens; the default for ``rollout.max_new_tokens``."""
+    train_batch_size: int = 4
+    """Prompts per training step (each sampled ``rollout.n`` times)."""
+    val_batch_size: int = 8
+    """Prompts per validation generate call."""
+    filter_overlong_prompts: bool = True
+    """Drop prompts longer than ``max_prompt_length`` when the dataset is loaded."""
+    truncation: str = "error"
+    """What to do with a prompt that is still too long: error, or cut its left/right end."""
+    shuffle: bool = True
+    """Shuffle the training set every epoch."""
+    seed: int = 1
+    """Seed of the data shuffle."""
+    bad_rows: str = "skip"
+    """A malformed row (missing prompt key, bad JSON): skip it with a warning, or error."""
+
+
+@dataclass
+class ModelConfig:
+    path: str = "outputs/tiny-qwen2"
+    """Hugging Face model directory (converted to Megatron on load)."""
+    tokenizer_path: Optional[str] = None
+    """Tokenizer directory; null means ``path``."""
+    trust_remote_code: bool = False
+    """Passed to transformers when loading the config and tokenizer."""
+    enable_gradient_checkpointing: bool = False
+    """Recompute activations in backward to save memory."""
+    override_config: Dict[str, Any] = field(default_factory=dict)
+    """Keys that override the model's HF config (e.g. attention_dropout)."""
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-6
+    """Peak learning rate."""
+    weight_decay: float = 0.01
+    """Decoupled (AdamW) weight decay."""
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.999])
+    """Adam betas."""
+    eps: float = 1e-8
+    """Adam epsilon."""
+    clip_grad: float = 1.0
+    """Global gradient-norm clip (TP/PP aware)."""
+    lr_warmup_steps: int = 0
+    """Linear warmup steps; 0 for none."""
+    total_training_steps: Optional[int] = None
+    """Steps of the LR schedule; null means the trainer's total steps, known at runtime."""
+
+
+@dataclass
+class MegatronConfig:
+    tensor_model_parallel_size: int = 1
+    """Tensor-parallel width (TP)."""
+    pipeline_model_parallel_size: int = 1
+    """Pipeline-parallel depth (PP). A group's device count must be a multiple of TP×PP."""
+    params_dtype: str = "float32"
+    """Parameter dtype; bfloat16 on GPU, float32 on CPU."""
+    seed: int = 42
+    """Megatron's model-parallel RNG seed."""
+    use_distributed_optimizer: bool = False
+    """Shard optimizer state over data-parallel ranks (GPU only)."""
+    make_vocab_size_divisible_by: int = 128
+    """Megatron pads the vocabulary to a multiple of this × TP."""
+
+
+@dataclass
+class ActorConfig:
+    strategy: str = "megatron"
+    """Training backend; only Megatron-core."""
+    ppo_mini_batch_size: int = 4
+    """Prompts per optimizer step (a training batch is split into mini-batches)."""
+    ppo_micro_batch_size_per_gpu: int = 2
+    """Sequences per forward/backward on one device (gradient accumulation unit)."""
+    ppo_epochs: int = 1
+    """Passes over each training batch."""
+    clip_ratio: float = 0.2
+    """PPO clip range; the default for the low/high bounds below."""
+    clip_ratio_low: Optional[float] = None
+    """Lower clip (1 - low); null means ``clip_ratio``."""
+    clip_ratio_high: Optional[float] = None
+    """Upper clip (1 + high); null means ``clip_ratio`` (DAPO's clip-higher sets it larger)."""
+    clip_ratio_c: float = 3.0
+    """Dual-clip bound for negative advantages; must be > 1."""
+    loss_agg_mode: str = "token-mean"
+    """How per-token losses become one number."""
+    entropy_coeff: float = 0.0
+    """Weight of the entropy bonus."""
+    use_kl_loss: bool = False
+    """Add a KL(actor || ref) term to the loss (GRPO style) instead of to the reward."""
+    kl_loss_coef: float = 0.001
+    """Weight of the KL loss."""
+    kl_loss_type: str = "low_var_kl"
+    """KL estimator for the KL loss."""
+    tis_imp_ratio_cap: Optional[float] = 2.0
+    """Truncated importance sampling: cap on pi_proximal/pi_behaviour; null disables it."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """Optimizer and LR schedule."""
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)
+    """Parallelism of the trained model (the ``logp`` and ``actor-train`` tasks)."""
+
+
+@dataclass
+class ValKwargsConfig:
+    temperature: float = 0.0
+    """Sampling temperature at validation; 0 with do_sample=False is greedy."""
+    top_p: float = 1.0
+    """Nucleus sampling at validation."""
+    top_k: int = -1
+    """Top-k at validation; -1 disables."""
+    n: int = 1
+    """Samples per validation prompt."""
+    do_sample: bool = False
+    """Sample at validation (else greedy)."""
+
+
+@dataclass
+class RolloutConfig:
+    name: str = "embedded"
+    """Engine: ``embedded`` (in-process transformers, CPU/CI) or ``sglang`` (GPU servers)."""
+    tensor_model_parallel_size: int = 1
+    """TP of one engine; the generate group's device count must be a multiple of it."""
+    temperature: float = 1.0
+    """Sampling temperature for training rollouts."""
+    top_p: float = 1.0
+    """Nucleus sampling for training rollouts."""
+    top_k: int = -1
+    """Top-k for training rollouts; -1 disables."""
+    n: int = 4
+    """Responses sampled per prompt (the GRPO group size)."""
+    max_new_tokens: Optional[int] = None
+    """Generation budget; null means ``data.max_response_length`` (filled in by the loader)."""
+    gpu_memory_utilization: float = 0.5
+    """Fraction of device memory SGLang may take (weights + KV cache)."""
+    log_prob_micro_batch_size_per_gpu: int = 4
+    """Sequences per log-prob forward on one device."""
+    enable_dual_buffer: bool = False
+    """Stage the next weight version in a second buffer while generation continues."""
+    param_update_preduce_bucket_size_mb: int = 512
+    """Producer (trainer) bucket size for weight broadcast, MiB (spelling from the request)."""
+    param_update_consume_bucket_size_mb: int = 128
+    """Consumer (engine) receive-piece size, MiB; at most the producer bucket."""
+    val_kwargs: ValKwargsConfig = field(default_factory=ValKwargsConfig)
+    """Sampling used by validation."""
+
+
+@dataclass
+class RefConfig:
+    log_prob_micro_batch_size_per_gpu: int = 4
+    """Sequences per reference log-prob forward on one device."""
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)
+    """Parallelism of the frozen reference model (the ``ref_logp`` task)."""
+
+
+@dataclass
+class ActorRolloutRefConfig:
+    async_pipeline: bool = False
+    """Overlap generation of later steps with training (see trainer.generate_ahead_steps)."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The policy model (also the reference's initial weights)."""
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    """Policy training."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Generation engines and weight sync to them."""
+    ref: RefConfig = field(default_factory=RefConfig)
+    """Reference policy for KL."""
+
+
+@dataclass
+class KLCtrlConfig:
+    type: str = "fixed"
+    """KL coefficient controller for in-reward KL: fixed or adaptive."""
+    kl_coef: float = 0.001
+    """(Initial) KL coefficient."""
+    target_kl: float = 0.1
+    """Adaptive controller's target KL."""
+    horizon: int = 10000
+    """Adaptive controller's horizon."""
+
+
+@dataclass
+class AlgorithmConfig:
+    adv_estimator: str = "grpo"
+    """Advantage estimator."""
+    gamma: float = 1.0
+    """Discount factor (gae)."""
+    lam: float = 1.0
+    """GAE lambda."""
+    norm_adv_by_std_in_grpo: bool = True
+    """Divide GRPO advantages by the group std (False is Dr. GRPO's choice)."""
+    use_kl_in_reward: bool = False
+    """Subtract a KL penalty from the reward (PPO style)."""
+    kl_penalty: str = "kl"
+    """KL estimator for the in-reward penalty."""
+    kl_ctrl: KLCtrlConfig = field(default_factory=KLCtrlConfig)
+    """Controller of the in-reward KL coefficient."""
+
+
+@dataclass
+class RewardConfig:
+    reward_fn: Optional[str] = None
+    """Import path ``module:function`` of the reward function; null picks one by data source."""
+    num_workers: int = 2
+    """Processes in the streaming reward pool."""
+    timeout_s: float = 30.0
+    """Seconds one reward call may take before it scores 0."""
+
+
+@dataclass
+class TrainerConfig:
+    device: str = "cpu"
+    """Where workers run: cpu (gloo) or cuda (nccl)."""
+    nnodes: int = 1
+    """Nodes in the cluster."""
+    n_gpus_per_node: int = 1
+    """Devices per node; on CPU, the number of worker processes per node."""
+    separated_node_tasks: List[Any] = field(
+        default_factory=lambda: [["generate", "ref_logp", "logp", "actor-train"]])
+    """Task groups: each item a task name or a list of task names sharing workers.
+    Default: one colocated group. Alias: ``sperated_node_tasks``."""
+    separated_node_ratios: List[float] = field(default_factory=lambda: [1.0])
+    """Fraction of the nodes (of the devices on one node) per group; sums to 1.
+    Alias: ``sperated_node_ratios``."""
+    generate_ahead_steps: int = 1
+    """How far generation may run ahead of training: 1 is on-policy, 2 one-step-off."""
+    total_epochs: int = 1
+    """Passes over the training set."""
+    total_training_steps: Optional[int] = None
+    """Stop after this many steps; null means total_epochs × steps per epoch."""
+    test_freq: int = -1
+    """Validate every this many steps; -1 never (besides val_before_train)."""
+    save_freq: int = -1
+    """Checkpoint every this many steps; -1 only at the end."""
+    val_before_train: bool = False
+    """Validate once before the first step."""
+    val_only: bool = False
+    """Only validate, then exit (needs data.val_files)."""
+    logger: List[str] = field(default_factory=lambda: ["console"])
+    """Metric sinks: console, tensorboard."""
+    project_name: str = "megarl"
+    """Groups experiments in the logger and output paths."""
+    experiment_name: str = "default"
+    """Names this run in the logger and output paths."""
+    default_local_dir: str = "outputs/checkpoints"
+    """Checkpoint root; a run writes under <root>/<project>/<experiment>."""
+    resume_mode: str = "auto"
+    """auto: resume from the latest checkpoint if any; disable; resume_path: resume_from_path."""
+    resume_from_path: Optional[str] = None
+    """Checkpoint to resume from when resume_mode is resume_path."""
+    seed: int = 1
+    """Global seed (sampling, init)."""
+
+
+@dataclass
+class MegaRLConfig:
+    data: DataConfig = field(default_factory=DataConfig)
+    """Datasets and batch shapes."""
+    actor_rollout_ref: ActorRolloutRefConfig = field(default_factory=ActorRolloutRefConfig)
+    """The model and its three roles: trained actor, rollout engines, frozen reference."""
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    """Advantage estimation and in-reward KL."""
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    """Reward function and its process pool."""
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """Cluster shape, task placement, schedule, logging and checkpoints."""

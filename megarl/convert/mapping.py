@@ -1,0 +1,166 @@
+"""Pure HF <-> Megatron name and layout maps for the Llama and Qwen2 families.
+
+"Full" Megatron tensors are unsharded and carry global layer indices; the TP split of a full
+tensor is `shard()`, its inverse `unshard()`. Both families share HF names; they differ only in
+QKV bias and in tied embeddings, which `ModelArgs` records. Megatron's fused QKV interleaves
+per query group — [q heads of the group, k, v] for each group — so TP can split on groups.
+The vocabulary is padded on the Megatron side (see model.padded_vocab_size) and trimmed back
+on the way out.
+"""
+from __future__ import annotations
+
+import re
+from typing import Callable
+
+import torch
+
+from megarl.backends.megatron.model import ModelArgs
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+
+# Megatron suffix within a layer -> HF suffix within a layer (one-to-one tensors).
+_LAYER_1TO1 = {
+    "input_layernorm.weight": "input_layernorm.weight",
+    "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
+    "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
+    "mlp.linear_fc2.weight": "mlp.down_proj.weight",
+}
+_GLOBAL_1TO1 = {
+    "decoder.final_layernorm.weight": "model.norm.weight",
+}
+# TP partition dim of each Megatron tensor kind; absent = replicated on every TP rank.
+_COLUMN = ("embedding.word_embeddings.weight", "output_layer.weight",
+           "self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias",
+           "mlp.linear_fc1.weight")
+_ROW = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")
+
+
+def split_layer_name(name: str) -> tuple[int | None, str]:
+    m = _LAYER.match(name)
+    return (int(m.group(1)), m.group(2)) if m else (None, name)
+
+
+def partition_dim(name: str) -> int | None:
+    _, suffix = split_layer_name(name)
+    if suffix in _COLUMN or name in _COLUMN:
+        return 0
+    if suffix in _ROW:
+        return 1
+    return None
+
+
+def shard(name: str, full: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
+    """This TP rank's slice of a full Megatron tensor."""
+    dim = partition_dim(name)
+    if dim is None or tp == 1:
+        return full
+    if name.endswith("mlp.linear_fc1.weight"):
+        # Gated MLP: each rank holds [its gate slice; its up slice], not a slice of [gate; up].
+        gate, up = full.chunk(2, dim=0)
+        return torch.cat([gate.chunk(tp, 0)[rank], up.chunk(tp, 0)[rank]], dim=0)
+    return full.chunk(tp, dim=dim)[rank]
+
+
+def unshard(name: str, shards: list[torch.Tensor]) -> torch.Tensor:
+    """Inverse of `shard` over all TP ranks' slices (in rank order)."""
+    dim = partition_dim(name)
+    if dim is None or len(shards) == 1:
+        return shards[0]
+    if name.endswith("mlp.linear_fc1.weight"):
+        pairs = [s.chunk(2, dim=0) for s in shards]
+        return torch.cat([p[0] for p in pairs] + [p[1] for p in pairs], dim=0)
+    return torch.cat(shards, dim=dim)
+
+
+def _qkv_sizes(a: ModelArgs) -> tuple[int, int]:
+    return a.num_heads // a.num_kv_heads, a.head_dim
+
+
+def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: ModelArgs) -> torch.Tensor:
+    per_group, hd = _qkv_sizes(a)
+    tail = q.shape[1:]
+    q = q.reshape(a.num_kv_heads, per_group * hd, *tail)
+    k = k.reshape(a.num_kv_heads, hd, *tail)
+    v = v.reshape(a.num_kv_heads, hd, *tail)
+    return torch.cat([q, k, v], dim=1).reshape(-1, *tail)
+
+
+def split_qkv(qkv: torch.Tensor, a: ModelArgs):
+    per_group, hd = _qkv_sizes(a)
+    tail = qkv.shape[1:]
+    g = qkv.reshape(a.num_kv_heads, (per_group + 2) * hd, *tail)
+    q, k, v = g.split([per_group * hd, hd, hd], dim=1)
+    return (q.reshape(-1, *tail), k.reshape(-1, *tail), v.reshape(-1, *tail))
+
+
+def _pad_vocab(t: torch.Tensor, padded: int) -> torch.Tensor:
+    if t.shape[0] == padded:
+        return t
+    pad = torch.zeros(padded - t.shape[0], *t.shape[1:], dtype=t.dtype)
+    return torch.cat([t, pad], dim=0)
+
+
+def mcore_from_hf(name: str, get_hf: Callable[[str], torch.Tensor], a: ModelArgs,
+                  padded_vocab: int) -> torch.Tensor:
+    """The full Megatron tensor `name` built from HF tensors fetched through `get_hf`."""
+    if name == "embedding.word_embeddings.weight":
+        return _pad_vocab(get_hf("model.embed_tokens.weight"), padded_vocab)
+    if name == "output_layer.weight":
+        src = "model.embed_tokens.weight" if a.tie_word_embeddings else "lm_head.weight"
+        return _pad_vocab(get_hf(src), padded_vocab)
+    if name in _GLOBAL_1TO1:
+        return get_hf(_GLOBAL_1TO1[name])
+    layer, suffix = split_layer_name(name)
+    if layer is None:
+        raise KeyError(f"{name}: no HF counterpart")
+    pre = f"model.layers.{layer}."
+    if suffix in _LAYER_1TO1:
+        return get_hf(pre + _LAYER_1TO1[suffix])
+    if suffix.startswith("self_attention.linear_qkv."):
+        kind = suffix.rsplit(".", 1)[1]
+        return fuse_qkv(*(get_hf(f"{pre}self_attn.{p}_proj.{kind}") for p in "qkv"), a)
+    if suffix == "mlp.linear_fc1.weight":
+        return torch.cat([get_hf(pre + "mlp.gate_proj.weight"),
+                          get_hf(pre + "mlp.up_proj.weight")], dim=0)
+    raise KeyError(f"{name}: no HF counterpart")
+
+
+def hf_from_mcore(name: str, full: torch.Tensor, a: ModelArgs) -> list[tuple[str, torch.Tensor]]:
+    """HF (name, tensor) pairs for one full Megatron tensor; [] for a tied output layer."""
+    if name == "embedding.word_embeddings.weight":
+        return [("model.embed_tokens.weight", full[: a.vocab_size])]
+    if name == "output_layer.weight":
+        return [] if a.tie_word_embeddings else [("lm_head.weight", full[: a.vocab_size])]
+    if name in _GLOBAL_1TO1:
+        return [(_GLOBAL_1TO1[name], full)]
+    layer, suffix = split_layer_name(name)
+    if layer is None:
+        raise KeyError(f"{name}: no HF counterpart")
+    pre = f"model.layers.{layer}."
+    if suffix in _LAYER_1TO1:
+        return [(pre + _LAYER_1TO1[suffix], full)]
+    if suffix.startswith("self_attention.linear_qkv."):
+        kind = suffix.rsplit(".", 1)[1]
+        return [(f"{pre}self_attn.{p}_proj.{kind}", t) for p, t in zip("qkv", split_qkv(full, a))]
+    if suffix == "mlp.linear_fc1.weight":
+        gate, up = full.chunk(2, dim=0)
+        return [(pre + "mlp.gate_proj.weight", gate), (pre + "mlp.up_proj.weight", up)]
+    raise KeyError(f"{name}: no HF counterpart")
+
+
+def hf_names(a: ModelArgs) -> list[str]:
+    """Every tensor name an HF checkpoint of this architecture holds, in a stable order."""
+    names = ["model.embed_tokens.weight"]
+    for i in range(a.num_layers):
+        p = f"model.layers.{i}."
+        names += [p + "input_layernorm.weight"]
+        for x in "qkv":
+            names.append(f"{p}self_attn.{x}_proj.weight")
+            if a.qkv_bias:
+                names.append(f"{p}self_attn.{x}_proj.bias")
+        names += [p + "self_attn.o_proj.weight", p + "post_attention_layernorm.weight",
+                  p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight", p + "mlp.down_proj.weight"]
+    names.append("model.norm.weight")
+    if not a.tie_word_embeddings:
+        names.append("lm_head.weight")
+    return names

@@ -1,0 +1,146 @@
+"""Make a tiny Hugging Face-format causal LM directory locally (random weights, real tokenizer).
+
+Nothing can be downloaded from a model hub on the machines this project is developed and
+tested on, so tests, benchmarks and the quickstart build their own model: a Llama- or
+Qwen2-shaped config, random weights saved as safetensors, and a byte-level BPE tokenizer
+trained here with `tokenizers` on a small synthetic corpus (arithmetic and short words), saved
+as tokenizer.json with a chat template. Deliberately simplified: the tokenizer corpus is tiny,
+so it is only good for the synthetic tasks that the project generates itself.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import shutil
+import tempfile
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
+
+# Qwen2-style chat template; kept short so the tiny tokenizer stays readable in tests.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+ARCHS = ("qwen2", "llama")
+
+
+def _corpus(rng: random.Random, lines: int = 4000) -> list[str]:
+    words = ["the", "answer", "is", "what", "plus", "minus", "times", "equals", "question",
+             "user", "assistant", "system", "think", "step", "so", "number", "sum", "of", "and"]
+    out = []
+    for _ in range(lines):
+        a, b = rng.randint(0, 999), rng.randint(0, 999)
+        op = rng.choice(["+", "-", "*"])
+        out.append(f"What is {a} {op} {b}? " + " ".join(rng.choices(words, k=6)) + f" {a}{op}{b}")
+    return out
+
+
+def build_tokenizer(vocab_size: int, seed: int = 0):
+    """Train a byte-level BPE tokenizer; returns a `tokenizers.Tokenizer`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(random.Random(seed)), trainer=trainer)
+    return tok
+
+
+def hf_config(arch: str, vocab_size: int, hidden_size: int, num_layers: int, num_heads: int,
+              num_kv_heads: int, intermediate_size: int, tie_word_embeddings: bool,
+              rope_theta: float, max_position_embeddings: int, eos_token_id: int,
+              pad_token_id: int):
+    from transformers import LlamaConfig, Qwen2Config
+
+    common = dict(
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers, num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads, max_position_embeddings=max_position_embeddings,
+        rms_norm_eps=1e-6, tie_word_embeddings=tie_word_embeddings, rope_theta=rope_theta,
+        bos_token_id=eos_token_id, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+        torch_dtype="float32",
+    )
+    if arch == "qwen2":
+        return Qwen2Config(**common)
+    if arch == "llama":
+        return LlamaConfig(attention_bias=False, mlp_bias=False,
+                           head_dim=hidden_size // num_heads, **common)
+    raise ValueError(f"arch: unknown architecture {arch!r}; expected one of {ARCHS}")
+
+
+def make_tiny_model(out_dir: str | os.PathLike, arch: str = "qwen2", *, vocab_size: int = 300,
+                    hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4,
+                    num_kv_heads: int = 2, intermediate_size: int = 128,
+                    tie_word_embeddings: bool | None = None, rope_theta: float = 10000.0,
+                    max_position_embeddings: int = 1024, seed: int = 0,
+                    overwrite: bool = False) -> Path:
+    """Write config.json, model.safetensors, tokenizer.json (+ tokenizer_config.json).
+
+    `vocab_size` is the tokenizer's; the model's embedding has the same size. Defaults tie the
+    embeddings for Qwen2 and untie them for Llama, as the small public checkpoints do. The
+    directory is written to a temp dir beside `out_dir` and renamed into place, so a crash never
+    leaves a half-written model behind.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    out = Path(out_dir)
+    if out.exists() and not overwrite:
+        raise FileExistsError(f"{out}: already exists (pass overwrite=True to replace it)")
+    if tie_word_embeddings is None:
+        tie_word_embeddings = arch == "qwen2"
+    tok = build_tokenizer(vocab_size, seed)
+    eos = tok.token_to_id("<|im_end|>")
+    pad = tok.token_to_id("<|pad|>")
+    cfg = hf_config(arch, tok.get_vocab_size(), hidden_size, num_layers, num_heads, num_kv_heads,
+                    intermediate_size, tie_word_embeddings, rope_theta, max_position_embeddings,
+                    eos, pad)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    # Random init at HF's default std (0.02) gives near-uniform logits; a larger scale gives the
+    # tiny model a peaked distribution, which makes greedy and sampled tests less degenerate.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.1)
+            elif "bias" in name:
+                p.normal_(0.0, 0.05)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        fast = PreTrainedTokenizerFast(
+            tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|pad|>",
+            bos_token=None, unk_token=None)
+        fast.chat_template = CHAT_TEMPLATE
+        fast.save_pretrained(tmp)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    logger.info("wrote tiny %s model (%d params, vocab %d) to %s", arch,
+                sum(p.numel() for p in model.parameters()), cfg.vocab_size, out)
+    return out
+
+
+def read_hf_config(model_dir: str | os.PathLike) -> dict:
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no config.json in the model directory")
+    with open(path) as f:
+        return json.load(f)

@@ -1,0 +1,182 @@
+"""validate_config: every rule's error names the dotted key at fault."""
+import pytest
+from omegaconf import OmegaConf
+
+from megarl.config import ConfigError, MegaRLConfig, load_config, validate_config
+
+ARR = "actor_rollout_ref"
+
+
+def error_of(*overrides: str) -> str:
+    with pytest.raises(ConfigError) as err:
+        load_config(None, list(overrides))
+    return str(err.value)
+
+
+def four_devices(*overrides: str) -> list:
+    return ["trainer.n_gpus_per_node=4", *overrides]
+
+
+def test_validate_config_callable_alone():
+    cfg = OmegaConf.structured(MegaRLConfig)
+    validate_config(cfg)
+    cfg.trainer.separated_node_ratios = [0.5]
+    with pytest.raises(ConfigError, match="trainer.separated_node_ratios"):
+        validate_config(cfg)
+
+
+def test_ratios_must_sum_to_one():
+    msg = error_of(*four_devices("trainer.separated_node_tasks=[[logp,actor-train],"
+                                 "[ref_logp,generate]]",
+                                 "trainer.separated_node_ratios=[0.5,0.25]"))
+    assert msg.startswith("trainer.separated_node_ratios:") and "sum" in msg
+
+
+def test_ratio_sum_within_tolerance_is_fine():
+    load_config(None, four_devices(
+        "trainer.separated_node_tasks=[[logp,actor-train],ref_logp,generate]",
+        "trainer.separated_node_ratios=[0.5,0.2500000001,0.25]"))
+
+
+@pytest.mark.parametrize("ratios", ["[1.5,-0.5]", "[1.0,0.0]"])
+def test_ratio_must_be_positive(ratios):
+    msg = error_of(*four_devices("trainer.separated_node_tasks=[[logp,actor-train,ref_logp],"
+                                 "generate]", f"trainer.separated_node_ratios={ratios}"))
+    assert msg.startswith("trainer.separated_node_ratios:") and "> 0" in msg
+
+
+def test_tasks_and_ratios_lengths_differ():
+    msg = error_of("trainer.separated_node_tasks=[[logp,actor-train],ref_logp,generate]")
+    assert msg.startswith("trainer.separated_node_ratios:") and "3 task groups" in msg
+
+
+def test_task_in_two_groups():
+    msg = error_of(*four_devices("trainer.separated_node_tasks=[[logp,actor-train,ref_logp],"
+                                 "[generate,logp]]", "trainer.separated_node_ratios=[0.5,0.5]"))
+    assert msg.startswith("trainer.separated_node_tasks:") and "'logp'" in msg
+
+
+def test_task_missing_from_all_groups():
+    msg = error_of("trainer.separated_node_tasks=[[logp,actor-train,generate]]")
+    assert msg.startswith("trainer.separated_node_tasks:") and "ref_logp" in msg
+
+
+def test_reward_may_have_its_own_group_or_be_left_out():
+    load_config(None, four_devices(
+        "trainer.separated_node_tasks=[[logp,actor-train,ref_logp,generate],reward]",
+        "trainer.separated_node_ratios=[0.75,0.25]"))
+    load_config(None, ["trainer.separated_node_tasks=[[logp,actor-train,ref_logp,generate]]"])
+
+
+def test_unknown_task_suggests_name():
+    msg = error_of("trainer.separated_node_tasks=[[logp,actor_train,ref_logp,generate]]")
+    assert msg.startswith("trainer.separated_node_tasks:")
+    assert "did you mean `actor-train`?" in msg
+
+
+def test_non_integer_device_count_on_one_node():
+    msg = error_of("trainer.n_gpus_per_node=3",
+                   "trainer.separated_node_tasks=[[logp,actor-train,ref_logp],generate]",
+                   "trainer.separated_node_ratios=[0.5,0.5]")
+    assert msg.startswith("trainer.separated_node_ratios:") and "whole number of devices" in msg
+
+
+def test_non_integer_node_count_on_many_nodes():
+    msg = error_of("trainer.nnodes=2", "trainer.n_gpus_per_node=8",
+                   "trainer.separated_node_tasks=[[logp,actor-train],ref_logp,generate]",
+                   "trainer.separated_node_ratios=[0.5,0.25,0.25]")
+    assert msg.startswith("trainer.separated_node_ratios:") and "whole number of nodes" in msg
+
+
+def test_group_with_zero_devices():
+    # 1e-7 passes the sum tolerance yet rounds to zero devices.
+    msg = error_of("trainer.separated_node_tasks=[[logp,actor-train,ref_logp,generate],reward]",
+                   "trainer.separated_node_ratios=[0.9999999,0.0000001]")
+    assert msg.startswith("trainer.separated_node_ratios:") and "zero devices" in msg
+
+
+def test_actor_tp_pp_must_divide_its_group():
+    msg = error_of(*four_devices(
+        "trainer.separated_node_tasks=[[logp,actor-train],ref_logp,generate]",
+        "trainer.separated_node_ratios=[0.5,0.25,0.25]",
+        f"{ARR}.actor.megatron.pipeline_model_parallel_size=4"))
+    assert msg.startswith(f"{ARR}.actor.megatron.tensor_model_parallel_size:")
+    assert f"{ARR}.actor.megatron.pipeline_model_parallel_size=4" in msg
+    assert "logp+actor-train" in msg
+
+
+def test_ref_tp_must_divide_its_group():
+    msg = error_of(*four_devices(
+        "trainer.separated_node_tasks=[[logp,actor-train],ref_logp,generate]",
+        "trainer.separated_node_ratios=[0.5,0.25,0.25]",
+        f"{ARR}.ref.megatron.tensor_model_parallel_size=2"))
+    assert msg.startswith(f"{ARR}.ref.megatron.tensor_model_parallel_size:")
+
+
+def test_rollout_tp_must_divide_its_group():
+    msg = error_of(*four_devices(
+        "trainer.separated_node_tasks=[[logp,actor-train,ref_logp],generate]",
+        "trainer.separated_node_ratios=[0.75,0.25]",
+        f"{ARR}.rollout.tensor_model_parallel_size=2"))
+    assert msg.startswith(f"{ARR}.rollout.tensor_model_parallel_size:")
+
+
+def test_every_model_in_a_shared_group_must_divide_it():
+    ok = four_devices(f"{ARR}.actor.megatron.tensor_model_parallel_size=4",
+                      f"{ARR}.ref.megatron.tensor_model_parallel_size=2")
+    load_config(None, ok)
+    msg = error_of(*ok, f"{ARR}.rollout.tensor_model_parallel_size=3")
+    assert msg.startswith(f"{ARR}.rollout.tensor_model_parallel_size:")
+
+
+@pytest.mark.parametrize("key", ["param_update_preduce_bucket_size_mb",
+                                 "param_update_consume_bucket_size_mb"])
+def test_bucket_sizes_positive(key):
+    assert error_of(f"{ARR}.rollout.{key}=0").startswith(f"{ARR}.rollout.{key}:")
+
+
+def test_consume_bucket_not_larger_than_produce():
+    msg = error_of(f"{ARR}.rollout.param_update_preduce_bucket_size_mb=128",
+                   f"{ARR}.rollout.param_update_consume_bucket_size_mb=512")
+    assert msg.startswith(f"{ARR}.rollout.param_update_consume_bucket_size_mb:")
+    assert f"{ARR}.rollout.param_update_preduce_bucket_size_mb" in msg
+
+
+def test_generate_ahead_steps_at_least_one():
+    assert error_of("trainer.generate_ahead_steps=0").startswith("trainer.generate_ahead_steps:")
+
+
+def test_val_only_needs_val_files():
+    assert error_of("trainer.val_only=True").startswith("trainer.val_only:")
+    load_config(None, ["trainer.val_only=True", "data.val_files=val.jsonl"])
+
+
+@pytest.mark.parametrize("key,bad,hint", [
+    ("trainer.device", "gpu", None),
+    ("data.truncation", "middle", None),
+    (f"{ARR}.rollout.name", "sglang2", "sglang"),
+    (f"{ARR}.actor.loss_agg_mode", "token_mean", "token-mean"),
+    (f"{ARR}.actor.kl_loss_type", "low_var", "low_var_kl"),
+    ("algorithm.adv_estimator", "grp", "grpo"),
+    ("trainer.resume_mode", "always", None),
+    (f"{ARR}.actor.megatron.params_dtype", "bf16", None),
+])
+def test_enum_fields(key, bad, hint):
+    msg = error_of(f"{key}={bad}")
+    assert msg.startswith(f"{key}:") and repr(bad) in msg
+    if hint:
+        assert f"did you mean `{hint}`?" in msg
+
+
+def test_resume_path_needs_a_path():
+    assert error_of("trainer.resume_mode=resume_path").startswith("trainer.resume_from_path:")
+
+
+def test_reward_fn_must_be_an_import_path():
+    assert error_of("reward.reward_fn=my_rewards.score").startswith("reward.reward_fn:")
+    load_config(None, ["reward.reward_fn=my_rewards:score"])
+
+
+def test_mini_batch_must_divide_train_batch():
+    msg = error_of("data.train_batch_size=6", f"{ARR}.actor.ppo_mini_batch_size=4")
+    assert msg.startswith(f"{ARR}.actor.ppo_mini_batch_size:")
