@@ -1,0 +1,294 @@
+"""The rollout engine protocol: requests, outputs and the async interface every engine offers.
+
+This module owns the data that crosses the rollout boundary and its SGLang wire form
+(`/generate` JSON with `input_ids`, `sampling_params`, `return_logprob`; `output_ids` and
+`meta_info` back). Two engines implement `RolloutEngine`: the in-process `EmbeddedEngine`
+(megarl.rollout.engine) and `SGLangEngine` (megarl.backends.sglang.engine), which drives a real
+SGLang server, or the embedded server, over HTTP.
+
+Log-probs (the behaviour policy). For every sampled token the engine reports
+``log_softmax(logits / temperature)[token]`` over the model's real vocabulary, computed in
+float32 from the logits the token was sampled from, *before* top-p / top-k / min-p truncation.
+With temperature 0 (greedy) it reports ``log_softmax(logits)[token]`` (temperature 1). This is
+the distribution the Megatron trainer recomputes (megarl.backends.megatron.logprobs) and the
+one SGLang returns by default, so rollout and trainer log-probs compare token by token; it is
+not the truncated distribution the token was actually drawn from when top-p/top-k are active.
+
+Weight versions. An engine's version is a string (SGLang's convention). A response carries the
+version it was dispatched under (``weight_version``: the one that produced its first token) and
+``weight_version_spans``: ``[version, start, end)`` ranges over output positions, more than one
+when weights were swapped while the request was generating.
+
+Deliberately left out: text-in/text-out beyond what the embedded server's tokenizer offers,
+streaming responses, input-token log-probs and multimodal inputs.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+PAUSE_MODES = ("abort", "retract", "in_place")
+
+
+class BadRequest(ValueError):
+    """A request the engine refuses; `field` names the offending input (HTTP 400)."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+@dataclass
+class SamplingParams:
+    """SGLang's `sampling_params` subset that RL uses; unknown keys are refused, not ignored."""
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    min_new_tokens: int = 0
+    n: int = 1
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    sampling_seed: int | None = None
+    # Text-only knobs: accepted for SGLang compatibility, they change no token.
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5 or self.top_k == 1
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | None) -> "SamplingParams":
+        d = dict(d or {})
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise BadRequest(f"sampling_params.{unknown[0]}",
+                             f"unknown sampling parameter; supported: {sorted(names)}")
+        # SGLang sends null for "unset"; drop those so the defaults apply.
+        params = cls(**{k: v for k, v in d.items() if v is not None or k == "sampling_seed"})
+        params.validate()
+        return params
+
+    def validate(self) -> None:
+        def need(ok: bool, name: str, msg: str):
+            if not ok:
+                raise BadRequest(f"sampling_params.{name}", msg)
+
+        def is_int(v):
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        def is_num(v):
+            return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+        need(is_int(self.max_new_tokens) and self.max_new_tokens > 0, "max_new_tokens",
+             f"must be an integer > 0, got {self.max_new_tokens!r}")
+        need(is_num(self.temperature) and self.temperature >= 0, "temperature",
+             f"must be a number >= 0, got {self.temperature!r}")
+        need(is_num(self.top_p) and 0 < self.top_p <= 1, "top_p",
+             f"must be in (0, 1], got {self.top_p!r}")
+        need(is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 1), "top_k",
+             f"must be -1 (off) or >= 1, got {self.top_k!r}")
+        need(is_num(self.min_p) and 0 <= self.min_p < 1, "min_p",
+             f"must be in [0, 1), got {self.min_p!r}")
+        need(is_int(self.min_new_tokens) and 0 <= self.min_new_tokens <= self.max_new_tokens,
+             "min_new_tokens", f"must be an integer in [0, max_new_tokens], got "
+             f"{self.min_new_tokens!r}")
+        need(is_int(self.n) and self.n >= 1, "n", f"must be an integer >= 1, got {self.n!r}")
+        need(isinstance(self.stop_token_ids, (list, tuple))
+             and all(is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+             f"must be a list of token ids, got {self.stop_token_ids!r}")
+        self.stop_token_ids = list(self.stop_token_ids)
+        need(isinstance(self.ignore_eos, bool), "ignore_eos", "must be a boolean")
+        need(self.sampling_seed is None or is_int(self.sampling_seed), "sampling_seed",
+             f"must be an integer or null, got {self.sampling_seed!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class GenerateRequest:
+    """One sample to generate (n == 1; `expand` turns an n-sample request into n of these)."""
+
+    input_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    return_logprob: bool = True
+    rid: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        ids = self.input_ids
+        if not isinstance(ids, list) or not ids:
+            raise BadRequest("input_ids", "must be a non-empty list of token ids")
+        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+            raise BadRequest("input_ids", "must contain only non-negative integers")
+        if vocab_size is not None and max(ids) >= vocab_size:
+            raise BadRequest("input_ids", f"token id {max(ids)} >= vocabulary size {vocab_size}")
+        self.sampling.validate()
+
+    def expand(self) -> list["GenerateRequest"]:
+        """n samples as n requests: rids `rid-i`, seeds derived so sample i is reproducible."""
+        if self.sampling.n == 1:
+            return [self]
+        out = []
+        for i in range(self.sampling.n):
+            seed = self.sampling.sampling_seed
+            if seed is not None:
+                # Spread sample seeds far apart so seed s, sample 1 != seed s+1, sample 0.
+                seed = (seed * 1_000_003 + i) % (2**63)
+            sp = dataclasses.replace(self.sampling, n=1, sampling_seed=seed,
+                                     stop_token_ids=list(self.sampling.stop_token_ids))
+            out.append(GenerateRequest(list(self.input_ids), sp, self.return_logprob,
+                                       f"{self.rid}-{i}"))
+        return out
+
+
+@dataclass
+class FinishReason:
+    type: str  # "stop" | "length" | "abort"
+    matched: int | None = None  # the stop token, for "stop"
+    length: int | None = None  # tokens generated, for "length"
+    message: str | None = None  # why, for "abort"
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"type": self.type}
+        if self.type == "stop":
+            d["matched"] = self.matched
+        elif self.type == "length":
+            d["length"] = self.length
+        else:
+            d["message"] = self.message
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | None) -> "FinishReason":
+        d = d or {"type": "abort", "message": "no finish_reason in response"}
+        return cls(d.get("type", "abort"), d.get("matched"), d.get("length"), d.get("message"))
+
+
+@dataclass
+class GenerateOutput:
+    """A finished (or aborted, partial) sample; see the module docstring for log-probs/versions."""
+
+    rid: str
+    prompt_tokens: int
+    output_ids: list[int]
+    output_logprobs: list[float] | None
+    finish_reason: FinishReason
+    weight_version: str
+    weight_version_spans: list[tuple[str, int, int]] = field(default_factory=list)
+    e2e_latency: float = 0.0
+    text: str | None = None
+
+    @property
+    def aborted(self) -> bool:
+        return self.finish_reason.type == "abort"
+
+    def token_versions(self) -> list[str]:
+        """The weight version of every output token, expanded from the spans."""
+        out = []
+        for v, start, end in self.weight_version_spans:
+            out.extend([v] * (end - start))
+        return out
+
+    def to_sglang(self) -> dict[str, Any]:
+        meta: dict[str, Any] = {
+            "id": self.rid,
+            "finish_reason": self.finish_reason.to_dict(),
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": len(self.output_ids),
+            "cached_tokens": 0,
+            "weight_version": self.weight_version,
+            "weight_version_spans": [list(s) for s in self.weight_version_spans],
+            "e2e_latency": self.e2e_latency,
+        }
+        if self.output_logprobs is not None:
+            # SGLang's shape: (logprob, token_id, token_text or None) per output token.
+            meta["output_token_logprobs"] = [
+                [lp, t, None] for lp, t in zip(self.output_logprobs, self.output_ids)]
+        d: dict[str, Any] = {"output_ids": list(self.output_ids), "meta_info": meta}
+        if self.text is not None:
+            d["text"] = self.text
+        return d
+
+    @classmethod
+    def from_sglang(cls, d: dict[str, Any]) -> "GenerateOutput":
+        meta = d.get("meta_info", {})
+        lps = meta.get("output_token_logprobs")
+        output_ids = list(d.get("output_ids") or ([t for _, t, *_ in lps] if lps else []))
+        version = str(meta.get("weight_version", "default"))
+        spans = [tuple(s) for s in meta.get("weight_version_spans") or []]
+        if not spans and output_ids:
+            spans = [(version, 0, len(output_ids))]  # real SGLang reports no spans
+        return cls(
+            rid=str(meta.get("id", "")),
+            prompt_tokens=int(meta.get("prompt_tokens", 0)),
+            output_ids=output_ids,
+            output_logprobs=[float(x[0]) for x in lps] if lps is not None else None,
+            finish_reason=FinishReason.from_dict(meta.get("finish_reason")),
+            weight_version=version,
+            weight_version_spans=[(str(v), int(a), int(b)) for v, a, b in spans],
+            e2e_latency=float(meta.get("e2e_latency", 0.0)),
+            text=d.get("text"),
+        )
+
+
+def continuation(request: GenerateRequest, partial: GenerateOutput) -> GenerateRequest:
+    """A request resuming an aborted sample: prompt + tokens so far, the remaining budget.
+
+    The caller keeps `partial`'s tokens, log-probs and version spans and appends the
+    continuation's (partial rollout: the tail resumes later under newer weights).
+    """
+    done = len(partial.output_ids)
+    sp = dataclasses.replace(
+        request.sampling, n=1, stop_token_ids=list(request.sampling.stop_token_ids),
+        max_new_tokens=max(1, request.sampling.max_new_tokens - done),
+        min_new_tokens=max(0, request.sampling.min_new_tokens - done))
+    return GenerateRequest(list(request.input_ids) + list(partial.output_ids), sp,
+                           request.return_logprob, f"{request.rid}+{done}")
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """What the rollout manager needs from an engine. All methods are coroutines.
+
+    `generate` resolves when that one sample finishes, so a caller that gathers many with
+    `asyncio.as_completed` gets short responses first. Weight-update methods raise
+    `BadRequest` for a rejected update, which leaves the old weights in place.
+    """
+
+    async def generate(self, request: GenerateRequest) -> GenerateOutput: ...
+
+    async def abort(self, rid: str | None = None, abort_all: bool = False) -> None: ...
+
+    async def pause(self, mode: str = "abort") -> None: ...
+
+    async def resume(self) -> None: ...
+
+    async def flush_cache(self) -> bool: ...
+
+    async def get_weight_version(self) -> str: ...
+
+    async def init_weights_update_group(self, master_address: str, master_port: int,
+                                        rank_offset: int, world_size: int, group_name: str,
+                                        backend: str = "gloo") -> None: ...
+
+    async def update_weights_from_distributed(self, names: list[str], dtypes: list[str],
+                                              shapes: list[list[int]], group_name: str,
+                                              weight_version: str | None = None,
+                                              flush_cache: bool = True) -> None: ...
+
+    async def update_weights_from_tensor(self, named_tensors: list, weight_version: str | None
+                                         = None, flush_cache: bool = True) -> None: ...
+
+    async def begin_weight_update(self) -> None: ...
+
+    async def end_weight_update(self, weight_version: str | None = None) -> None: ...
+
+    async def close(self) -> None: ...

@@ -1,0 +1,18 @@
+"""Megatron GPTModel built from an HF config reproduces the HF model (TP=1, TP=2, PP=2)."""
+import pytest
+
+from conftest import SCRIPTS, read_json, torchrun
+
+
+@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2)], ids=["tp1", "tp2", "pp2"])
+def test_logits_logprobs_entropy_match_hf(tmp_path, tiny_qwen2, tiny_llama, tp, pp):
+    out = tmp_path / "parity.json"
+    torchrun(SCRIPTS / "parity.py", tp * pp, out, tp, pp, tiny_qwen2, tiny_llama)
+    res = read_json(out)
+    assert set(res) == {str(tiny_qwen2), str(tiny_llama)}
+    for model, r in res.items():
+        assert r["logits"] <= 1e-4, (model, r)
+        for temp in ("1.0", "0.7"):
+            assert r[f"logprobs@{temp}"] <= 1e-5, (model, r)
+            assert r[f"entropy@{temp}"] <= 1e-5, (model, r)
+            assert r[f"pos0@{temp}"] == 0.0
