@@ -53,7 +53,7 @@ def test_qkv_interleaves_per_query_group():
         assert torch.equal(x, y)
     # and a TP=2 shard of the fused tensor is exactly one whole group
     assert torch.equal(mapping.shard("decoder.layers.0.self_attention.linear_qkv.weight",
-                                     fused, 2, 1), fused[12:])
+                                     fused, 2, 1), fused[16:])
 
 
 @pytest.mark.parametrize("tie", [True, False])
