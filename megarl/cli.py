@@ -65,6 +65,26 @@ def _driver(command: str):
         raise _Abort(f"megarl {command}: the controller is not built yet") from None
 
 
+@subcommand("convert", "checkpoint conversion: `hf2mcore` or `mcore2hf`, then the "
+            "converter's own flags (see --help of each)", config=False)
+def _convert(args: argparse.Namespace) -> int:
+    from megarl.convert import cli as conv
+
+    mains = {"hf2mcore": conv.hf_to_megatron_main, "mcore2hf": conv.megatron_to_hf_main}
+    if not args.rest or args.rest[0] not in mains:
+        raise _Abort(f"megarl convert: first argument must be one of {sorted(mains)}")
+    return mains[args.rest[0]](args.rest[1:], prog=f"megarl convert {args.rest[0]}")
+
+
+@subcommand("make-tiny-model", "make a tiny HF model directory locally (random weights, "
+            "local tokenizer); flags as tools/make_tiny_model.py", config=False)
+def _make_tiny(args: argparse.Namespace) -> int:
+    from megarl.utils.tiny_model import main as tiny_main
+
+    tiny_main(args.rest)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="megarl", description="Asynchronous RL post-training on Megatron-core + SGLang.")
@@ -76,6 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
                              help="YAML config (default: the schema defaults)")
             sub.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                              help="overrides, e.g. trainer.nnodes=2 +trainer.val_only=True")
+        else:
+            sub.add_argument("rest", nargs=argparse.REMAINDER, metavar="ARGS")
         sub.set_defaults(handler=handler)
     return parser
 

@@ -157,17 +157,21 @@ class EmbeddedEngine:
                 fut.set_result(s.output(self.weight_version))
 
     # -- generation -------------------------------------------------------------------------
-    def make_sequence(self, request: GenerateRequest) -> Sequence:
+    def check(self, request: GenerateRequest) -> None:
+        """Raise BadRequest if this engine cannot take `request` now."""
         request.validate(self.vocab_size)
-        sp = request.sampling
-        if sp.n != 1:
+        if request.sampling.n != 1:
             raise BadRequest("sampling_params.n", "one sample per engine request; use expand()")
         if request.rid in self._seqs:
             raise BadRequest("rid", f"request {request.rid!r} is already in flight")
-        room = self.context_length - len(request.input_ids)
-        if room <= 0:
+        if len(request.input_ids) >= self.context_length:
             raise BadRequest("input_ids", f"prompt of {len(request.input_ids)} tokens does not "
                              f"fit the context length {self.context_length}")
+
+    def make_sequence(self, request: GenerateRequest) -> Sequence:
+        self.check(request)
+        sp = request.sampling
+        room = self.context_length - len(request.input_ids)
         gen = torch.Generator(device=self.device)
         gen.manual_seed(sp.sampling_seed if sp.sampling_seed is not None
                         else self._rng.getrandbits(63))

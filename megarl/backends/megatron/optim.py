@@ -23,7 +23,24 @@ class OptimConfig:
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     clip_grad: float = 1.0
+    lr_warmup_steps: int = 0
     use_distributed_optimizer: bool = False
+
+    @classmethod
+    def from_config(cls, optim, megatron=None) -> "OptimConfig":
+        """From the `actor.optim` (and `actor.megatron`) sections of the run config."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        kw = {k: optim[k] for k in optim if k in names}
+        kw["betas"] = tuple(kw.get("betas", cls.betas))
+        if megatron is not None:
+            kw["use_distributed_optimizer"] = bool(megatron.use_distributed_optimizer)
+        return cls(**kw)
+
+    def lr_at(self, step: int) -> float:
+        """Linear warm-up to `lr` over `lr_warmup_steps`, then constant."""
+        if self.lr_warmup_steps > 0 and step < self.lr_warmup_steps:
+            return self.lr * (step + 1) / self.lr_warmup_steps
+        return self.lr
 
 
 def _counts_once(p) -> bool:
@@ -42,8 +59,9 @@ class CpuOptimizer:
         self.model = model
         self.cfg = cfg
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.opt = torch.optim.AdamW(self.params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
-                                     weight_decay=cfg.weight_decay)
+        self.opt = torch.optim.AdamW(self.params, lr=cfg.lr_at(0), betas=tuple(cfg.betas),
+                                     eps=cfg.eps, weight_decay=cfg.weight_decay)
+        self.steps = 0
 
     def zero_grad(self):
         self.opt.zero_grad(set_to_none=True)
@@ -84,14 +102,19 @@ class CpuOptimizer:
             for p in self.params:
                 if p.grad is not None:
                     p.grad.mul_(scale)
+        lr = self.cfg.lr_at(self.steps)
+        for g in self.opt.param_groups:
+            g["lr"] = lr
         self.opt.step()
-        return {"grad_norm": norm, "lr": self.opt.param_groups[0]["lr"]}
+        self.steps += 1
+        return {"grad_norm": norm, "lr": lr}
 
     def state_dict(self):
-        return self.opt.state_dict()
+        return {"opt": self.opt.state_dict(), "steps": self.steps}
 
     def load_state_dict(self, sd):
-        self.opt.load_state_dict(sd)
+        self.opt.load_state_dict(sd["opt"])
+        self.steps = sd["steps"]
 
 
 class GpuOptimizer:

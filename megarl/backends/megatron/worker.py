@@ -59,6 +59,19 @@ class MegatronWorker:
             for p in self.model.parameters():
                 p.requires_grad_(False)
 
+    @classmethod
+    def from_config(cls, cfg, role: str = "actor") -> "MegatronWorker":
+        """Build the `actor` (trainable) or `ref` (frozen) model from the run config."""
+        arr = cfg.actor_rollout_ref
+        if role not in ("actor", "ref"):
+            raise ValueError(f"role must be 'actor' or 'ref', got {role!r}")
+        mcfg = arr.actor.megatron if role == "actor" else arr.ref.megatron
+        return cls(arr.model.path, mcfg.tensor_model_parallel_size,
+                   mcfg.pipeline_model_parallel_size, params_dtype=mcfg.params_dtype,
+                   optim=OptimConfig.from_config(arr.actor.optim, mcfg) if role == "actor" else None,
+                   make_vocab_size_divisible_by=mcfg.make_vocab_size_divisible_by,
+                   seed=mcfg.seed, trainable=role == "actor")
+
     # ---------------------------------------------------------------- forward plumbing
     def _device(self):
         return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \

@@ -20,10 +20,18 @@ def nll_loss(total_tokens):
 def main():
     out, tp, pp, model_dir, steps, mbs = sys.argv[1], *map(int, sys.argv[2:4]), sys.argv[4], \
         int(sys.argv[5]), int(sys.argv[6])
-    from megarl.backends.megatron.optim import OptimConfig
     from megarl.backends.megatron.worker import MegatronWorker
+    from megarl.config import load_config
 
-    w = MegatronWorker(model_dir, tp, pp, optim=OptimConfig(lr=3e-3, clip_grad=1.0))
+    # Built from the run config, as the trainer does (overrides in the CLI's syntax).
+    cfg = load_config(None, [
+        f"actor_rollout_ref.model.path={model_dir}",
+        f"actor_rollout_ref.actor.megatron.tensor_model_parallel_size={tp}",
+        f"actor_rollout_ref.actor.megatron.pipeline_model_parallel_size={pp}",
+        "actor_rollout_ref.actor.optim.lr=3e-3", "actor_rollout_ref.actor.optim.weight_decay=0.0",
+        "actor_rollout_ref.actor.optim.lr_warmup_steps=2",
+        f"trainer.n_gpus_per_node={tp * pp}"])
+    w = MegatronWorker.from_config(cfg, "actor")
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, w.args.vocab_size, (5, 16), generator=g)
     lengths = torch.tensor([16, 12, 9, 16, 5])
@@ -33,6 +41,7 @@ def main():
     batch = {"input_ids": ids * attn, "attention_mask": attn, "loss_mask": loss_mask}
     fn = nll_loss(loss_mask.sum().item())
     curve = [w.train_step(batch, fn, micro_batch_size=mbs) for _ in range(steps)]
+    assert [round(s["lr"], 9) for s in curve[:3]] == [1.5e-3, 3e-3, 3e-3], curve
     if dist.get_rank() == 0:
         with open(out, "w") as f:
             json.dump(curve, f)

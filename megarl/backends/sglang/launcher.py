@@ -1,0 +1,166 @@
+"""Start an SGLang server (`python -m sglang.launch_server`) and wait until it is healthy.
+
+Owns the server's command line and process: the RL-relevant server arguments (tp_size,
+mem_fraction_static, base_gpu_id, port, nccl_port, skip_tokenizer_init, load_format dummy so
+weights come from the trainer), start-up, the /health wait with a timeout, and shutdown.
+Placement (which node and GPUs an engine gets) is megarl.cluster's business; this module takes
+the result as `base_gpu_id` and ports.
+
+`module="megarl.rollout.server"` starts megarl's embedded server with the same arguments
+(it accepts and ignores the GPU-only ones), which is how CI tests this path.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+SGLANG_MODULE = "sglang.launch_server"
+EMBEDDED_MODULE = "megarl.rollout.server"
+
+
+@dataclass
+class ServerArgs:
+    model_path: str
+    host: str = "127.0.0.1"
+    port: int = 30000
+    tp_size: int = 1
+    mem_fraction_static: float | None = None
+    base_gpu_id: int | None = None
+    nccl_port: int | None = None
+    skip_tokenizer_init: bool = True
+    load_format: str = "auto"
+    dtype: str = "auto"
+    random_seed: int | None = None
+    context_length: int | None = None
+    max_running_requests: int | None = None
+    log_level: str = "warning"
+    extra_args: list[str] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @classmethod
+    def from_rollout_config(cls, rollout, model_path: str, *, port: int, base_gpu_id: int = 0,
+                            nccl_port: int | None = None, load_format: str = "dummy",
+                            **overrides) -> "ServerArgs":
+        """From `actor_rollout_ref.rollout`: TP and memory fraction; dummy weights, since the
+        trainer pushes real ones before the first rollout."""
+        return cls(model_path=model_path, port=port, base_gpu_id=base_gpu_id,
+                   nccl_port=nccl_port, tp_size=rollout.tensor_model_parallel_size,
+                   mem_fraction_static=rollout.gpu_memory_utilization, load_format=load_format,
+                   **overrides)
+
+
+def build_command(args: ServerArgs, module: str = SGLANG_MODULE,
+                  python: str = sys.executable) -> list[str]:
+    cmd = [python, "-m", module, "--model-path", str(args.model_path), "--host", args.host,
+           "--port", str(args.port), "--tp-size", str(args.tp_size),
+           "--load-format", args.load_format, "--dtype", args.dtype,
+           "--log-level", args.log_level]
+    optional = [("--mem-fraction-static", args.mem_fraction_static),
+                ("--base-gpu-id", args.base_gpu_id), ("--nccl-port", args.nccl_port),
+                ("--random-seed", args.random_seed), ("--context-length", args.context_length),
+                ("--max-running-requests", args.max_running_requests)]
+    for flag, value in optional:
+        if value is not None:
+            cmd += [flag, str(value)]
+    if args.skip_tokenizer_init:
+        cmd.append("--skip-tokenizer-init")
+    return cmd + list(args.extra_args)
+
+
+def find_free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def wait_for_health(url: str, timeout_s: float, proc: subprocess.Popen | None = None,
+                    log_path: str | Path | None = None, interval_s: float = 0.5) -> float:
+    """Poll `url`/health until HTTP 200; returns seconds waited.
+
+    Raises RuntimeError at once if `proc` exits first (with the log's tail), TimeoutError
+    after `timeout_s`.
+    """
+    t0 = time.monotonic()
+    while True:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"server exited with status {proc.returncode} before becoming "
+                               f"healthy{_tail(log_path)}")
+        try:
+            with urllib.request.urlopen(url.rstrip("/") + "/health", timeout=5) as resp:
+                if resp.status == 200:
+                    return time.monotonic() - t0
+        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+            pass
+        if time.monotonic() - t0 > timeout_s:
+            raise TimeoutError(f"{url}: not healthy after {timeout_s:.0f} s{_tail(log_path)}")
+        time.sleep(interval_s)
+
+
+def _tail(log_path, lines: int = 20) -> str:
+    if not log_path or not Path(log_path).exists():
+        return ""
+    text = Path(log_path).read_text(errors="replace").splitlines()[-lines:]
+    return "; log tail:\n" + "\n".join(text)
+
+
+class ServerProcess:
+    """A started server; `stop()` (or leaving the `with` block) terminates it."""
+
+    def __init__(self, args: ServerArgs, proc: subprocess.Popen, log_path: Path):
+        self.args, self.proc, self.log_path = args, proc, log_path
+
+    @property
+    def url(self) -> str:
+        return self.args.url
+
+    def stop(self, timeout_s: float = 30) -> None:
+        if self.proc.poll() is not None:
+            return
+        # The server runs in its own process group: SGLang forks scheduler/detokenizer
+        # processes that must go with it.
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout_s)
+
+    def __enter__(self) -> "ServerProcess":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def launch_server(args: ServerArgs, *, module: str = SGLANG_MODULE, timeout_s: float = 600,
+                  env: dict | None = None, log_path: str | Path | None = None) -> ServerProcess:
+    """Start the server and block until /health answers; on failure the process is stopped."""
+    cmd = build_command(args, module)
+    log_path = Path(log_path or tempfile.mkstemp(prefix=f"rollout-{args.port}-", suffix=".log")[1])
+    logger.info("starting %s (log %s)", " ".join(cmd), log_path)
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                env={**os.environ, **(env or {})}, start_new_session=True)
+    server = ServerProcess(args, proc, log_path)
+    try:
+        waited = wait_for_health(args.url, timeout_s, proc, log_path)
+    except BaseException:
+        server.stop()
+        raise
+    logger.info("%s healthy after %.1f s", args.url, waited)
+    return server
