@@ -22,6 +22,7 @@ setup(
         "psutil>=5.9",  # megatron.core.dist_checkpointing needs it
         "einops>=0.7",
         "pyyaml>=6",
+        "aiohttp>=3.9",  # rollout HTTP server and SGLang client
     ],
     extras_require={
         "gpu": ["sglang>=0.5", "transformer-engine[pytorch]>=2.0"],

@@ -25,13 +25,12 @@ import collections
 import concurrent.futures
 import logging
 import random
-import time
 from pathlib import Path
 
 import torch
 
 from megarl.rollout.batch import DecodeBatch, Sequence
-from megarl.rollout.protocol import (PAUSE_MODES, BadRequest, FinishReason, GenerateOutput,
+from megarl.rollout.protocol import (PAUSE_MODES, BadRequest, GenerateOutput,
                                      GenerateRequest)
 from megarl.rollout.weights import WeightStore, new_update_group
 
@@ -105,12 +104,25 @@ class EmbeddedEngine:
         if self._loop is loop and self._task is not None and not self._task.done():
             return
         if self._seqs:
-            raise RuntimeError("engine has requests in flight on another event loop")
+            self._drop_orphans()
         # (Re)bind to this loop: asyncio primitives belong to the loop that first awaits them.
         self._loop = loop
         self._lock = asyncio.Lock()
         self._wake = asyncio.Event()
         self._task = loop.create_task(self._schedule(), name="megarl-embedded-scheduler")
+
+    def _drop_orphans(self) -> None:
+        """Forget requests left behind by a loop that has gone away (their callers are gone)."""
+        self._executor.submit(lambda: None).result()  # let a step still running finish
+        orphans = self.batch.take_all()
+        logger.warning("dropping %d requests orphaned by a closed event loop", len(self._seqs))
+        del orphans
+        self._waiting.clear()
+        self._seqs.clear()
+        self._futures.clear()
+
+    def _alive(self) -> bool:
+        return self._task is not None and not self._task.done()
 
     async def _on_model_thread(self, fn, *args):
         return await self._loop.run_in_executor(self._executor, fn, *args)
@@ -188,8 +200,10 @@ class EmbeddedEngine:
         try:
             out = await asyncio.shield(fut)
         except asyncio.CancelledError:
-            # The caller went away (client disconnect): stop spending compute on it.
-            await asyncio.shield(self.abort(seq.rid))
+            # The caller went away (client disconnect): stop spending compute on it. When the
+            # whole loop is shutting down the scheduler is gone too; the next loop cleans up.
+            if self._alive():
+                await asyncio.shield(self.abort(seq.rid))
             raise
         if self.tokenizer is not None:
             out.text = self.tokenizer.decode(out.output_ids, skip_special_tokens=True)
@@ -287,8 +301,11 @@ class EmbeddedEngine:
             backend)
 
     async def destroy_weights_update_group(self, group_name: str) -> None:
-        if self._groups.pop(group_name, None) is None:
+        self._ensure_started()
+        group = self._groups.pop(group_name, None)
+        if group is None:
             raise BadRequest("group_name", f"no update group {group_name!r}")
+        await asyncio.to_thread(group.close)
 
     async def update_weights_from_distributed(self, names, dtypes, shapes, group_name,
                                               weight_version=None, flush_cache=True) -> None:
@@ -306,11 +323,13 @@ class EmbeddedEngine:
         await self._commit(staged, weight_version)
 
     async def begin_weight_update(self) -> None:
+        self._ensure_started()
         if self._txn is not None:
             raise BadRequest("begin_weight_update", "a weight update is already open")
         self._txn, self._txn_version = {}, None
 
     async def end_weight_update(self, weight_version: str | None = None) -> None:
+        self._ensure_started()
         if self._txn is None:
             raise BadRequest("end_weight_update", "no weight update is open")
         staged, version = self._txn, weight_version or self._txn_version
@@ -321,9 +340,11 @@ class EmbeddedEngine:
         return self.weights.get(name).detach()[:truncate_size].float().cpu().tolist()
 
     async def close(self) -> None:
-        if self._task is not None and self._seqs:
-            await self.abort(abort_all=True, message="engine closed")
-        if self._task is not None:
+        if self._alive():
+            if self._seqs:
+                await self.abort(abort_all=True, message="engine closed")
             self._task.cancel()
         self._executor.shutdown(wait=True)
+        for group in self._groups.values():
+            group.close()
         self._groups.clear()

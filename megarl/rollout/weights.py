@@ -18,6 +18,7 @@ import base64
 import datetime
 import io
 import logging
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -47,8 +48,9 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 # -- the update process group ------------------------------------------------------------------
 def new_update_group(master_address: str, master_port: int, rank: int, world_size: int,
-                     group_name: str, backend: str = "gloo", timeout_s: float = 300.0):
-    """Join (rank > 0) or host (rank 0) a weight-update group; returns the process group.
+                     group_name: str, backend: str = "gloo", timeout_s: float = 300.0
+                     ) -> "UpdateGroup":
+    """Join (rank > 0) or host (rank 0) a weight-update group.
 
     Blocks until all `world_size` ranks have joined, so the trainer must fire the engines'
     init requests before it calls this itself.
@@ -68,15 +70,34 @@ def new_update_group(master_address: str, master_port: int, rank: int, world_siz
         raise BadRequest("backend", f"unsupported backend {backend!r}; expected gloo or nccl")
     logger.info("joined weight-update group %r as rank %d of %d (%s, %s:%s)", group_name, rank,
                 world_size, backend, master_address, master_port)
-    # Keep the store alive as long as the group: rank 0's store is the rendezvous server.
-    pg._megarl_store = store
-    return pg
+    return UpdateGroup(pg, store, group_name, rank, world_size)
 
 
-def broadcast_tensors(pg, tensors: list[torch.Tensor], root: int = 0) -> None:
+@dataclass
+class UpdateGroup:
+    pg: object
+    store: object  # held so rank 0's rendezvous server lives as long as the group
+    name: str
+    rank: int
+    world_size: int
+
+    def broadcast(self, tensor: torch.Tensor, root: int = 0) -> None:
+        self.pg.broadcast(tensor, root).wait()
+
+    def close(self) -> None:
+        """Tear down the group, then the store. Leaving both to interpreter exit can destroy a
+        still-joinable C++ thread in an unlucky order ("terminate called...", SIGABRT)."""
+        pg, self.pg = self.pg, None
+        if pg is not None and hasattr(pg, "shutdown"):
+            pg.shutdown()
+        del pg
+        self.store = None
+
+
+def broadcast_tensors(group: UpdateGroup, tensors: list[torch.Tensor], root: int = 0) -> None:
     """One broadcast per tensor, in order (SGLang's receive loop does the same)."""
     for t in tensors:
-        pg.broadcast(t, root).wait()
+        group.broadcast(t, root)
 
 
 # -- serializing tensors for /update_weights_from_tensor --------------------------------------
@@ -139,7 +160,7 @@ class WeightStore:
         for name, t in staged.items():
             self.params[name].copy_(t)
 
-    def receive(self, pg, names: list[str], dtypes: list[str], shapes: list[list[int]],
+    def receive(self, group: UpdateGroup, names: list[str], dtypes: list[str], shapes: list[list[int]],
                 device: torch.device) -> dict[str, torch.Tensor]:
         """Receive one broadcast per tensor, then validate; nothing is applied here.
 
@@ -153,7 +174,7 @@ class WeightStore:
         received = []
         for name, dt, shape in zip(names, torch_dtypes, shapes):
             buf = torch.empty(tuple(shape), dtype=dt, device=device)
-            pg.broadcast(buf, 0).wait()
+            group.broadcast(buf, 0)
             received.append((name, buf))
         return self.stage(received)
 
