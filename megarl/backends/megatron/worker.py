@@ -35,6 +35,12 @@ logger = logging.getLogger(__name__)
 LossFn = Callable[[torch.Tensor, torch.Tensor | None, dict], tuple[torch.Tensor, dict]]
 
 
+def _split(n: int, mbs: int) -> tuple[int, int]:
+    """(micro-batch size, number of micro-batches) for n rows."""
+    mbs = max(1, min(mbs, n))
+    return mbs, -(-n // mbs)
+
+
 class MegatronWorker:
     def __init__(self, model_dir: str, tp: int = 1, pp: int = 1, *, params_dtype="float32",
                  optim: OptimConfig | None = None, make_vocab_size_divisible_by: int = 128,
@@ -81,8 +87,8 @@ class MegatronWorker:
         """Split into equal micro-batches (pipeline stages exchange fixed shapes). The last one
         is filled up with all-zero rows, whose masks are zero so no loss sees them."""
         n = batch["input_ids"].shape[0]
-        mbs = max(1, min(mbs, n))
-        fill = -n % mbs
+        mbs, n_micro = _split(n, mbs)
+        fill = n_micro * mbs - n
         dev = self._device()
         if fill:
             batch = {k: (torch.cat([v, v.new_zeros(fill, *v.shape[1:])]) if torch.is_tensor(v)
@@ -174,8 +180,7 @@ class MegatronWorker:
             raise RuntimeError("train_step on a worker built with trainable=False")
         self.model.train()
         self.optimizer.zero_grad()
-        n_micro = -(-batch["input_ids"].shape[0] // max(1, min(micro_batch_size,
-                                                                batch["input_ids"].shape[0])))
+        _, n_micro = _split(batch["input_ids"].shape[0], micro_batch_size)
 
         def loss_of(mb, logits):
             lp, ent = self._token_logprobs(mb, logits, temperature, with_entropy)
