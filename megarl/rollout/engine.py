@@ -16,7 +16,9 @@ Weight updates are dual-buffered: tensors are received (from a broadcast group, 
 thread) and validated into a staging buffer while generation goes on; the swap into the live
 parameters waits for the next safe point. Between `begin_weight_update` and
 `end_weight_update` all updates stage into one buffer and swap together. As in SGLang, an
-update without `weight_version` keeps the current version string.
+update without `weight_version` keeps the current version string. Bucketed updates
+(`load_format="megarl_bucket"`) are received by megarl.weight_sync.consumer and swap in here
+once every pipeline stage of their version has arrived.
 """
 from __future__ import annotations
 
@@ -91,6 +93,7 @@ class EmbeddedEngine:
         self._paused = False
         self._txn: dict[str, torch.Tensor] | None = None  # staging between begin/end update
         self._groups: dict[str, object] = {}
+        self._buckets = None  # megarl.weight_sync BucketConsumer, made on first use
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task | None = None
         self.generated_tokens = 0
@@ -172,6 +175,8 @@ class EmbeddedEngine:
     def check(self, request: GenerateRequest) -> None:
         """Raise BadRequest if this engine cannot take `request` now."""
         request.validate(self.vocab_size)
+        if self.weights_broken:
+            raise BadRequest("weights", f"engine unhealthy: {self.weights_broken}")
         if request.sampling.n != 1:
             raise BadRequest("sampling_params.n", "one sample per engine request; use expand()")
         if request.rid in self._seqs:
@@ -262,7 +267,8 @@ class EmbeddedEngine:
     def stats(self) -> dict:
         return {"running": len(self.batch), "waiting": len(self._waiting),
                 "paused": self._paused, "weight_version": self.weight_version,
-                "generated_tokens": self.generated_tokens}
+                "generated_tokens": self.generated_tokens,
+                "weights_broken": self.weights_broken, **self.weight_memory()}
 
     # -- weight updates ---------------------------------------------------------------------
     async def _commit(self, staged: dict[str, torch.Tensor], weight_version: str | None) -> None:
@@ -308,12 +314,17 @@ class EmbeddedEngine:
         await asyncio.to_thread(group.close)
 
     async def update_weights_from_distributed(self, names, dtypes, shapes, group_name,
-                                              weight_version=None, flush_cache=True) -> None:
+                                              weight_version=None, flush_cache=True,
+                                              load_format=None, bucket=None):
         self._ensure_started()
         pg = self._groups.get(group_name)
         if pg is None:
             raise BadRequest("group_name", f"no update group {group_name!r}; call "
                              "init_weights_update_group first")
+        if load_format == "megarl_bucket":
+            return await self._update_from_bucket(pg, bucket)
+        if load_format not in (None, "direct"):
+            raise BadRequest("load_format", f"{load_format!r} is not supported")
         if not all(isinstance(s, (list, tuple)) and all(isinstance(d, int) and d >= 0 for d in s)
                    for s in shapes):
             raise BadRequest("shapes", "must be a list of lists of non-negative integers")
@@ -321,6 +332,53 @@ class EmbeddedEngine:
         staged = await asyncio.to_thread(self.weights.receive, pg, list(names), list(dtypes),
                                          list(shapes), self.device)
         await self._commit(staged, weight_version)
+
+    async def _update_from_bucket(self, pg, bucket) -> dict:
+        from megarl.weight_sync.consumer import BucketConsumer
+        from megarl.weight_sync.protocol import BucketMeta
+
+        try:
+            meta = BucketMeta.from_json(bucket)
+        except Exception as e:  # noqa: BLE001 - any malformed metadata is the client's
+            raise BadRequest("bucket", f"malformed bucket metadata: {e}") from None
+        if self._buckets is None:
+            self._buckets = BucketConsumer(self.weights)
+        # Off the model thread: generation goes on while the bytes arrive (staged mode).
+        result = await asyncio.to_thread(self._buckets.receive, pg, meta, self.device,
+                                         self._paused)
+        if result["complete"]:
+            staged, direct = self._buckets.take(meta.version)
+            if direct:  # already written into the (paused) live weights
+                self.weight_version = meta.version
+                logger.info("weights updated in place: version %s", meta.version)
+            else:
+                await self._commit(staged, meta.version)
+        return {**result, "weight_version": self.weight_version}
+
+    @property
+    def weights_broken(self) -> str | None:
+        """Why this engine must not serve (a direct update failed half-way), or None."""
+        return self._buckets.broken if self._buckets is not None else None
+
+    def weight_memory(self) -> dict:
+        """Bytes held for bucketed updates: the staging buffer and the largest receive piece."""
+        b = self._buckets
+        return {"staging_bytes": b.staging_bytes if b else 0,
+                "peak_piece_bytes": b.peak_piece_bytes if b else 0}
+
+    async def weights_digest(self, names: list[str] | None = None) -> dict[str, str]:
+        """Checksum of each live tensor's bytes (verify mode: compare with the trainer's)."""
+        from megarl.weight_sync.protocol import byte_view, digest
+
+        self._ensure_started()
+        names = list(self.weights.params) if names is None else names
+        unknown = [n for n in names if n not in self.weights.params]
+        if unknown:
+            raise BadRequest("names", f"unknown parameter {unknown[0]!r}")
+        async with self._lock:  # not in the middle of a swap
+            return await self._on_model_thread(lambda: {
+                n: digest(byte_view(self.weights.params[n].detach().contiguous()))
+                for n in names})
 
     async def begin_weight_update(self) -> None:
         self._ensure_started()

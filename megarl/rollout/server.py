@@ -10,7 +10,7 @@ Paths: /health, /health_generate, /model_info (/get_model_info), /server_info
 (/get_server_info), /generate, /pause_generation, /continue_generation, /abort_request,
 /flush_cache, /init_weights_update_group, /destroy_weights_update_group,
 /update_weights_from_distributed, /update_weights_from_tensor, /begin_weight_update,
-/end_weight_update, /get_weights_by_name.
+/end_weight_update, /get_weights_by_name; and megarl's own /weights_digest (verify mode).
 
 `/update_weights_from_tensor` takes `serialized_named_tensors` as base64 `torch.save` data
 (megarl.rollout.weights.serialize_named_tensors), loaded with `weights_only=True`. SGLang's
@@ -87,7 +87,8 @@ class RolloutServer:
                          ("/update_weights_from_tensor", self.update_tensor),
                          ("/begin_weight_update", self.begin_update),
                          ("/end_weight_update", self.end_update),
-                         ("/get_weights_by_name", self.get_weights)]:
+                         ("/get_weights_by_name", self.get_weights),
+                         ("/weights_digest", self.weights_digest)]:
             r.add_post(path, fn)
 
     @web.middleware
@@ -104,7 +105,8 @@ class RolloutServer:
         return web.json_response({"success": True, "message": message, **extra})
 
     async def health(self, request):
-        return web.Response(status=200)
+        # 503 while a failed in-place weight update has left the model half-written.
+        return web.Response(status=503 if self.engine.weights_broken else 200)
 
     async def model_info(self, request):
         e = self.engine
@@ -212,18 +214,19 @@ class RolloutServer:
 
     async def update_distributed(self, request):
         b = await _body(request, {"names", "dtypes", "shapes", "group_name", "flush_cache",
-                                  "weight_version", "load_format", "abort_all_requests"})
+                                  "weight_version", "load_format", "abort_all_requests",
+                                  "bucket"})
         for key in ("names", "dtypes", "shapes"):
             if not isinstance(b.get(key), list):
                 raise BadRequest(key, "missing or not a list")
-        if b.get("load_format") not in (None, "direct"):
+        if b.get("load_format") not in (None, "direct", "megarl_bucket"):
             raise BadRequest("load_format", f"{b['load_format']!r} is not supported")
         if b.get("abort_all_requests"):
             await self.engine.abort(abort_all=True, message="aborted for a weight update")
-        await self.engine.update_weights_from_distributed(
+        result = await self.engine.update_weights_from_distributed(
             b["names"], b["dtypes"], b["shapes"], b.get("group_name", "weight_update_group"),
-            _version(b), b.get("flush_cache", True))
-        return self._ok("Succeeded to update parameter online.")
+            _version(b), b.get("flush_cache", True), b.get("load_format"), b.get("bucket"))
+        return self._ok("Succeeded to update parameter online.", **(result or {}))
 
     async def update_tensor(self, request):
         b = await _body(request, {"serialized_named_tensors", "load_format", "flush_cache",
@@ -259,6 +262,11 @@ class RolloutServer:
             raise BadRequest("name", "missing or not a string")
         return web.json_response(self.engine.get_weights_by_name(
             b["name"], int(b.get("truncate_size", 100))))
+
+
+    async def weights_digest(self, request):
+        b = await _body(request, {"names"})
+        return web.json_response(await self.engine.weights_digest(b.get("names")))
 
 
 def _version(body: dict) -> str | None:

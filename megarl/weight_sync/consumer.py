@@ -1,0 +1,199 @@
+"""The engine side of a bucketed weight sync: receive in bounded pieces, stage, hand over.
+
+Owns the incoming version on one engine: which stages and buckets of it have arrived, the
+staging buffer (the second of the dual buffers, kept between versions so it is allocated
+once), the one receive piece that bounds transient memory, and the verify-mode checksums.
+When does a version go live? The engine decides (megarl.rollout.engine swaps it in between two
+decode steps); this module only says when a version is complete.
+
+Two modes, chosen per bucket by the producer:
+- staged (dual buffer): bytes land in the staging buffer while generation continues on the
+  live weights; a failure drops the staged version and the engine keeps serving the old one.
+- direct (no dual buffer): the engine is paused and bytes land in the live weights, so no
+  second buffer exists; a failure leaves a half-written model, so the engine is marked broken
+  until a later sync completes.
+Every declared byte is received even when a bucket is rejected, so the group stays in step.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from megarl.rollout.protocol import BadRequest
+
+from .buckets import scatter
+from .protocol import BucketMeta, Digest, Entry, byte_view
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Incoming:
+    version: str
+    num_stages: int
+    direct: bool
+    stages_done: set[int] = field(default_factory=set)
+    next_bucket: dict[int, int] = field(default_factory=dict)  # stage -> expected index
+    names: set[str] = field(default_factory=set)
+    started: float = field(default_factory=time.monotonic)
+
+
+class BucketConsumer:
+    """Receives `BucketMeta` buckets into a `megarl.rollout.weights.WeightStore`."""
+
+    def __init__(self, store):
+        self.store = store
+        self._lock = threading.Lock()  # bookkeeping only; stages write disjoint tensors
+        self._incoming: _Incoming | None = None
+        self._staging: dict[str, torch.Tensor] = {}
+        self._pieces: dict[int, torch.Tensor] = {}  # receive buffer per thread
+        self.broken: str | None = None  # set when a direct update failed half-way
+        self.peak_piece_bytes = 0  # largest receive buffer ever allocated (transient memory)
+
+    @property
+    def staging_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._staging.values())
+
+    # -- validation ---------------------------------------------------------------------------
+    def _check(self, meta: BucketMeta) -> None:
+        for e in meta.entries:
+            p = self.store.params.get(e.name)
+            if p is None:
+                raise BadRequest("bucket", f"unknown parameter {e.name!r}")
+            if tuple(e.shape) != tuple(p.shape):
+                raise BadRequest("bucket", f"{e.name}: shape {list(e.shape)} != model's "
+                                 f"{list(p.shape)}")
+            if e.dtype != str(p.dtype).removeprefix("torch."):
+                raise BadRequest("bucket", f"{e.name}: dtype {e.dtype} != model's {p.dtype}; "
+                                 "export in the engine's dtype")
+            if not 0 <= e.start <= e.end <= e.tensor_nbytes:
+                raise BadRequest("bucket", f"{e.name}: byte range {e.start}:{e.end} outside "
+                                 f"{e.tensor_nbytes}")
+
+    def _begin(self, meta: BucketMeta, live_ok: bool) -> _Incoming:
+        """Find or open the incoming version this bucket belongs to; raise if out of order."""
+        with self._lock:
+            inc = self._incoming
+            if inc is None or inc.version != meta.version:
+                if inc is not None:
+                    logger.warning("weight version %s superseded by %s before it was complete "
+                                   "(stages %s of %d); dropping it", inc.version, meta.version,
+                                   sorted(inc.stages_done), inc.num_stages)
+                inc = self._incoming = _Incoming(meta.version, meta.num_stages, meta.direct)
+            want = inc.next_bucket.get(meta.stage, 0)
+            if meta.index != want or meta.stage in inc.stages_done:
+                raise BadRequest("bucket", f"version {meta.version} stage {meta.stage}: got "
+                                 f"bucket {meta.index}, expected {want}")
+            if meta.direct != inc.direct or (meta.direct and not live_ok):
+                raise BadRequest("bucket", "a direct (no dual buffer) update needs a paused "
+                                 "engine and may not mix with staged buckets")
+            inc.next_bucket[meta.stage] = want + 1
+            return inc
+
+    # -- receiving ----------------------------------------------------------------------------
+    def _piece(self, nbytes: int, device) -> torch.Tensor:
+        key = threading.get_ident()  # one per stage's receive thread
+        buf = self._pieces.get(key)
+        if buf is None or buf.numel() < nbytes or buf.device != torch.device(device):
+            buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            self._pieces[key] = buf
+            self.peak_piece_bytes = max(self.peak_piece_bytes, nbytes)
+        return buf
+
+    def _dest(self, direct: bool):
+        def dest(e: Entry) -> torch.Tensor:
+            p = self.store.params[e.name]
+            if direct:
+                return byte_view(p.data)
+            t = self._staging.get(e.name)
+            if t is None:
+                t = self._staging[e.name] = torch.empty_like(p, memory_format=torch.contiguous_format)
+            return byte_view(t)
+        return dest
+
+    def _drain(self, group, meta: BucketMeta, device) -> None:
+        for a, b in meta.chunks():
+            group.broadcast(self._piece(min(meta.chunk_bytes, meta.nbytes), device)[: b - a], 0)
+
+    def receive(self, group, meta: BucketMeta, device="cpu", live_ok: bool = False) -> dict:
+        """Receive one bucket (blocking; run it off the model thread).
+
+        Returns {"complete": bool, "checksum": str | None}; `complete` means every stage of
+        `meta.version` has arrived and `take()` may be called. Raises BadRequest for a bad
+        bucket (after draining it) and re-raises transport failures after dropping the version.
+        """
+        try:
+            self._check(meta)
+            inc = self._begin(meta, live_ok)
+        except BadRequest:
+            self._drain(group, meta, device)
+            raise
+        try:
+            dest = self._dest(meta.direct)
+            hasher = Digest() if meta.checksum is not None else None
+            for a, b in meta.chunks():
+                # A piece inside one tensor is received in place (no copy, no extra memory);
+                # only pieces that straddle tensors go through the piece buffer.
+                view = _inside_one(meta, a, b, dest)
+                if view is None:
+                    view = self._piece(min(meta.chunk_bytes, meta.nbytes), device)[: b - a]
+                    group.broadcast(view, 0)
+                    scatter(meta, a, view, dest)
+                else:
+                    group.broadcast(view, 0)
+                if hasher is not None:
+                    hasher.update(view)
+            got = None
+            if hasher is not None:
+                got = hasher.hexdigest()
+                if got != meta.checksum:
+                    raise RuntimeError(f"checksum mismatch: received {got}, sent {meta.checksum}")
+        except Exception as e:
+            self.fail(meta.version, f"bucket {meta.index} of stage {meta.stage}: {e}")
+            raise
+        with self._lock:
+            inc.names.update(e.name for e in meta.entries)
+            if meta.last:
+                inc.stages_done.add(meta.stage)
+            complete = len(inc.stages_done) == inc.num_stages
+        return {"complete": complete, "checksum": got, "version": meta.version,
+                "bucket": meta.index, "stage": meta.stage}
+
+    def fail(self, version: str, reason: str) -> None:
+        with self._lock:
+            inc = self._incoming
+            if inc is None or inc.version != version:
+                return
+            self._incoming = None
+            if inc.direct:
+                self.broken = f"weight version {version} half-written ({reason})"
+        logger.error("weight version %s dropped: %s%s", version, reason,
+                     "; engine marked broken" if inc.direct else "; old weights kept")
+
+    def take(self, version: str) -> tuple[dict[str, torch.Tensor], bool]:
+        """Hand over a complete version: (staged tensors by name, direct?). Direct versions
+        are already live, so their dict is empty."""
+        with self._lock:
+            inc = self._incoming
+            if inc is None or inc.version != version or len(inc.stages_done) != inc.num_stages:
+                raise BadRequest("bucket", f"weight version {version} is not complete")
+            self._incoming = None
+            if inc.direct:
+                self.broken = None
+                return {}, True
+        logger.info("weight version %s received: %d tensors in %.3f s", version,
+                    len(inc.names), time.monotonic() - inc.started)
+        return {n: self._staging[n] for n in inc.names}, False
+
+
+def _inside_one(meta: BucketMeta, a: int, b: int, dest) -> torch.Tensor | None:
+    """The destination bytes of bucket range [a, b) when it lies within a single entry."""
+    for e in meta.entries:
+        if e.offset <= a and b <= e.offset + e.end - e.start:
+            t0 = e.start + a - e.offset
+            return dest(e)[t0: t0 + b - a]
+    return None

@@ -1,0 +1,266 @@
+"""The trainer side of a weight sync: one pipeline stage's sender, rank 0 of its update group.
+
+Owns the stage's update group, its snapshot buffers (dual buffer) and the background transfer
+thread. Per bucket it announces the metadata to every engine through its API (without waiting
+for the answer: the engine's call returns only once it has received the bytes), broadcasts the
+bucket in `chunk_bytes` pieces, then collects every engine's answer within `timeout_s`; any
+failure raises `WeightSyncError` naming version, stage, bucket and engine, and leaves the
+group unusable until `connect` is called again.
+
+- `send(named, version)`: stream — pack a bucket, send it, pack the next (no dual buffer; the
+  caller pauses the engines and the bytes land in their live weights).
+- `snapshot(named, version)` + `start(snapshot)`: dual buffer — copy the whole stage into
+  buffers kept between versions (the only part the trainer waits for), then send from a
+  background thread; `wait()` joins it.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Iterable
+
+import torch
+
+from megarl.rollout.weights import new_update_group
+
+from .buckets import BucketPacker
+from .protocol import BucketMeta, SyncConfig, WeightSyncError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SyncStats:
+    version: str
+    stage: int = 0
+    bytes: int = 0
+    buckets: int = 0
+    pieces: int = 0
+    blocking_s: float = 0.0  # what the trainer waited for
+    transfer_s: float = 0.0  # first announcement to last engine answer
+    results: list = field(default_factory=list, repr=False)  # last bucket's answers
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes / max(self.transfer_s, 1e-9) / 1e9
+
+
+@dataclass
+class Snapshot:
+    version: str
+    buckets: list[tuple[BucketMeta, torch.Tensor]]
+    blocking_s: float
+
+
+class _LoopThread:
+    """An asyncio loop on a daemon thread, so synchronous trainer code can drive engine calls."""
+
+    def __init__(self):
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True,
+                                        name="megarl-weight-sync-io")
+        self._thread.start()
+
+    def submit(self, coro) -> concurrent.futures.Future:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(5)
+
+
+class WeightProducer:
+    def __init__(self, links: list, config: SyncConfig, *, stage: int = 0, num_stages: int = 1,
+                 group_name: str = "megarl-weights", backend: str = "gloo",
+                 device: str | torch.device = "cpu"):
+        self.links, self.config = list(links), config
+        self.stage, self.num_stages = stage, num_stages
+        self.group_name, self.backend, self.device = group_name, backend, torch.device(device)
+        self.group = None
+        self.broken: str | None = None
+        self._io = _LoopThread()
+        self._snap_bufs: dict[int, torch.Tensor] = {}
+        self._stream_buf: torch.Tensor | None = None
+        self._bg: concurrent.futures.Future | None = None
+        self._bg_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="megarl-wsync")
+
+    # -- group and engine control -------------------------------------------------------------
+    async def _each(self, fn) -> list:
+        """`fn(link)` on every engine concurrently, each within the timeout; exceptions are
+        returned in place of results, one per link."""
+        timeout = self.config.timeout_s
+        return await asyncio.gather(*(asyncio.wait_for(fn(l), timeout) for l in self.links),
+                                    return_exceptions=True)
+
+    def _all(self, fn, what: str) -> list:
+        """Run `fn(link)` on every engine; raise naming the first that failed."""
+        timeout = self.config.timeout_s
+        results = self._io.submit(self._each(fn)).result()
+        for link, r in zip(self.links, results):
+            if isinstance(r, BaseException):
+                raise RuntimeError(f"{what} failed on engine {link.name}: {_why(r, timeout)}")
+        return results
+
+    def connect(self, address: str, port: int) -> None:
+        """Host the update group and have every engine join it (engines first: the trainer's
+        rendezvous blocks until they have)."""
+        world = 1 + len(self.links)
+        rank = {id(l): 1 + i for i, l in enumerate(self.links)}
+        joins = self._io.submit(self._each(lambda l: l.init_group(
+            address, port, rank[id(l)], world, self.group_name, self.backend)))
+        self.group = new_update_group(address, port, 0, world, self.group_name, self.backend,
+                                      timeout_s=self.config.timeout_s)
+        for link, r in zip(self.links, joins.result()):
+            if isinstance(r, BaseException):
+                raise RuntimeError(f"engine {link.name} did not join {self.group_name}: {r!r}")
+        self.broken = None
+
+    def pause_engines(self, mode: str = "abort") -> None:
+        self._all(lambda l: l.pause(mode), "pause_generation")
+
+    def resume_engines(self) -> None:
+        self._all(lambda l: l.resume(), "continue_generation")
+
+    def engine_digests(self, names: list[str] | None = None) -> list[dict]:
+        return self._all(lambda l: l.weights_digest(names), "weights_digest")
+
+    # -- sending ------------------------------------------------------------------------------
+    def _packer(self, version: str, buffer, direct: bool) -> BucketPacker:
+        return BucketPacker(version, self.config.bucket_bytes, self.config.chunk_bytes, buffer,
+                            stage=self.stage, num_stages=self.num_stages,
+                            verify=self.config.verify, direct=direct)
+
+    def _send_bucket(self, meta: BucketMeta, flat: torch.Tensor, stats: SyncStats) -> None:
+        if self.broken:
+            raise WeightSyncError(meta.version, meta.index, self.broken, stage=self.stage)
+        timeout, payload = self.config.timeout_s, meta.to_json()
+        answers = [self._io.submit(asyncio.wait_for(l.update_bucket(self.group_name, payload),
+                                                    timeout)) for l in self.links]
+        failed_at: dict[int, float] = {}
+        for f in answers:
+            f.add_done_callback(lambda f: failed_at.setdefault(id(f), time.monotonic())
+                                if not f.cancelled() and f.exception() is not None else None)
+        try:
+            for a, b in meta.chunks():
+                self.group.broadcast(flat[a:b], 0)
+                stats.pieces += 1
+        except Exception as e:  # noqa: BLE001 - a dead peer surfaces as any gloo/NCCL error
+            # Blame engines whose call failed well before the broadcast gave up (they caused
+            # it); else those still silent a moment later (hung). Healthy peers fail too, but
+            # only once the broken group is torn down.
+            t_err = time.monotonic()
+            early = [l.name for l, f in zip(self.links, answers)
+                     if failed_at.get(id(f), t_err) < t_err - 0.5]
+            concurrent.futures.wait(answers, timeout=1.0)
+            silent = [l.name for l, f in zip(self.links, answers) if not f.done() or (
+                id(f) in failed_at and isinstance(f.exception(), asyncio.TimeoutError))]
+            culprits = early or silent or [l.name for l, f in zip(self.links, answers)
+                                           if id(f) in failed_at]
+            self._fail(WeightSyncError(meta.version, meta.index, f"broadcast failed: "
+                                       f"{_why(e, timeout)}", stage=self.stage,
+                                       engine=", ".join(culprits) or None))
+        deadline = time.monotonic() + timeout + 5
+        results = []
+        for link, f in zip(self.links, answers):
+            try:
+                r = f.result(max(0.0, deadline - time.monotonic()))
+            except Exception as e:  # noqa: BLE001 - the engine's failure, whatever it was
+                self._fail(WeightSyncError(meta.version, meta.index, _why(e, timeout),
+                                           stage=self.stage, engine=link.name))
+            if meta.checksum is not None and r.get("checksum") != meta.checksum:
+                self._fail(WeightSyncError(meta.version, meta.index, f"checksum "
+                                           f"{r.get('checksum')} != sent {meta.checksum}",
+                                           stage=self.stage, engine=link.name))
+            results.append(r)
+        stats.bytes += meta.nbytes
+        stats.buckets += 1
+        stats.results = results
+
+    def _fail(self, err: WeightSyncError):
+        self.broken = f"update group unusable after a failed sync ({err}); reconnect"
+        logger.error("%s", err)
+        raise err
+
+    def send(self, named: Iterable[tuple[str, torch.Tensor]], version: str,
+             direct: bool = True) -> SyncStats:
+        """Stream the stage: pack and send bucket by bucket (the caller waits throughout)."""
+        t0 = time.perf_counter()
+        stats = SyncStats(str(version), self.stage)
+
+        def buffer(_, nbytes):
+            if self._stream_buf is None or self._stream_buf.numel() < nbytes:
+                self._stream_buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            return self._stream_buf
+
+        packer = self._packer(str(version), buffer, direct)
+        for name, t in named:
+            for meta, flat in packer.add(name, t):
+                self._send_bucket(meta, flat, stats)
+        for meta, flat in packer.finish():
+            self._send_bucket(meta, flat, stats)
+        stats.transfer_s = stats.blocking_s = time.perf_counter() - t0
+        logger.info("weights v%s stage %d sent: %.1f MB in %d buckets, %.3f s (%.2f GB/s)",
+                    version, self.stage, stats.bytes / 1e6, stats.buckets, stats.transfer_s,
+                    stats.gbps)
+        return stats
+
+    def snapshot(self, named: Iterable[tuple[str, torch.Tensor]], version: str) -> Snapshot:
+        """Copy the stage into the snapshot buffers; after this the trainer may change its
+        weights. Waits for a still-running transfer first (it reads the same buffers)."""
+        t0 = time.perf_counter()
+        self.wait()
+
+        def buffer(index, nbytes):
+            buf = self._snap_bufs.get(index)
+            if buf is None or buf.numel() < nbytes:
+                buf = self._snap_bufs[index] = torch.empty(nbytes, dtype=torch.uint8,
+                                                           device=self.device)
+            return buf
+
+        packer = self._packer(str(version), buffer, direct=False)
+        buckets = [b for name, t in named for b in packer.add(name, t)]
+        buckets += list(packer.finish())
+        if self.device.type == "cuda":
+            torch.cuda.current_stream().synchronize()
+        return Snapshot(str(version), buckets, time.perf_counter() - t0)
+
+    def start(self, snap: Snapshot) -> None:
+        """Send a snapshot from the background thread; `wait()` collects the outcome."""
+        self._bg = self._bg_pool.submit(self._send_snapshot, snap)
+
+    def _send_snapshot(self, snap: Snapshot) -> SyncStats:
+        t0 = time.perf_counter()
+        stats = SyncStats(snap.version, self.stage, blocking_s=snap.blocking_s)
+        for meta, flat in snap.buckets:
+            self._send_bucket(meta, flat, stats)
+        stats.transfer_s = time.perf_counter() - t0
+        logger.info("weights v%s stage %d sent in background: %.1f MB, %d buckets, %.3f s",
+                    snap.version, self.stage, stats.bytes / 1e6, stats.buckets, stats.transfer_s)
+        return stats
+
+    def wait(self, timeout: float | None = None) -> SyncStats | None:
+        """Join the background transfer, if any; re-raises its WeightSyncError."""
+        bg, self._bg = self._bg, None
+        return None if bg is None else bg.result(timeout)
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        except Exception:  # noqa: BLE001 - already reported; closing must go on
+            pass
+        self._bg_pool.shutdown(wait=True)
+        self._io.submit(self._each(lambda l: l.close())).result(10)
+        self._io.close()
+        if self.group is not None:
+            self.group.close()
+            self.group = None
+
+
+def _why(e: BaseException, timeout: float) -> str:
+    if isinstance(e, (asyncio.TimeoutError, concurrent.futures.TimeoutError, TimeoutError)):
+        return f"no answer within {timeout:g} s"
+    return f"{type(e).__name__}: {e}"

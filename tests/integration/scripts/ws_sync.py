@@ -1,0 +1,71 @@
+"""Rank program: sync a TP/PP Megatron trainer's weights to engine servers; check bit-exactness.
+
+argv: out.json tp pp model_dir base_port group_name url [url ...]. Rank 0 writes
+{case: {"equal": [bool per engine], "versions": [...], "buckets": n, "bytes": n}}.
+Cases: bucket smaller than one tensor, equal to the largest tensor, larger than the model
+(no dual buffer), then dual buffer with the trainer changing its weights right after the
+snapshot (the engines must get the snapshot, not the later weights).
+"""
+import json
+import logging
+import sys
+
+import torch
+import torch.distributed as dist
+
+
+def perturb(worker, seed):
+    g = torch.Generator().manual_seed(seed + 100 * dist.get_rank())
+    with torch.no_grad():
+        for p in worker.model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 1e-2)
+
+
+def main():
+    logging.basicConfig(level=logging.WARNING)
+    out, tp, pp, model_dir, port, group = sys.argv[1:7]
+    urls = sys.argv[7:]
+    from megarl.backends.megatron.worker import MegatronWorker
+    from megarl.weight_sync.protocol import MiB, SyncConfig, byte_view, digest
+    from megarl.weight_sync.trainer import TrainerWeightSync
+    from megarl.weight_sync.transports import HTTPLink
+
+    worker = MegatronWorker(model_dir, int(tp), int(pp), trainable=False)
+    # Every rank computes the same sizes from the full export.
+    full = worker.full_hf_state()
+    nbytes = {n: t.numel() * t.element_size() for n, t in full.items()}
+    biggest, total = max(nbytes.values()), sum(nbytes.values())
+    cfg = SyncConfig(verify=True, timeout_s=60)
+    sync = TrainerWeightSync(worker, [HTTPLink(u) for u in urls], cfg, address="127.0.0.1",
+                             base_port=int(port), group_name=group)
+    sync.connect()
+    results = {}
+    cases = [("smaller", biggest // 3, False), ("equal", biggest, False),
+             ("larger", 2 * total, False), ("dual", biggest // 2, True)]
+    for i, (case, bucket, dual) in enumerate(cases):
+        perturb(worker, i)
+        cfg.produce_bucket_mb = bucket / MiB
+        cfg.consume_bucket_mb = min(bucket, 16 * 1024) / MiB
+        cfg.dual_buffer = dual
+        want = {n: digest(byte_view(t)) for n, t in worker.full_hf_state().items()}
+        stats = sync.sync(f"v{i + 1}")
+        if dual:
+            perturb(worker, 99)  # the trainer moves on while the transfer runs
+            stats = sync.wait() or stats
+        if dist.get_rank() == 0:
+            digests = sync.producer.engine_digests(sorted(want))
+            infos = [sync.producer._io.submit(l.client.model_info()).result()
+                     for l in sync.producer.links]
+            results[case] = {"equal": [d == want for d in digests],
+                             "versions": [x["weight_version"] for x in infos],
+                             "buckets": stats.buckets, "pieces": stats.pieces,
+                             "bucket_bytes": bucket, "biggest": biggest, "total": total}
+        dist.barrier()
+    sync.close()
+    if dist.get_rank() == 0:
+        with open(out, "w") as f:
+            json.dump(results, f)
+
+
+if __name__ == "__main__":
+    main()

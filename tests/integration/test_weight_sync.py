@@ -1,0 +1,61 @@
+"""Megatron trainer (TP=2, PP=2) → two embedded engine servers over gloo: bit-exact weights
+for buckets smaller than a tensor, equal to the largest, larger than the model, and with dual
+buffer while the trainer moves on."""
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from conftest import ROOT, SCRIPTS, read_json, torchrun
+
+
+def _port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_qwen2):
+    procs, urls = [], []
+    for _ in range(2):
+        port = _port()
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "megarl.rollout.server", "--model-path", str(tiny_qwen2),
+             "--port", str(port), "--load-format", "dummy", "--log-level", "warning"],
+            cwd=ROOT, env={"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
+                           "PATH": "/usr/bin:/bin"}))
+        urls.append(f"http://127.0.0.1:{port}")
+    deadline = time.time() + 120
+    for url, p in zip(urls, procs):
+        while True:
+            assert p.poll() is None, "engine server exited"
+            try:
+                urllib.request.urlopen(url + "/health", timeout=2)
+                break
+            except OSError:
+                assert time.time() < deadline, "engine server did not come up"
+                time.sleep(0.3)
+    yield urls
+    for p in procs:
+        p.terminate()
+        p.wait(30)
+
+
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)], ids=["tp2", "pp2"])
+def test_engines_equal_trainer_export_bit_for_bit(tmp_path, tiny_qwen2, engines, tp, pp):
+    out = tmp_path / "ws.json"
+    torchrun(SCRIPTS / "ws_sync.py", tp * pp, out, tp, pp, tiny_qwen2, _port(), f"g-{tp}-{pp}",
+             *engines)
+    res = read_json(out)
+    assert list(res) == ["smaller", "equal", "larger", "dual"]
+    for i, (case, r) in enumerate(res.items()):
+        assert r["equal"] == [True, True], (case, r)
+        assert r["versions"] == [f"v{i + 1}"] * 2, (case, r)
+    per_stage_total = res["larger"]["total"] / pp
+    assert res["larger"]["buckets"] == 1  # the whole stage in one bucket
+    assert res["smaller"]["buckets"] > per_stage_total / res["smaller"]["biggest"]  # splits
+    assert res["equal"]["bucket_bytes"] == res["equal"]["biggest"]
