@@ -4,7 +4,7 @@ import json
 import pytest
 import torch
 
-from conftest import run_tool
+from launch_helpers import run_tool
 from megarl.convert.checkpoints import compare_hf_dirs
 from megarl.convert.hf_io import HFReader
 

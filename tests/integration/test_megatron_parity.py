@@ -1,7 +1,7 @@
 """Megatron GPTModel built from an HF config reproduces the HF model (TP=1, TP=2, PP=2)."""
 import pytest
 
-from conftest import SCRIPTS, read_json, torchrun
+from launch_helpers import SCRIPTS, read_json, torchrun
 
 
 @pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2)], ids=["tp1", "tp2", "pp2"])

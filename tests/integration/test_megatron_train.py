@@ -1,7 +1,7 @@
 """Optimizer steps on a fixed batch lower the loss, identically at TP=1, TP=2 and PP=2."""
 import pytest
 
-from conftest import SCRIPTS, read_json, torchrun
+from launch_helpers import SCRIPTS, read_json, torchrun
 
 STEPS = 5
 

@@ -9,7 +9,7 @@ import urllib.request
 
 import pytest
 
-from conftest import ROOT, SCRIPTS, read_json, torchrun
+from launch_helpers import ROOT, SCRIPTS, read_json, torchrun
 
 
 def _port():
