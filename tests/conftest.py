@@ -5,10 +5,10 @@ from pathlib import Path
 
 import pytest
 
+from megarl.utils.tiny_model import make_tiny_model
+
 
 def _make(tmp_path_factory, arch: str) -> Path:
-    from megarl.utils.tiny_model import make_tiny_model
-
     out = tmp_path_factory.mktemp(f"tiny-{arch}") / "model"
     # vocab 300 is not a multiple of 128×TP, so Megatron's vocab padding is always exercised.
     return make_tiny_model(out, arch, vocab_size=300, hidden_size=64, num_layers=2,
@@ -26,3 +26,20 @@ def tiny_qwen2(tmp_path_factory) -> Path:
 def tiny_llama(tmp_path_factory) -> Path:
     """Llama-shaped: no bias, untied embeddings, GQA."""
     return _make(tmp_path_factory, "llama")
+
+
+# Default-sized tiny models (make_tiny_model's defaults) for the rollout and weight-sync tests.
+@pytest.fixture(scope="session")
+def qwen_dir(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("rollout") / "qwen2", arch="qwen2")
+
+
+@pytest.fixture(scope="session")
+def llama_dir(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("rollout") / "llama", arch="llama", seed=3)
+
+
+@pytest.fixture(scope="session")
+def qwen_dir_b(tmp_path_factory):
+    """Same shapes as qwen_dir, other weights: the "trainer's" next version."""
+    return make_tiny_model(tmp_path_factory.mktemp("rollout") / "qwen2_b", arch="qwen2", seed=1)

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -35,6 +34,8 @@ import time
 
 import torch
 import torch.distributed as dist
+
+from megarl.utils.launch import free_port
 
 
 def parse_args(argv=None):
@@ -59,12 +60,6 @@ def parse_args(argv=None):
                    help="torch threads per process (default: CPU count // (tp×pp))")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def make_batch(a, hf_config: dict) -> dict:

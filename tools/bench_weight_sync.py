@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import socket
 import tempfile
 import threading
 import time
@@ -26,16 +25,11 @@ import torch
 from safetensors.torch import load_file
 
 from megarl.rollout.engine import EmbeddedEngine
+from megarl.utils.launch import free_port
 from megarl.utils.tiny_model import make_tiny_model
 from megarl.weight_sync.producer import WeightProducer
 from megarl.weight_sync.protocol import SyncConfig
 from megarl.weight_sync.transports import LocalLink
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main() -> None:

@@ -1,25 +1,7 @@
-"""Tiny models and engines shared by the rollout unit tests (hidden 64, 2 layers)."""
+"""The engine fixture of the rollout unit tests (the tiny models are in tests/conftest.py)."""
 import asyncio
 
 import pytest
-
-from megarl.utils.tiny_model import make_tiny_model
-
-
-@pytest.fixture(scope="session")
-def qwen_dir(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("rollout") / "qwen2", arch="qwen2")
-
-
-@pytest.fixture(scope="session")
-def llama_dir(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("rollout") / "llama", arch="llama", seed=3)
-
-
-@pytest.fixture(scope="session")
-def qwen_dir_b(tmp_path_factory):
-    """Same shapes as qwen_dir, other weights: the "trainer's" next version."""
-    return make_tiny_model(tmp_path_factory.mktemp("rollout") / "qwen2_b", arch="qwen2", seed=1)
 
 
 @pytest.fixture

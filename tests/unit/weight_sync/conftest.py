@@ -1,19 +1,18 @@
 """Tiny models and an engine on its own event-loop thread (as a server would run it)."""
 import pytest
 
-from megarl.utils.tiny_model import make_tiny_model
 from ws_helpers import EngineThread
 
 
 @pytest.fixture(scope="session")
-def ws_model(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("ws") / "qwen2", arch="qwen2")
+def ws_model(qwen_dir):
+    return qwen_dir
 
 
 @pytest.fixture(scope="session")
-def ws_model_b(tmp_path_factory):
+def ws_model_b(qwen_dir_b):
     """Same shapes, other weights: the trainer's next version."""
-    return make_tiny_model(tmp_path_factory.mktemp("ws") / "qwen2_b", arch="qwen2", seed=1)
+    return qwen_dir_b
 
 
 @pytest.fixture

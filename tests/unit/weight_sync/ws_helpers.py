@@ -1,13 +1,8 @@
 """Helpers for the weight-sync tests: a free port, an engine on its own loop thread."""
 import asyncio
-import socket
 import threading
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from megarl.utils.launch import free_port
 
 
 class EngineThread:
