@@ -3,9 +3,11 @@
     python tools/bench_weight_sync.py [--hidden 1024 --layers 4 --vocab 32000]
         [--produce-mb 64 --consume-mb 16] [--repeat 3] [--json out.json]
 
-One embedded engine (rank 1) on its own event-loop thread, the producer (rank 0) here, one
-gloo update group between them (loopback TCP). On that group and the same bytes it times:
-- raw: one `broadcast` of a flat tensor holding the whole model;
+As in production, the engine runs in its own process: an embedded engine behind its HTTP
+server (rank 1), reached through `HTTPLink`; the producer (rank 0) is this process; one gloo
+update group between them (loopback TCP). On that group and the same bytes it times:
+- raw: one `broadcast` of a flat tensor holding the whole model into a preallocated tensor in
+  the engine process (announced over HTTP and answered, like one bucket);
 - bucketed (no dual buffer): pause, stream buckets into the live weights, continue;
 - bucketed (dual buffer): snapshot (what the trainer waits for), then the background transfer
   into the engine's staging buffer and the swap at a safe point.
@@ -17,19 +19,66 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
+import subprocess
+import sys
 import tempfile
-import threading
 import time
+import urllib.request
+from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 
-from megarl.rollout.engine import EmbeddedEngine
 from megarl.utils.launch import free_port
-from megarl.utils.tiny_model import make_tiny_model
-from megarl.weight_sync.producer import WeightProducer
-from megarl.weight_sync.protocol import SyncConfig
-from megarl.weight_sync.transports import LocalLink
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def serve_engine(model_dir: str, port: int) -> None:
+    """The engine process: the embedded server plus two bench-only routes."""
+    from aiohttp import web
+
+    from megarl.rollout.engine import EmbeddedEngine
+    from megarl.rollout.server import RolloutServer
+
+    logging.basicConfig(level=logging.WARNING)
+    engine = EmbeddedEngine(model_dir, load_tokenizer=False, weight_version="v0")
+    app = RolloutServer(engine).app
+    bufs: dict[int, torch.Tensor] = {}
+
+    async def raw(request):  # receive one flat broadcast of `nbytes` on the update group
+        b = await request.json()
+        n = int(b["nbytes"])
+        if n not in bufs:
+            bufs[n] = torch.zeros(n, dtype=torch.uint8)  # touched: no page faults when timed
+        await asyncio.to_thread(engine._groups[b["group_name"]].broadcast, bufs[n], 0)
+        return web.json_response({"success": True})
+
+    async def memory(request):
+        return web.json_response(engine.weight_memory())
+
+    app.router.add_post("/bench/raw", raw)
+    app.router.add_post("/bench/memory", memory)
+    web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None)
+
+
+def start_engine(model_dir: Path) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, __file__, "--serve-engine", str(model_dir),
+                             "--port", str(port)], cwd=ROOT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 120
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError("engine process exited")
+        try:
+            urllib.request.urlopen(url + "/health", timeout=2)
+            return proc, url
+        except OSError:
+            if time.time() > deadline:
+                raise RuntimeError("engine server did not come up") from None
+            time.sleep(0.2)
 
 
 def main() -> None:
@@ -41,7 +90,16 @@ def main() -> None:
     ap.add_argument("--consume-mb", type=float, default=16)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--serve-engine", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.serve_engine:
+        return serve_engine(args.serve_engine, args.port)
+
+    from megarl.utils.tiny_model import make_tiny_model
+    from megarl.weight_sync.producer import WeightProducer
+    from megarl.weight_sync.protocol import SyncConfig
+    from megarl.weight_sync.transports import HTTPLink
 
     tmp = tempfile.mkdtemp()
     model_dir = make_tiny_model(f"{tmp}/m", "qwen2", vocab_size=args.vocab,
@@ -49,24 +107,33 @@ def main() -> None:
                                 num_kv_heads=4, intermediate_size=args.hidden * 3)
     named = sorted(load_file(str(model_dir / "model.safetensors")).items())
     total = sum(t.numel() * t.element_size() for _, t in named)
-    engine = EmbeddedEngine(model_dir, load_tokenizer=False, weight_version="v0")
-    loop = asyncio.new_event_loop()
-    threading.Thread(target=loop.run_forever, daemon=True).start()
+    proc, url = start_engine(model_dir)
+    try:
+        res = run(args, named, total, url, WeightProducer, SyncConfig, HTTPLink)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    for k, v in res.items():
+        print(f"{k:28s} {v:.3f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+def run(args, named, total, url, WeightProducer, SyncConfig, HTTPLink) -> dict:
     cfg = SyncConfig(produce_bucket_mb=args.produce_mb, consume_bucket_mb=args.consume_mb,
                      timeout_s=600)
-    prod = WeightProducer([LocalLink(engine, loop)], cfg, group_name="bench")
+    link = HTTPLink(url)
+    prod = WeightProducer([link], cfg, group_name="bench")
     prod.connect("127.0.0.1", free_port())
-    engine_group = engine._groups["bench"]
-
-    # Touched once, up front: page faults are not part of the transfer.
-    src, dst = torch.ones(total, dtype=torch.uint8), torch.zeros(total, dtype=torch.uint8)
+    src = torch.ones(total, dtype=torch.uint8)  # touched once, up front
 
     def raw() -> float:
-        t = threading.Thread(target=engine_group.broadcast, args=(dst, 0))
         t0 = time.perf_counter()
-        t.start()
+        answer = prod._io.submit(link.client._call("POST", "/bench/raw",
+                                                   {"group_name": "bench", "nbytes": total}))
         prod.group.broadcast(src, 0)
-        t.join()
+        answer.result()
         return time.perf_counter() - t0
 
     version = iter(range(1, 10_000))
@@ -75,7 +142,7 @@ def main() -> None:
         t0 = time.perf_counter()
         prod.pause_engines()
         t1 = time.perf_counter()
-        stats = prod.send(iter(named), f"v{next(version)}", direct=True)
+        prod.send(iter(named), f"v{next(version)}", direct=True)
         t2 = time.perf_counter()
         prod.resume_engines()
         return t2 - t1, time.perf_counter() - t0  # transfer, trainer blocked
@@ -88,32 +155,31 @@ def main() -> None:
         stats = prod.wait()
         return stats.transfer_s, t1 - t0
 
-    raw()  # warm up connections and allocator
+    raw()  # warm up connections and allocators
     paused()
     dual()
-    r = min(raw() for _ in range(args.repeat))
-    p = [paused() for _ in range(args.repeat)]
-    d = [dual() for _ in range(args.repeat)]
+    # Interleaved, so drifting load on the shared box hits every variant alike.
+    r, p, d = [], [], []
+    for _ in range(args.repeat):
+        r.append(raw())
+        p.append(paused())
+        d.append(dual())
+    mem = prod._io.submit(link.client._call("POST", "/bench/memory", {})).result()
+    prod.close()
     res = {
         "model_mb": total / 2 ** 20, "produce_mb": args.produce_mb, "consume_mb": args.consume_mb,
-        "raw_gbps": total / r / 1e9,
+        "raw_gbps": total / min(r) / 1e9,
         "bucketed_gbps": total / min(x[0] for x in p) / 1e9,
         "dual_transfer_gbps": total / min(x[0] for x in d) / 1e9,
         "blocking_no_dual_s": min(x[1] for x in p),
         "blocking_dual_s": min(x[1] for x in d),
-        "engine_peak_piece_mb": engine.weight_memory()["peak_piece_bytes"] / 2 ** 20,
-        "engine_staging_mb": engine.weight_memory()["staging_bytes"] / 2 ** 20,
+        "engine_peak_piece_mb": mem["peak_piece_bytes"] / 2 ** 20,
+        "engine_staging_mb": mem["staging_bytes"] / 2 ** 20,
     }
     res["bucketed_vs_raw"] = res["bucketed_gbps"] / res["raw_gbps"]
     res["dual_transfer_vs_raw"] = res["dual_transfer_gbps"] / res["raw_gbps"]
     res["blocking_dual_vs_no_dual"] = res["blocking_dual_s"] / res["blocking_no_dual_s"]
-    prod.close()
-    asyncio.run_coroutine_threadsafe(engine.close(), loop).result(30)
-    for k, v in res.items():
-        print(f"{k:28s} {v:.3f}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=1)
+    return res
 
 
 if __name__ == "__main__":

@@ -16,6 +16,8 @@ KL_TYPES = ("low_var_kl", "k1", "k2", "k3", "kl", "abs", "mse")
 
 CHOICES: Dict[str, tuple] = {
     "data.truncation": ("error", "left", "right"),
+    "data.synthetic_task": (None, "quickstart"),
+    "actor_rollout_ref.model.make_tiny": (None, "qwen2", "llama"),
     "data.bad_rows": ("skip", "error"),
     "actor_rollout_ref.actor.strategy": ("megatron",),
     "actor_rollout_ref.actor.loss_agg_mode": (
@@ -39,6 +41,9 @@ class DataConfig:
     """Training data: a path or a list of paths (jsonl or parquet)."""
     val_files: Any = None
     """Validation data: a path, a list of paths, or null for no validation set."""
+    synthetic_task: Optional[str] = None
+    """``quickstart``: write the synthetic arithmetic task to ``train_files``/``val_files``
+    when they do not exist yet (so a fresh machine needs no download)."""
     prompt_key: str = "prompt"
     """Column holding the prompt (a string or a list of chat messages)."""
     max_prompt_length: int = 256
@@ -65,6 +70,9 @@ class DataConfig:
 class ModelConfig:
     path: str = "outputs/tiny-qwen2"
     """Hugging Face model directory (converted to Megatron on load)."""
+    make_tiny: Optional[str] = None
+    """``qwen2`` or ``llama``: make a tiny random model with a local tokenizer at ``path`` when
+    it does not exist yet (quickstart, tests, laptops)."""
     tokenizer_path: Optional[str] = None
     """Tokenizer directory; null means ``path``."""
     trust_remote_code: bool = False

@@ -80,10 +80,10 @@ def _check_choices(cfg: DictConfig) -> None:
     for key, allowed in CHOICES.items():
         value = _get(cfg, key)
         if value not in allowed:
-            close = difflib.get_close_matches(str(value), allowed, n=1)
+            close = difflib.get_close_matches(str(value), [str(a) for a in allowed], n=1)
             hint = f"; did you mean `{close[0]}`?" if close else ""
             raise ConfigError(
-                f"{key}: {value!r} is not one of {', '.join(allowed)}{hint}")
+                f"{key}: {value!r} is not one of {', '.join(map(str, allowed))}{hint}")
 
 
 def _check_positive(cfg: DictConfig) -> None:

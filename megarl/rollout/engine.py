@@ -271,17 +271,21 @@ class EmbeddedEngine:
                 "weights_broken": self.weights_broken, **self.weight_memory()}
 
     # -- weight updates ---------------------------------------------------------------------
-    async def _commit(self, staged: dict[str, torch.Tensor], weight_version: str | None) -> None:
+    async def _commit(self, staged: dict[str, torch.Tensor], weight_version: str | None
+                      ) -> dict[str, torch.Tensor] | None:
+        """Swap `staged` in at the next safe point (or add it to the open update); returns the
+        tensors no longer live after the swap (None while an update is open)."""
         if self._txn is not None:
             self._txn.update(staged)
             if weight_version is not None:
                 self._txn_version = weight_version
-            return
+            return None
         async with self._lock:  # the safe point between two steps
-            await self._on_model_thread(self.weights.swap, staged)
+            displaced = await self._on_model_thread(self.weights.swap, staged)
             old, self.weight_version = self.weight_version, weight_version or self.weight_version
         logger.info("weights updated: %d tensors, version %s -> %s", len(staged), old,
                     self.weight_version)
+        return displaced
 
     async def update_weights_from_tensor(self, named_tensors, weight_version=None,
                                          flush_cache=True) -> None:
@@ -352,7 +356,9 @@ class EmbeddedEngine:
                 self.weight_version = meta.version
                 logger.info("weights updated in place: version %s", meta.version)
             else:
-                await self._commit(staged, meta.version)
+                displaced = await self._commit(staged, meta.version)
+                if displaced:  # the old live tensors become the next staging buffer
+                    self._buckets.recycle(displaced)
         return {**result, "weight_version": self.weight_version}
 
     @property

@@ -84,6 +84,11 @@ class UpdateGroup:
     def broadcast(self, tensor: torch.Tensor, root: int = 0) -> None:
         self.pg.broadcast(tensor, root).wait()
 
+    def broadcast_async(self, tensor: torch.Tensor, root: int = 0):
+        """Post a broadcast; returns its work (`.wait()`). Posts are matched across ranks in
+        the order each rank makes them; `tensor` must stay untouched until the wait."""
+        return self.pg.broadcast(tensor, root)
+
     def close(self) -> None:
         """Tear down the group, then the store. Leaving both to interpreter exit can destroy a
         still-joinable C++ thread in an unlucky order ("terminate called...", SIGABRT)."""
@@ -124,7 +129,14 @@ def deserialize_named_tensors(data: str) -> list[tuple[str, torch.Tensor]]:
 
 # -- the model's side --------------------------------------------------------------------------
 class WeightStore:
-    """The model's named tensors by HF name, and the stage-then-swap update path."""
+    """The model's named tensors by HF name, and the stage-then-swap update path.
+
+    `swap` makes staged tensors live by reference (`param.data = staged`) when nothing else can
+    see the old storage: the tensor objects in `params` are the only way the model reaches its
+    weights (true of the HF models the embedded engine runs: tied weights are one Parameter
+    under two names). Tensors that share storage with another distinct tensor in `params` are
+    swapped by copy, so such aliasing stays intact.
+    """
 
     def __init__(self, model):
         self.model = model
@@ -134,6 +146,11 @@ class WeightStore:
         for name, buf in model.named_buffers(remove_duplicate=False):
             if buf.is_floating_point() and "rotary" not in name:
                 self.params.setdefault(name, buf)
+        owners: dict[int, set[int]] = {}
+        for t in self.params.values():
+            owners.setdefault(t.untyped_storage().data_ptr(), set()).add(id(t))
+        self._aliased = {n for n, t in self.params.items()
+                         if len(owners[t.untyped_storage().data_ptr()]) > 1}
 
     def check(self, names: list[str], shapes: list[list[int]] | list[torch.Size]) -> None:
         """Raise BadRequest naming the first unknown name or wrong shape."""
@@ -155,10 +172,23 @@ class WeightStore:
         return staged
 
     @torch.no_grad()
-    def swap(self, staged: dict[str, torch.Tensor]) -> None:
-        """Copy staged tensors into the live parameters; cannot fail after `stage`."""
+    def swap(self, staged: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Make staged tensors live; cannot fail after `stage`. Takes ownership of `staged`:
+        each tensor becomes the parameter's storage when it can (same shape, dtype, device,
+        contiguous, not a view, parameter not aliased), else is copied in. Returns, by name,
+        the tensors that are no longer live (the displaced storage, or the copied-from staged
+        tensor), for reuse as the next staging buffer."""
+        out = {}
         for name, t in staged.items():
-            self.params[name].copy_(t)
+            p = self.params[name]
+            if (name not in self._aliased and t._base is None and t.is_contiguous()
+                    and p.data.is_contiguous() and t.shape == p.shape and t.dtype == p.dtype
+                    and t.device == p.device):
+                out[name], p.data = p.data, t
+            else:
+                p.copy_(t)
+                out[name] = t
+        return out
 
     def receive(self, group: UpdateGroup, names: list[str], dtypes: list[str], shapes: list[list[int]],
                 device: torch.device) -> dict[str, torch.Tensor]:

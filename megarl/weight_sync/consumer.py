@@ -13,6 +13,17 @@ Two modes, chosen per bucket by the producer:
   second buffer exists; a failure leaves a half-written model, so the engine is marked broken
   until a later sync completes.
 Every declared byte is received even when a bucket is rejected, so the group stays in step.
+
+Order: the producer announces bucket k+1 while bucket k is still on the wire, and the calls
+may reach the engine in any order, so each stage's buckets take turns: bucket k+1 posts its
+receives only once bucket k's have finished (a broadcast is matched by the order in which
+both sides post it). After a transport failure the rest of that version is refused without
+touching the group. Pieces are posted asynchronously and waited for together, except those
+that straddle tensors, which go through the one piece buffer.
+
+Staging tensors change hands: `take` gives a complete version's tensors to the engine, which
+may make them live by reference (megarl.rollout.weights.WeightStore.swap) and hands back the
+tensors that stopped being live (`recycle`), so the two buffers alternate without a copy.
 """
 from __future__ import annotations
 
@@ -25,10 +36,14 @@ import torch
 
 from megarl.rollout.protocol import BadRequest
 
-from .buckets import scatter
+from .buckets import locate, scatter
 from .protocol import BucketMeta, Digest, Entry, byte_view
 
 logger = logging.getLogger(__name__)
+
+
+class _ChecksumMismatch(RuntimeError):
+    pass
 
 
 @dataclass
@@ -45,9 +60,14 @@ class _Incoming:
 class BucketConsumer:
     """Receives `BucketMeta` buckets into a `megarl.rollout.weights.WeightStore`."""
 
+    turn_timeout_s = 300.0  # how long bucket k+1 waits for bucket k's call to arrive and finish
+
     def __init__(self, store):
         self.store = store
         self._lock = threading.Lock()  # bookkeeping only; stages write disjoint tensors
+        self._turns = threading.Condition()
+        self._receiving: set[int] = set()  # stages with a bucket on the wire
+        self._ended: dict[int, tuple[str, int, bool]] = {}  # stage -> (version, index, failed)
         self._incoming: _Incoming | None = None
         self._staging: dict[str, torch.Tensor] = {}
         self._pieces: dict[int, torch.Tensor] = {}  # receive buffer per thread
@@ -119,42 +139,65 @@ class BucketConsumer:
         for a, b in meta.chunks():
             group.broadcast(self._piece(min(meta.chunk_bytes, meta.nbytes), device)[: b - a], 0)
 
+    # -- ordering -----------------------------------------------------------------------------
+    def _take_turn(self, meta: BucketMeta) -> None:
+        """Wait until this stage's previous bucket has finished receiving (bucket 0 waits only
+        for the wire to be free); refuse if it failed in transport."""
+        def ready():
+            if meta.stage in self._receiving:
+                return False
+            ended = self._ended.get(meta.stage)
+            return meta.index == 0 or (ended is not None
+                                       and ended[:2] == (meta.version, meta.index - 1))
+
+        with self._turns:
+            if not self._turns.wait_for(ready, self.turn_timeout_s):
+                raise RuntimeError(f"bucket {meta.index - 1} of version {meta.version} stage "
+                                   f"{meta.stage} never arrived")
+            ended = self._ended.get(meta.stage)
+            if meta.index > 0 and ended[2]:
+                raise RuntimeError(f"bucket {meta.index - 1} of version {meta.version} stage "
+                                   f"{meta.stage} failed; the update group is unusable")
+            self._receiving.add(meta.stage)
+
+    def _end_turn(self, meta: BucketMeta, failed: bool) -> None:
+        with self._turns:
+            self._receiving.discard(meta.stage)
+            self._ended[meta.stage] = (meta.version, meta.index, failed)
+            self._turns.notify_all()
+
+    # -- receiving ----------------------------------------------------------------------------
     def receive(self, group, meta: BucketMeta, device="cpu", live_ok: bool = False) -> dict:
-        """Receive one bucket (blocking; run it off the model thread).
+        """Receive one bucket (blocking; run it off the model thread), after this stage's
+        previous bucket.
 
         Returns {"complete": bool, "checksum": str | None}; `complete` means every stage of
         `meta.version` has arrived and `take()` may be called. Raises BadRequest for a bad
         bucket (after draining it) and re-raises transport failures after dropping the version.
         """
         try:
-            self._check(meta)
-            inc = self._begin(meta, live_ok)
-        except BadRequest:
-            self._drain(group, meta, device)
+            self._take_turn(meta)
+        except RuntimeError as e:
+            self.fail(meta.version, str(e))
             raise
+        failed = True
         try:
-            dest = self._dest(meta.direct)
-            hasher = Digest() if meta.checksum is not None else None
-            for a, b in meta.chunks():
-                # A piece inside one tensor is received in place (no copy, no extra memory);
-                # only pieces that straddle tensors go through the piece buffer.
-                view = _inside_one(meta, a, b, dest)
-                if view is None:
-                    view = self._piece(min(meta.chunk_bytes, meta.nbytes), device)[: b - a]
-                    group.broadcast(view, 0)
-                    scatter(meta, a, view, dest)
-                else:
-                    group.broadcast(view, 0)
-                if hasher is not None:
-                    hasher.update(view)
-            got = None
-            if hasher is not None:
-                got = hasher.hexdigest()
-                if got != meta.checksum:
-                    raise RuntimeError(f"checksum mismatch: received {got}, sent {meta.checksum}")
-        except Exception as e:
-            self.fail(meta.version, f"bucket {meta.index} of stage {meta.stage}: {e}")
-            raise
+            try:
+                self._check(meta)
+                inc = self._begin(meta, live_ok)
+            except BadRequest:
+                self._drain(group, meta, device)
+                failed = False
+                raise
+            try:
+                got = self._receive_pieces(group, meta, device)
+            except Exception as e:
+                failed = not isinstance(e, _ChecksumMismatch)  # else the group is in step
+                self.fail(meta.version, f"bucket {meta.index} of stage {meta.stage}: {e}")
+                raise
+            failed = False
+        finally:
+            self._end_turn(meta, failed)
         with self._lock:
             inc.names.update(e.name for e in meta.entries)
             if meta.last:
@@ -162,6 +205,42 @@ class BucketConsumer:
             complete = len(inc.stages_done) == inc.num_stages
         return {"complete": complete, "checksum": got, "version": meta.version,
                 "bucket": meta.index, "stage": meta.stage}
+
+    def _receive_pieces(self, group, meta: BucketMeta, device) -> str | None:
+        """Post every piece; returns the bucket's checksum in verify mode (raises on mismatch).
+
+        A piece inside one tensor is received in place (no copy, no extra memory) and waited
+        for with the others; one that straddles tensors goes through the piece buffer."""
+        dest = self._dest(meta.direct)
+        hasher = Digest() if meta.checksum is not None else None
+        posted = []  # (work, view) in byte order
+
+        def settle():
+            for work, view in posted:
+                work.wait()
+                if hasher is not None:
+                    hasher.update(view)
+            posted.clear()
+
+        for a, b in meta.chunks():
+            i = locate(meta, a, b)
+            if i is not None:
+                e = meta.entries[i]
+                t0 = e.start + a - e.offset
+                view = dest(e)[t0: t0 + b - a]
+                posted.append((group.broadcast_async(view, 0), view))
+            else:
+                view = self._piece(min(meta.chunk_bytes, meta.nbytes), device)[: b - a]
+                posted.append((group.broadcast_async(view, 0), view))
+                settle()
+                scatter(meta, a, view, dest)
+        settle()
+        if hasher is None:
+            return None
+        got = hasher.hexdigest()
+        if got != meta.checksum:
+            raise _ChecksumMismatch(f"checksum mismatch: received {got}, sent {meta.checksum}")
+        return got
 
     def fail(self, version: str, reason: str) -> None:
         with self._lock:
@@ -176,7 +255,8 @@ class BucketConsumer:
 
     def take(self, version: str) -> tuple[dict[str, torch.Tensor], bool]:
         """Hand over a complete version: (staged tensors by name, direct?). Direct versions
-        are already live, so their dict is empty."""
+        are already live, so their dict is empty. The staged tensors leave the staging buffer
+        (the caller owns them now; `recycle` gives buffers back)."""
         with self._lock:
             inc = self._incoming
             if inc is None or inc.version != version or len(inc.stages_done) != inc.num_stages:
@@ -185,15 +265,13 @@ class BucketConsumer:
             if inc.direct:
                 self.broken = None
                 return {}, True
+            staged = {n: self._staging.pop(n) for n in inc.names}
         logger.info("weight version %s received: %d tensors in %.3f s", version,
                     len(inc.names), time.monotonic() - inc.started)
-        return {n: self._staging[n] for n in inc.names}, False
+        return staged, False
 
-
-def _inside_one(meta: BucketMeta, a: int, b: int, dest) -> torch.Tensor | None:
-    """The destination bytes of bucket range [a, b) when it lies within a single entry."""
-    for e in meta.entries:
-        if e.offset <= a and b <= e.offset + e.end - e.start:
-            t0 = e.start + a - e.offset
-            return dest(e)[t0: t0 + b - a]
-    return None
+    def recycle(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Take back buffers that are no longer live, to stage the next version in. The caller
+        must hold no other reference it writes through or reads as live weights."""
+        with self._lock:
+            self._staging.update(tensors)

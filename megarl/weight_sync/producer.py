@@ -3,12 +3,13 @@
 Owns the stage's update group, its snapshot buffers (dual buffer) and the background transfer
 thread. Per bucket it announces the metadata to every engine through its API (without waiting
 for the answer: the engine's call returns only once it has received the bytes), broadcasts the
-bucket in `chunk_bytes` pieces, then collects every engine's answer within `timeout_s`; any
+bucket in `chunk_bytes` pieces (posted asynchronously), announces the next bucket, and
+collects the previous bucket's answers within `timeout_s` once the next bucket is out; any
 failure raises `WeightSyncError` naming version, stage, bucket and engine, and leaves the
 group unusable until `connect` is called again.
 
-- `send(named, version)`: stream — pack a bucket, send it, pack the next (no dual buffer; the
-  caller pauses the engines and the bytes land in their live weights).
+- `send(named, version)`: stream — bucket by bucket straight from the exported tensors (no
+  dual buffer; the caller pauses the engines and the bytes land in their live weights).
 - `snapshot(named, version)` + `start(snapshot)`: dual buffer — copy the whole stage into
   buffers kept between versions (the only part the trainer waits for), then send from a
   background thread; `wait()` joins it.
@@ -27,7 +28,7 @@ import torch
 
 from megarl.rollout.weights import new_update_group
 
-from .buckets import BucketPacker
+from .buckets import Bucket, BucketPacker
 from .protocol import BucketMeta, SyncConfig, WeightSyncError
 
 logger = logging.getLogger(__name__)
@@ -52,8 +53,17 @@ class SyncStats:
 @dataclass
 class Snapshot:
     version: str
-    buckets: list[tuple[BucketMeta, torch.Tensor]]
+    buckets: list[Bucket]
     blocking_s: float
+
+
+@dataclass
+class _InFlight:
+    """An announced bucket: every engine's pending answer, and when each failed."""
+
+    meta: BucketMeta
+    answers: list[concurrent.futures.Future]
+    failed_at: dict[int, float] = field(default_factory=dict)
 
 
 class _LoopThread:
@@ -84,7 +94,7 @@ class WeightProducer:
         self.broken: str | None = None
         self._io = _LoopThread()
         self._snap_bufs: dict[int, torch.Tensor] = {}
-        self._stream_buf: torch.Tensor | None = None
+        self._scratch_bufs: list[torch.Tensor | None] = [None, None]  # straddling pieces
         self._bg: concurrent.futures.Future | None = None
         self._bg_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="megarl-wsync")
 
@@ -134,25 +144,79 @@ class WeightProducer:
                             stage=self.stage, num_stages=self.num_stages,
                             verify=self.config.verify, direct=direct)
 
-    def _send_bucket(self, meta: BucketMeta, flat: torch.Tensor, stats: SyncStats) -> None:
-        if self.broken:
-            raise WeightSyncError(meta.version, meta.index, self.broken, stage=self.stage)
+    def _send_all(self, buckets: Iterable[Bucket], stats: SyncStats) -> None:
+        """Send buckets in order, pipelined: bucket k+1 is announced as soon as bucket k's
+        bytes are out, and bucket k's answers are collected after bucket k+1's bytes are out
+        (the engine finishes k before it receives k+1, so they are there by then). Every
+        announced bucket is broadcast unless the group itself failed, so no engine is left
+        waiting for bytes."""
+        prev: _InFlight | None = None
+        for bucket in buckets:
+            if self.broken:
+                raise WeightSyncError(bucket.meta.version, bucket.meta.index, self.broken,
+                                      stage=self.stage)
+            cur = self._announce(bucket.meta)
+            self._broadcast(bucket, cur, stats, prev)
+            del bucket  # stream mode: the source tensors may go
+            if prev is not None:
+                self._collect(prev, stats)
+            prev = cur
+        if prev is not None:
+            self._collect(prev, stats)
+
+    def _announce(self, meta: BucketMeta) -> "_InFlight":
         timeout, payload = self.config.timeout_s, meta.to_json()
-        answers = [self._io.submit(asyncio.wait_for(l.update_bucket(self.group_name, payload),
-                                                    timeout)) for l in self.links]
-        failed_at: dict[int, float] = {}
-        for f in answers:
-            f.add_done_callback(lambda f: failed_at.setdefault(id(f), time.monotonic())
+        fl = _InFlight(meta, [self._io.submit(asyncio.wait_for(
+            l.update_bucket(self.group_name, payload), timeout)) for l in self.links])
+        for f in fl.answers:
+            f.add_done_callback(lambda f: fl.failed_at.setdefault(id(f), time.monotonic())
                                 if not f.cancelled() and f.exception() is not None else None)
+        return fl
+
+    def _scratch(self, slot: int, nbytes: int) -> torch.Tensor:
+        buf = self._scratch_bufs[slot]
+        if buf is None or buf.numel() < nbytes:
+            buf = self._scratch_bufs[slot] = torch.empty(nbytes, dtype=torch.uint8,
+                                                         device=self.device)
+        return buf
+
+    def _broadcast(self, bucket: Bucket, fl: "_InFlight", stats: SyncStats,
+                   prev: "_InFlight | None") -> None:
+        """Post every piece asynchronously and wait for all. Pieces that straddle tensors are
+        gathered into two alternating scratch buffers (the gather of one overlaps the send of
+        the other); the rest go straight from the tensors (or the snapshot)."""
+        meta, timeout = bucket.meta, self.config.timeout_s
+        works, slot_work, used = [], [None, None], []
+
+        def scratch(n):
+            slot = len(used) % 2
+            if slot_work[slot] is not None:
+                slot_work[slot].wait()  # the piece it held is out
+            used.append(slot)
+            return self._scratch(slot, n)
+
         try:
             for a, b in meta.chunks():
-                self.group.broadcast(flat[a:b], 0)
+                gathered = len(used)
+                work = self.group.broadcast_async(bucket.piece(a, b, scratch), 0)
+                if len(used) > gathered:
+                    slot_work[used[-1]] = work
+                works.append(work)
                 stats.pieces += 1
+            for work in works:
+                work.wait()
         except Exception as e:  # noqa: BLE001 - a dead peer surfaces as any gloo/NCCL error
+            t_err = time.monotonic()
+            if prev is not None:  # the previous bucket's failure broke the group: name it
+                for link, f in zip(self.links, prev.answers):
+                    if f.done() and not f.cancelled() and f.exception() is not None:
+                        self._fail(WeightSyncError(prev.meta.version, prev.meta.index,
+                                                   _why(f.exception(), timeout),
+                                                   stage=self.stage, engine=link.name))
             # Blame engines whose call failed well before the broadcast gave up (they caused
             # it); else those still silent a moment later (hung). Healthy peers fail too, but
             # only once the broken group is torn down.
-            t_err = time.monotonic()
+            answers, failed_at = fl.answers, fl.failed_at
             early = [l.name for l, f in zip(self.links, answers)
                      if failed_at.get(id(f), t_err) < t_err - 0.5]
             concurrent.futures.wait(answers, timeout=1.0)
@@ -163,9 +227,14 @@ class WeightProducer:
             self._fail(WeightSyncError(meta.version, meta.index, f"broadcast failed: "
                                        f"{_why(e, timeout)}", stage=self.stage,
                                        engine=", ".join(culprits) or None))
+        stats.bytes += meta.nbytes
+
+    def _collect(self, fl: "_InFlight", stats: SyncStats) -> None:
+        """Every engine's answer for one bucket, within the timeout; checks checksums."""
+        meta, timeout = fl.meta, self.config.timeout_s
         deadline = time.monotonic() + timeout + 5
         results = []
-        for link, f in zip(self.links, answers):
+        for link, f in zip(self.links, fl.answers):
             try:
                 r = f.result(max(0.0, deadline - time.monotonic()))
             except Exception as e:  # noqa: BLE001 - the engine's failure, whatever it was
@@ -176,7 +245,6 @@ class WeightProducer:
                                            f"{r.get('checksum')} != sent {meta.checksum}",
                                            stage=self.stage, engine=link.name))
             results.append(r)
-        stats.bytes += meta.nbytes
         stats.buckets += 1
         stats.results = results
 
@@ -187,21 +255,19 @@ class WeightProducer:
 
     def send(self, named: Iterable[tuple[str, torch.Tensor]], version: str,
              direct: bool = True) -> SyncStats:
-        """Stream the stage: pack and send bucket by bucket (the caller waits throughout)."""
+        """Stream the stage bucket by bucket (the caller waits throughout). Nothing is packed:
+        pieces go out from the exported tensors themselves, so they must stay unchanged until
+        this returns; at most two buckets' worth of them are referenced at a time."""
         t0 = time.perf_counter()
         stats = SyncStats(str(version), self.stage)
+        packer = self._packer(str(version), None, direct)
 
-        def buffer(_, nbytes):
-            if self._stream_buf is None or self._stream_buf.numel() < nbytes:
-                self._stream_buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-            return self._stream_buf
+        def buckets():
+            for name, t in named:
+                yield from packer.add(name, t)
+            yield from packer.finish()
 
-        packer = self._packer(str(version), buffer, direct)
-        for name, t in named:
-            for meta, flat in packer.add(name, t):
-                self._send_bucket(meta, flat, stats)
-        for meta, flat in packer.finish():
-            self._send_bucket(meta, flat, stats)
+        self._send_all(buckets(), stats)
         stats.transfer_s = stats.blocking_s = time.perf_counter() - t0
         logger.info("weights v%s stage %d sent: %.1f MB in %d buckets, %.3f s (%.2f GB/s)",
                     version, self.stage, stats.bytes / 1e6, stats.buckets, stats.transfer_s,
@@ -235,8 +301,7 @@ class WeightProducer:
     def _send_snapshot(self, snap: Snapshot) -> SyncStats:
         t0 = time.perf_counter()
         stats = SyncStats(snap.version, self.stage, blocking_s=snap.blocking_s)
-        for meta, flat in snap.buckets:
-            self._send_bucket(meta, flat, stats)
+        self._send_all(snap.buckets, stats)
         stats.transfer_s = time.perf_counter() - t0
         logger.info("weights v%s stage %d sent in background: %.1f MB, %d buckets, %.3f s",
                     snap.version, self.stage, stats.bytes / 1e6, stats.buckets, stats.transfer_s)

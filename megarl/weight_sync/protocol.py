@@ -58,9 +58,28 @@ class BucketMeta:
     direct: bool = False  # no dual buffer: write straight into the (paused) live weights
 
     def chunks(self) -> list[tuple[int, int]]:
-        """Byte ranges of the broadcasts that carry this bucket, in order."""
+        """Byte ranges of the broadcasts that carry this bucket, in order, each at most
+        `chunk_bytes`. Pieces are cut at tensor boundaries, so most lie inside one tensor:
+        the producer sends them from the tensor itself and the consumer receives them in
+        place (no copy on either side). Tensors smaller than `chunk_bytes // 8` share pieces,
+        so a run of tiny tensors (norms, biases) is not one broadcast each."""
         step = max(1, self.chunk_bytes)
-        return [(a, min(a + step, self.nbytes)) for a in range(0, self.nbytes, step)]
+        small = step // 8
+        out, a = [], 0  # a: start of the open piece of small tensors
+        for e in self.entries:
+            s, n = e.offset, e.end - e.start
+            if n < small or n == 0:
+                if s + n - a > step:
+                    out.append((a, s))
+                    a = s
+                continue
+            if a < s:
+                out.append((a, s))
+            out += [(x, min(x + step, s + n)) for x in range(s, s + n, step)]
+            a = s + n
+        if a < self.nbytes:
+            out.append((a, self.nbytes))
+        return out
 
     def to_json(self) -> dict:
         d = asdict(self)

@@ -18,12 +18,18 @@ def curves(tmp_path_factory, tiny_qwen2):
 
 
 def test_loss_decreases(curves):
-    losses = [s["loss"] for s in curves[(1, 1)]]
+    losses = [s["loss"] for s in curves[(1, 1)][:STEPS]]
     assert len(losses) == STEPS
     assert losses[-1] < losses[0] - 0.1, losses
     assert all(b < a for a, b in zip(losses, losses[1:])), losses
     # the metric shares of all micro-batches add up to the whole batch
     assert all(abs(s["tokens"] - 1.0) < 1e-6 for s in curves[(1, 1)])
+
+
+def test_entropy_bonus_keeps_gradients_finite(curves):
+    # the extra step with an entropy term: a finite grad norm on every layout
+    for layout, c in curves.items():
+        assert len(c) == STEPS + 1 and c[-1]["grad_norm"] == c[-1]["grad_norm"], layout
 
 
 @pytest.mark.parametrize("layout", [(2, 1), (1, 2)], ids=["tp2", "pp2"])

@@ -15,6 +15,7 @@ import os
 import shutil
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 from megarl.convert.hf_io import SIDE_FILES, commit_dir
@@ -40,6 +41,10 @@ def save_checkpoint(worker, path, **meta) -> Path:
         tmp.mkdir(parents=True)
     dist.barrier()
     dist_checkpointing.save(worker.model.sharded_state_dict(), str(tmp))
+    if worker.optimizer is not None:
+        # Optimizer state is per rank (it resumes on the same TP/PP/DP layout).
+        (tmp / "optim").mkdir(exist_ok=True)
+        torch.save(worker.optimizer.state_dict(), tmp / "optim" / f"rank_{rank:05d}.pt")
     dist.barrier()
     if rank == 0:
         side = tmp / "hf"
@@ -51,7 +56,8 @@ def save_checkpoint(worker, path, **meta) -> Path:
         with open(tmp / META, "w") as f:
             json.dump({"format": "megarl-mcore-v1", "model_dir": str(worker.model_dir),
                        "tp": worker.ps.get_tensor_model_parallel_world_size(),
-                       "pp": worker.ps.get_pipeline_model_parallel_world_size(), **meta}, f,
+                       "pp": worker.ps.get_pipeline_model_parallel_world_size(),
+                       "world": dist.get_world_size(), **meta}, f,
                       indent=2)
         commit_dir(tmp, dst)
         logger.info("saved Megatron checkpoint to %s", dst)
@@ -78,6 +84,16 @@ def load_checkpoint(worker, path) -> dict:
     if missing or unexpected:
         raise RuntimeError(f"{path}: checkpoint does not match the model: missing {missing[:5]}, "
                            f"unexpected {unexpected[:5]}")
+    optim = Path(path) / "optim" / f"rank_{dist.get_rank():05d}.pt"
+    if worker.optimizer is not None and optim.is_file():
+        same = (meta.get("tp"), meta.get("pp"), meta.get("world")) == (
+            worker.ps.get_tensor_model_parallel_world_size(),
+            worker.ps.get_pipeline_model_parallel_world_size(), dist.get_world_size())
+        if same:
+            worker.optimizer.load_state_dict(torch.load(optim, weights_only=False))
+        else:
+            logger.warning("%s: optimizer state was saved on another layout; starting the "
+                           "optimizer fresh", path)
     logger.info("loaded Megatron checkpoint %s (saved at TP=%s PP=%s)", path, meta.get("tp"),
                 meta.get("pp"))
     return meta

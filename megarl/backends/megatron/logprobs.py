@@ -62,8 +62,10 @@ def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, vocab_s
     entropy = None
     if with_entropy:
         p = (shifted - log_z.unsqueeze(-1)).exp()
-        # H = log Z - E_p[shifted]; masked columns have p = 0 and shifted = -inf.
-        p_dot = torch.where(p > 0, p * shifted, torch.zeros_like(p)).sum(dim=-1)
+        # H = log Z - E_p[shifted]. Masked columns have p = 0 and shifted = -inf: zero them
+        # *before* the product, or backward computes -inf * 0 = NaN through the masked branch.
+        finite = torch.where(torch.isfinite(shifted), shifted, torch.zeros_like(shifted))
+        p_dot = (p * finite).sum(dim=-1)
         if tp > 1:
             p_dot = reduce_from_tensor_model_parallel_region(p_dot)
         entropy = log_z - p_dot

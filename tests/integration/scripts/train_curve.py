@@ -42,6 +42,14 @@ def main():
     fn = nll_loss(loss_mask.sum().item())
     curve = [w.train_step(batch, fn, micro_batch_size=mbs) for _ in range(steps)]
     assert [round(s["lr"], 9) for s in curve[:3]] == [1.5e-3, 3e-3, 3e-3], curve
+    # An entropy bonus differentiates through the padded (masked) vocabulary columns.
+    def with_entropy(logprobs, entropy, mb):
+        loss, m = fn(logprobs, entropy, mb)
+        mask = mb["loss_mask"].float()
+        return loss - 0.01 * (entropy * mask).sum() / loss_mask.sum().item(), m
+    ent_step = w.train_step(batch, with_entropy, micro_batch_size=mbs, with_entropy=True)
+    assert torch.isfinite(torch.tensor(ent_step["grad_norm"])), ent_step
+    curve.append(ent_step)
     if dist.get_rank() == 0:
         with open(out, "w") as f:
             json.dump(curve, f)

@@ -1,9 +1,10 @@
-"""Packing into flat buckets and scattering back is bit-exact for any bucket and piece size."""
+"""Packing into flat buckets and scattering back is bit-exact for any bucket and piece size;
+zero-copy buckets hand out the same bytes; pieces are cut at tensor boundaries."""
 import pytest
 import torch
 
-from megarl.weight_sync.buckets import BucketPacker, scatter
-from megarl.weight_sync.protocol import BucketMeta, SyncConfig, byte_view, digest
+from megarl.weight_sync.buckets import BucketPacker, locate, scatter
+from megarl.weight_sync.protocol import BucketMeta, Entry, SyncConfig, byte_view, digest
 
 
 def _tensors():
@@ -19,8 +20,8 @@ def _pack(named, bucket, chunk, verify=False):
     bufs = {}
     p = BucketPacker("7", bucket, chunk, lambda i, n: bufs.setdefault(i, torch.empty(n, dtype=torch.uint8)),
                      verify=verify)
-    out = [(m, f.clone()) for n, t in named for m, f in p.add(n, t)]
-    return out + [(m, f.clone()) for m, f in p.finish()]
+    out = [(b.meta, b.flat.clone()) for n, t in named for b in p.add(n, t)]
+    return out + [(b.meta, b.flat.clone()) for b in p.finish()]
 
 
 @pytest.mark.parametrize("bucket", [1, 50, 140, 141, 200, 10_000])
@@ -61,3 +62,41 @@ def test_config_caps_consume_at_produce_and_rejects_nonsense():
     assert SyncConfig(produce_bucket_mb=1, consume_bucket_mb=8).chunk_bytes == 1 << 20
     with pytest.raises(ValueError):
         SyncConfig(consume_bucket_mb=0)
+
+
+@pytest.mark.parametrize("bucket", [1, 50, 141, 10_000])
+@pytest.mark.parametrize("chunk", [1, 17, 64, 10_000])
+def test_zero_copy_pieces_equal_packed_bytes(bucket, chunk):
+    named = _tensors()
+    packed = _pack(named, bucket, chunk, verify=True)
+    p = BucketPacker("7", bucket, chunk, None, verify=True)  # no buffer: views of the tensors
+    views = [b for n, t in named for b in p.add(n, t)] + list(p.finish())
+    assert [b.meta.to_json() for b in views] == [m.to_json() for m, _ in packed]  # same wire
+    scratch = torch.empty(chunk, dtype=torch.uint8)
+    for b, (_, flat) in zip(views, packed):
+        assert b.flat is None
+        for lo, hi in b.meta.chunks():
+            piece = b.piece(lo, hi, lambda n: scratch)
+            assert torch.equal(piece, flat[lo:hi])
+            inside = locate(b.meta, lo, hi) is not None
+            # in place when inside one tensor (a view of it), gathered otherwise
+            assert (piece.untyped_storage().data_ptr() != scratch.data_ptr()) == inside
+
+
+def _meta(sizes, chunk):
+    entries, off = [], 0
+    for i, n in enumerate(sizes):
+        entries.append(Entry(f"t{i}", "uint8", (n,), 0, n, off))
+        off += n
+    return BucketMeta("v", 0, 1, 0, True, off, chunk, entries)
+
+
+def test_pieces_are_cut_at_tensor_boundaries_and_group_small_tensors():
+    # chunk 64: tensors under 8 bytes share pieces, the rest get their own
+    meta = _meta([100, 3, 4, 0, 5, 64, 2], 64)
+    assert meta.chunks() == [(0, 64), (64, 100), (100, 112), (112, 176), (176, 178)]
+    assert [locate(meta, a, b) for a, b in meta.chunks()] == [0, 0, None, 5, 6]
+    many_small = _meta([7] * 20, 64)  # grouped, never over the piece size
+    assert all(b - a <= 64 for a, b in many_small.chunks())
+    assert many_small.chunks()[0] == (0, 63) and many_small.chunks()[-1][1] == 140
+    assert _meta([], 64).chunks() == []

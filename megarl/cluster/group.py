@@ -1,0 +1,134 @@
+"""Worker groups: the handles the driver calls, one per model or engine set.
+
+`MegatronGroup` is one Megatron model (the actor, or the frozen reference) as one process per
+device of its task group, forming one torch.distributed world; it shards batches over the
+data-parallel ranks and gathers the results. `RolloutGroup` is one rollout server per device.
+Calls return Ray object refs wrapped as awaitables, so the asyncio driver can overlap groups.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import ray
+import torch
+from omegaconf import OmegaConf
+
+from .actors import MegatronActor, RolloutActor
+from .placement import DeviceGroup, thread_budget
+
+logger = logging.getLogger(__name__)
+
+
+def split_batch(batch: dict, parts: int) -> list[dict]:
+    """Split every tensor along dim 0 into `parts` near-equal chunks (data parallel)."""
+    n = next(v for v in batch.values() if torch.is_tensor(v)).shape[0]
+    bounds = [round(i * n / parts) for i in range(parts + 1)]
+    return [{k: v[a:b] if torch.is_tensor(v) else v for k, v in batch.items()}
+            for a, b in zip(bounds, bounds[1:])]
+
+
+class MegatronGroup:
+    def __init__(self, devices: DeviceGroup, cfg, role: str, share: float,
+                 processes_per_device: int):
+        self.role = role
+        n = devices.num_devices
+        threads = thread_budget(cfg, processes_per_device)
+        self.actors = [MegatronActor.options(**devices.options(i, share)).remote(i, n, threads)
+                       for i in range(n)]
+        self.single_node = cfg.trainer.nnodes == 1
+        addr, port = ray.get(self.actors[0].rendezvous.remote(self.single_node))
+        yaml = OmegaConf.to_yaml(cfg, resolve=True)
+        self.ranks = ray.get([a.setup.remote(yaml, role, addr, port) for a in self.actors])
+        self.dp = self.ranks[0]["dp_size"]
+        # The first process of each data-parallel replica speaks for it.
+        self.leaders = {}
+        for a, r in zip(self.actors, self.ranks):
+            self.leaders.setdefault(r["dp_rank"], a)
+        logger.info("%s model: %d process(es) on group %s, DP=%d", role, n, devices.name,
+                    self.dp)
+
+    def _shards(self, batch: dict) -> list[dict]:
+        parts = split_batch(batch, self.dp)
+        return [parts[r["dp_rank"]] for r in self.ranks]
+
+    async def compute_logp(self, batch: dict, temperature: float, micro_batch_size: int,
+                           with_entropy: bool = False) -> dict:
+        shards = self._shards(batch)
+        refs = [a.compute_logp.remote(s, temperature, micro_batch_size, with_entropy)
+                for a, s in zip(self.actors, shards)]
+        results = await asyncio.gather(*refs)
+        by_dp = {}
+        for r, out in zip(self.ranks, results):
+            by_dp.setdefault(r["dp_rank"], out)
+        return {k: torch.cat([by_dp[d][k] for d in range(self.dp)]) for k in results[0]}
+
+    async def train(self, mini_batches: list[dict], micro_batch_size: int,
+                    temperature: float) -> list[dict]:
+        """One optimizer step per mini-batch; metrics averaged over data-parallel replicas."""
+        per_rank = [[] for _ in self.actors]
+        for mb in mini_batches:
+            for i, s in enumerate(self._shards(mb)):
+                per_rank[i].append(s)
+        results = await asyncio.gather(*[a.train.remote(mbs, micro_batch_size, temperature)
+                                         for a, mbs in zip(self.actors, per_rank)])
+        leaders = [res for r, res in zip(self.ranks, results) if r["tp_rank"] == 0
+                   and r["pp_rank"] == 0]
+        steps = []
+        for j in range(len(mini_batches)):
+            keys = leaders[0][j].keys()
+            steps.append({k: sum(l[j][k] for l in leaders) / len(leaders) for k in keys})
+        return steps
+
+    sync_initialised = False
+
+    async def init_weight_sync(self, urls: list[str]) -> None:
+        """Join the rollout servers' update group (one per pipeline stage: base port + stage)."""
+        addr, base_port = ray.get(self.actors[0].rendezvous.remote(self.single_node))
+        await asyncio.gather(*[a.init_weight_sync.remote(urls, addr, base_port)
+                               for a in self.actors])
+        self.sync_initialised = True
+
+    async def sync_weights(self, version: int) -> dict:
+        stats = await asyncio.gather(*[a.sync_weights.remote(version) for a in self.actors])
+        return stats[0]
+
+    async def wait_weight_sync(self) -> dict:
+        stats = await asyncio.gather(*[a.wait_weight_sync.remote() for a in self.actors])
+        return stats[0]
+
+    async def save(self, path: str, **meta) -> None:
+        await asyncio.gather(*[a.save.remote(path, **meta) for a in self.actors])
+
+    async def load(self, path: str) -> None:
+        await asyncio.gather(*[a.load.remote(path) for a in self.actors])
+
+    def shutdown(self) -> None:
+        try:
+            ray.get([a.shutdown.remote() for a in self.actors], timeout=60)
+        except Exception:  # noqa: BLE001 - shutting down anyway
+            logger.warning("%s group did not shut down cleanly", self.role)
+        for a in self.actors:
+            ray.kill(a)
+
+
+class RolloutGroup:
+    """One embedded rollout server per device of the generate group (SGLang's HTTP API)."""
+
+    def __init__(self, devices: DeviceGroup, cfg, share: float = 1.0,
+                 processes_per_device: int = 1):
+        model = cfg.actor_rollout_ref.model.path
+        ctx = cfg.data.max_prompt_length + cfg.data.max_response_length
+        threads = thread_budget(cfg, processes_per_device)
+        self.actors = [RolloutActor.options(**devices.options(i, share)).remote(
+            model, threads, cfg.trainer.seed + i, ctx) for i in range(devices.num_devices)]
+        self.urls = ray.get([a.url.remote() for a in self.actors])
+        logger.info("rollout servers: %s", ", ".join(self.urls))
+
+    def shutdown(self) -> None:
+        try:
+            ray.get([a.shutdown.remote() for a in self.actors], timeout=60)
+        except Exception:  # noqa: BLE001
+            logger.warning("rollout group did not shut down cleanly")
+        for a in self.actors:
+            ray.kill(a)

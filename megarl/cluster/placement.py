@@ -1,0 +1,79 @@
+"""Ray placement: one placement group per task group, holding that group's devices.
+
+A device is a GPU on clusters and a CPU "slot" on a CPU machine (one worker process with a
+thread budget). Tasks of one group share its devices: several models (the actor, the frozen
+reference) can each run one process per device, each asking for a share of the device.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from .topology import GroupPlan
+
+logger = logging.getLogger(__name__)
+
+
+def init_ray(cfg) -> None:
+    """Start (or join) Ray. On one CPU machine the logical CPU count is the device count."""
+    if ray.is_initialized():
+        return
+    t = cfg.trainer
+    kw = dict(include_dashboard=False, ignore_reinit_error=True, logging_level=logging.WARNING,
+              log_to_driver=True)
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(address=os.environ["RAY_ADDRESS"], **kw)
+        return
+    if t.device == "cpu":
+        kw["num_cpus"] = t.nnodes * t.n_gpus_per_node
+    env = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+           "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(),
+                                                       os.environ.get("PYTHONPATH")]))}
+    ray.init(runtime_env={"env_vars": env}, **kw)
+
+
+class DeviceGroup:
+    """The devices of one task group, reserved as a Ray placement group."""
+
+    def __init__(self, plan: GroupPlan, device: str):
+        self.plan = plan
+        self.device = device
+        bundle = {"GPU": 1, "CPU": 1} if device == "cuda" else {"CPU": 1}
+        # PACK fills as few nodes as possible: a group that is a fraction of the nodes gets
+        # whole nodes of its own (the validated ratios make the counts whole).
+        self.pg = placement_group([dict(bundle) for _ in range(plan.num_devices)],
+                                  strategy="PACK", name=f"megarl-{plan.name}")
+        ray.get(self.pg.ready(), timeout=600)
+        logger.info("group %s: %d %s device(s) reserved", plan.name, plan.num_devices, device)
+
+    @property
+    def name(self) -> str:
+        return self.plan.name
+
+    @property
+    def num_devices(self) -> int:
+        return self.plan.num_devices
+
+    def options(self, index: int, share: float) -> dict:
+        """Ray actor options for a process on device `index` using `share` of it."""
+        opts = {"scheduling_strategy": PlacementGroupSchedulingStrategy(
+            self.pg, placement_group_bundle_index=index), "num_cpus": share}
+        if self.device == "cuda":
+            opts["num_gpus"] = share
+        return opts
+
+    def remove(self) -> None:
+        remove_placement_group(self.pg)
+
+
+def thread_budget(cfg, processes_per_device: int) -> int:
+    """CPU threads for one worker process: the machine's cores split over its processes."""
+    t = cfg.trainer
+    if t.device == "cuda":
+        return 4
+    per_node = max(1, t.n_gpus_per_node * processes_per_device)
+    return max(1, (os.cpu_count() or 1) // per_node)

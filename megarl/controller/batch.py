@@ -1,0 +1,78 @@
+"""From finished rollouts to the trainer's batch: token alignment, masks, behaviour log-probs.
+
+A training row is [prompt | response | pad] (right padding, so a causal mask alone keeps real
+tokens from seeing pads). Every per-token tensor is aligned with `input_ids`: position t holds
+the quantity for token t — the trainer's `logprobs[t] = log p(input_ids[t] | <t)` and the
+rollout engine's own log-prob of response token t (the behaviour policy). `response_mask`
+is 1 exactly on response tokens, so prompt and padding never enter a loss.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+
+@dataclasses.dataclass
+class Sample:
+    """One generated response with everything the later states attach to it."""
+    uid: str                      # the prompt's id: GRPO groups samples by it
+    prompt_ids: list[int]
+    response_ids: list[int]
+    rollout_logprobs: list[float]
+    weight_version: int           # weights that produced the first response token
+    token_versions: list[int]     # per response token (a sync may land mid-request)
+    finish: str
+    ground_truth: Any = None
+    data_source: str = ""
+    response_text: str = ""
+    reward: float = 0.0
+
+
+def build_batch(samples: list[Sample], pad_id: int) -> dict[str, torch.Tensor]:
+    if not samples:
+        raise ValueError("build_batch: no samples")
+    lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
+    S = max(lengths)
+    B = len(samples)
+    input_ids = torch.full((B, S), pad_id, dtype=torch.long)
+    attention = torch.zeros(B, S, dtype=torch.long)
+    response = torch.zeros(B, S, dtype=torch.float32)
+    rollout_lp = torch.zeros(B, S, dtype=torch.float32)
+    versions = torch.zeros(B, S, dtype=torch.long)
+    for i, s in enumerate(samples):
+        p, r = len(s.prompt_ids), len(s.response_ids)
+        input_ids[i, :p + r] = torch.tensor(s.prompt_ids + s.response_ids)
+        attention[i, :p + r] = 1
+        response[i, p:p + r] = 1.0
+        if r:
+            rollout_lp[i, p:p + r] = torch.tensor(s.rollout_logprobs[:r], dtype=torch.float32)
+            versions[i, p:p + r] = torch.tensor(s.token_versions[:r] or [s.weight_version] * r)
+    return {"input_ids": input_ids, "attention_mask": attention, "response_mask": response,
+            "rollout_logprobs": rollout_lp, "token_versions": versions,
+            "rewards": torch.tensor([s.reward for s in samples], dtype=torch.float32)}
+
+
+def mini_batches(batch: dict, n_samples_per_prompt: int, prompts_per_mini: int,
+                 epochs: int = 1) -> list[dict]:
+    """Split a step's batch into optimizer mini-batches of whole prompt groups."""
+    B = batch["input_ids"].shape[0]
+    size = max(1, prompts_per_mini * n_samples_per_prompt)
+    out = []
+    for _ in range(epochs):
+        for a in range(0, B, size):
+            out.append({k: v[a:a + size] for k, v in batch.items() if torch.is_tensor(v)})
+    return out
+
+
+def staleness(batch: dict, trainer_version: int) -> dict[str, float]:
+    """Versions behind the trainer, per response token (min / mean / max)."""
+    mask = batch["response_mask"] > 0
+    if not mask.any():
+        return {"rollout/staleness_min": 0.0, "rollout/staleness_mean": 0.0,
+                "rollout/staleness_max": 0.0}
+    behind = (trainer_version - batch["token_versions"][mask]).float()
+    return {"rollout/staleness_min": behind.min().item(),
+            "rollout/staleness_mean": behind.mean().item(),
+            "rollout/staleness_max": behind.max().item()}

@@ -1,0 +1,101 @@
+"""GENERATE and REWARD work for one step: requests from prompts, responses to scored samples.
+
+Owns turning prompts into engine requests (n samples each, seeded per step) and engine outputs
+into `Sample`s. A response aborted by a weight update (engines pause in `abort` mode without the
+dual buffer) is resumed from where it stopped — its tokens, log-probs and versions are kept and
+the tail continues under the new weights — so no sample is lost to a sync. Each response is
+scored as soon as it is complete, in a thread pool, while the rest are still generating.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+
+from megarl.rollout.protocol import GenerateRequest, SamplingParams, continuation
+
+from .batch import Sample
+
+logger = logging.getLogger(__name__)
+
+
+def sampling_params(rollout_cfg, eos_ids: list[int], seed: int | None, *, validation=False,
+                    max_new_tokens: int) -> SamplingParams:
+    src = rollout_cfg.val_kwargs if validation else rollout_cfg
+    greedy = validation and not src.do_sample
+    return SamplingParams(
+        max_new_tokens=max_new_tokens, temperature=0.0 if greedy else float(src.temperature),
+        top_p=float(src.top_p), top_k=int(src.top_k), n=int(src.n),
+        stop_token_ids=list(eos_ids), sampling_seed=seed)
+
+
+async def generate_one(manager, request: GenerateRequest, max_resumes: int = 100):
+    """(output_ids, logprobs, token_versions, finish_reason) of one sample, resuming aborts."""
+    ids, lps, versions = [], [], []
+    req = request
+    for _ in range(max_resumes + 1):
+        out = await manager.generate(req)
+        ids += out.output_ids
+        lps += out.output_logprobs or [0.0] * len(out.output_ids)
+        tv = out.token_versions() or [out.weight_version] * len(out.output_ids)
+        versions += [int(v) for v in tv]
+        if not out.aborted:
+            return ids, lps, versions, out.finish_reason.type
+        if len(ids) >= request.sampling.max_new_tokens:
+            return ids, lps, versions, "length"
+        req = continuation(request, _as_partial(out, ids))
+        await asyncio.sleep(0.01)  # let the update that aborted us finish
+    raise RuntimeError(f"request {request.rid}: aborted {max_resumes} times in a row")
+
+
+def _as_partial(out, ids):
+    out.output_ids = list(ids)
+    return out
+
+
+class Scorer:
+    """Scores finished responses in a thread pool (the reward state's workers)."""
+
+    def __init__(self, reward_fn, num_workers: int):
+        self.fn = reward_fn
+        self.pool = concurrent.futures.ThreadPoolExecutor(max(1, num_workers),
+                                                          thread_name_prefix="megarl-reward")
+
+    def submit(self, sample: Sample) -> asyncio.Future:
+        loop = asyncio.get_running_loop()
+        return loop.run_in_executor(self.pool, self._score, sample)
+
+    def _score(self, s: Sample) -> float:
+        r = self.fn(s.data_source, s.response_text, s.ground_truth)
+        if isinstance(r, dict):
+            r = r.get("score", 0.0)
+        s.reward = float(r)
+        return s.reward
+
+    def close(self):
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+async def rollout(manager, prompts, sp: SamplingParams, tokenizer, scorer: Scorer | None,
+                  rid_prefix: str) -> tuple[list[Sample], list[asyncio.Future]]:
+    """Generate n samples for every prompt; start scoring each as soon as it finishes."""
+    scores: list[asyncio.Future] = []
+
+    async def one(prompt, i, req):
+        ids, lps, versions, finish = await generate_one(manager, req)
+        s = Sample(uid=prompt.uid, prompt_ids=list(prompt.prompt_ids), response_ids=ids,
+                   rollout_logprobs=lps, weight_version=versions[0] if versions else -1,
+                   token_versions=versions, finish=finish, ground_truth=prompt.ground_truth,
+                   data_source=prompt.data_source,
+                   response_text=tokenizer.decode(ids, skip_special_tokens=True))
+        if scorer is not None:
+            scores.append(scorer.submit(s))
+        return s
+
+    jobs = []
+    for p in prompts:
+        base = GenerateRequest(list(p.prompt_ids), sp, True, f"{rid_prefix}-{p.uid}")
+        for i, req in enumerate(base.expand()):
+            jobs.append(one(p, i, req))
+    samples = await asyncio.gather(*jobs)
+    return list(samples), scores

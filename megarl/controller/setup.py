@@ -1,0 +1,184 @@
+"""Everything a run needs before its first step, and its orderly teardown.
+
+Owns: the quickstart's local assets (tiny model, synthetic task), tokenizer and data, the
+reward function, Ray placement of the task groups, the Megatron actor/reference groups, the
+rollout servers and their weight-update group, loggers, and resuming from a checkpoint.
+Bad configuration fails here, before any worker starts.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+from typing import Any
+
+from megarl.config import ConfigError, plan_task_groups
+
+from . import checkpoint as ckpt
+from .machine import task_groups
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class Run:
+    cfg: Any
+    tokenizer: Any
+    eos_ids: list[int]
+    pad_id: int
+    loader: Any
+    val_dataset: Any
+    reward_fn: Any
+    actor: Any
+    ref: Any
+    rollout: Any
+    manager: Any
+    loggers: Any
+    groups: dict
+    ahead: int
+    total_steps: int
+    start_step: int
+    max_new_tokens: int
+    temperature: float
+    ckpt_root: Path
+    device_groups: list
+
+    async def actor_wait(self) -> None:
+        if self.actor is not None and self.actor.sync_initialised:
+            await self.actor.wait_weight_sync()
+
+    async def close(self) -> None:
+        import ray
+
+        if self.manager is not None:
+            await self.manager.close()
+        for g in (self.actor, self.ref, self.rollout):
+            if g is not None:
+                g.shutdown()
+        for dg in self.device_groups:
+            dg.remove()
+        self.loggers.close()
+        ray.shutdown()
+
+
+def prepare_assets(cfg) -> None:
+    """Make the tiny model and the synthetic task when the config asks and they are absent."""
+    model = cfg.actor_rollout_ref.model
+    if model.make_tiny and not (Path(model.path) / "config.json").is_file():
+        from megarl.utils.tiny_model import make_tiny_model
+
+        make_tiny_model(model.path, model.make_tiny)
+    if cfg.data.synthetic_task == "quickstart":
+        from megarl.data.synthetic import make_quickstart_task
+
+        train = Path(str(cfg.data.train_files))
+        if not train.is_file():
+            make_quickstart_task(train.parent)
+    if not (Path(model.path) / "config.json").is_file():
+        raise ConfigError(f"actor_rollout_ref.model.path: {model.path} has no config.json "
+                          "(set actor_rollout_ref.model.make_tiny to make a tiny one)")
+
+
+def _total_steps(cfg, loader, val_only: bool) -> int:
+    if val_only:
+        return 0
+    t = cfg.trainer
+    return int(t.total_training_steps or t.total_epochs * loader.steps_per_epoch)
+
+
+def _hosts(plans, task: str):
+    return next((p for p in plans if task in p.tasks), None)
+
+
+async def setup_run(cfg, val_only: bool) -> Run:
+    from transformers import AutoTokenizer
+
+    from megarl.backends.sglang.engine import SGLangEngine
+    from megarl.cluster.group import MegatronGroup, RolloutGroup
+    from megarl.cluster.placement import DeviceGroup, init_ray
+    from megarl.data.dataset import load_split
+    from megarl.data.loader import PromptLoader
+    from megarl.observability.loggers import make_loggers
+    from megarl.reward import load_reward_fn
+    from megarl.rollout.manager import RolloutManager
+
+    arr, t = cfg.actor_rollout_ref, cfg.trainer
+    prepare_assets(cfg)
+    plans = plan_task_groups(cfg)
+    if _hosts(plans, "logp") is not _hosts(plans, "actor-train"):
+        raise ConfigError("trainer.separated_node_tasks: `logp` and `actor-train` must share "
+                          "a group (one Megatron model serves both)")
+    if arr.rollout.name != "embedded":
+        raise ConfigError("actor_rollout_ref.rollout.name: only `embedded` is wired into the "
+                          "trainer so far (the sglang client and launcher exist; see docs)")
+    tok = AutoTokenizer.from_pretrained(arr.model.tokenizer_path or arr.model.path)
+    eos_ids = [tok.eos_token_id]
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    train = load_split(cfg.data, tok, "train")
+    val = load_split(cfg.data, tok, "val")
+    loader = PromptLoader(train, cfg.data.train_batch_size, shuffle=cfg.data.shuffle,
+                          seed=cfg.data.seed)
+    reward_fn = load_reward_fn(cfg.reward.reward_fn)
+    ahead = t.generate_ahead_steps if arr.async_pipeline else 1
+    if t.generate_ahead_steps > 1 and not arr.async_pipeline:
+        logger.warning("trainer.generate_ahead_steps=%d ignored: "
+                       "actor_rollout_ref.async_pipeline is off (synchronous, on-policy)",
+                       t.generate_ahead_steps)
+
+    # Resume before any worker starts, so a bad checkpoint fails fast.
+    start_step, state = 0, None
+    root = Path(t.default_local_dir) / t.project_name / t.experiment_name
+    found = None
+    if t.resume_mode == "auto":
+        found = ckpt.latest(root)
+    elif t.resume_mode == "resume_path":
+        d = Path(t.resume_from_path)
+        found = (ckpt.read_driver_state(d)["step"], d)
+    if found is not None:
+        state = ckpt.read_driver_state(found[1])
+        start_step = state["step"] + 1
+        loader.load_state_dict(state["loader"])
+        ckpt.set_rng_state(state["rng"])
+        logger.info("resuming after step %d from %s", state["step"], found[1])
+    total = _total_steps(cfg, loader, val_only)
+
+    init_ray(cfg)
+    dgs = {p.name: DeviceGroup(p, t.device) for p in plans if p.tasks != ("reward",)}
+    need_ref = (arr.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward) and not val_only
+    actor_dg = dgs[_hosts(plans, "actor-train").name]
+    gen_dg = dgs[_hosts(plans, "generate").name]
+    ref_dg = dgs[_hosts(plans, "ref_logp").name] if need_ref else None
+    # Processes per device of each group: a device is shared by every model placed on it.
+    count = {n: 0 for n in dgs}
+    count[actor_dg.name] += 1
+    count[gen_dg.name] += 1
+    if ref_dg is not None:
+        count[ref_dg.name] += 1
+    share = {n: 1.0 / max(1, c) for n, c in count.items()}
+    rollout = RolloutGroup(gen_dg, cfg, share[gen_dg.name], count[gen_dg.name])
+    actor = ref = None
+    if not val_only:
+        actor = MegatronGroup(actor_dg, cfg, "actor", share[actor_dg.name], count[actor_dg.name])
+        if ref_dg is not None:
+            ref = MegatronGroup(ref_dg, cfg, "ref", share[ref_dg.name], count[ref_dg.name])
+        await actor.init_weight_sync(rollout.urls)
+        if state is not None:
+            await actor.load(str(found[1] / "actor"))
+            await actor.sync_weights(start_step)  # engines start from the HF weights
+            await actor.wait_weight_sync()
+    elif t.resume_mode != "disable" and found is not None:
+        logger.warning("val_only validates the model at actor_rollout_ref.model.path; "
+                       "checkpoint weights reach it only through conversion to HF")
+    manager = RolloutManager([SGLangEngine(u) for u in rollout.urls])
+    loggers = make_loggers(list(t.logger), root, total_steps=total, start_step=start_step)
+    groups = task_groups([list(g) if not isinstance(g, str) else g
+                          for g in t.separated_node_tasks])
+    max_new = arr.rollout.max_new_tokens or cfg.data.max_response_length
+    if val is None and (t.val_before_train or t.test_freq > 0 or val_only):
+        logger.warning("no data.val_files: validation is skipped")
+    return Run(cfg=cfg, tokenizer=tok, eos_ids=eos_ids, pad_id=pad_id, loader=loader,
+               val_dataset=val, reward_fn=reward_fn, actor=actor, ref=ref, rollout=rollout,
+               manager=manager, loggers=loggers, groups=groups, ahead=ahead, total_steps=total,
+               start_step=start_step, max_new_tokens=max_new,
+               temperature=float(arr.rollout.temperature), ckpt_root=root,
+               device_groups=list(dgs.values()))

@@ -1,0 +1,86 @@
+"""The states of one training step and the one table of legal moves between them.
+
+This module owns the vocabulary of the controller: `StepState`, `TRANSITIONS` and
+`IllegalTransition`. It says nothing about *when* a move happens (that is
+`megarl.controller.machine.Pipeline`) or about validation's own states
+(`megarl.controller.validation`).
+
+    PENDING -> GENERATE -> REWARD -> REF_LOGP -> LOGP -> TRAIN -> SYNC -> VALIDATE -> DONE
+                                                                      \\______________/
+
+A step is in a state from the moment that state's work starts until the next state's work
+starts; whether the work of the current state has finished is the machine's business.
+"""
+from __future__ import annotations
+
+import enum
+from types import MappingProxyType
+from typing import Mapping
+
+
+class StepState(enum.Enum):
+    PENDING = "pending"
+    GENERATE = "generate"
+    REWARD = "reward"
+    REF_LOGP = "ref_logp"
+    LOGP = "logp"
+    TRAIN = "train"
+    SYNC = "sync"
+    VALIDATE = "validate"
+    DONE = "done"
+
+    def __str__(self) -> str:  # log lines read "GENERATE", not "StepState.GENERATE"
+        return self.name
+
+
+S = StepState
+
+# Why each edge exists (and why there are no others: no state is skipped, none repeated).
+_EDGES: dict[StepState, tuple[tuple[StepState, str], ...]] = {
+    S.PENDING: ((S.GENERATE, "a step starts by sampling responses to its prompts"),),
+    S.GENERATE: ((S.REWARD, "scores need finished responses (streaming reward scores most of "
+                            "them during GENERATE; REWARD collects the tail)"),),
+    S.REWARD: ((S.REF_LOGP, "the reference policy's log-probs (KL) need the final batch, "
+                            "which REWARD may still filter or reorder"),),
+    S.REF_LOGP: ((S.LOGP, "the batch is complete except for the proximal policy's log-probs; "
+                          "LOGP runs last before TRAIN so it sees the weights TRAIN starts from"),),
+    S.LOGP: ((S.TRAIN, "advantages and the decoupled importance ratio need rewards, reference, "
+                       "proximal and behaviour log-probs"),),
+    S.TRAIN: ((S.SYNC, "new trainer weights are worth nothing until the generators have them"),),
+    S.SYNC: ((S.VALIDATE, "test_freq (or the last step) asks to validate the weights just "
+                          "synced, on the generate group"),
+             (S.DONE, "no validation is due after this step")),
+    S.VALIDATE: ((S.DONE, "validation of this step's weights has been scored"),),
+    S.DONE: (),
+}
+
+TRANSITIONS: Mapping[StepState, frozenset[StepState]] = MappingProxyType(
+    {state: frozenset(to for to, _ in edges) for state, edges in _EDGES.items()})
+"""state -> the states it may move to next. The only transition table of the controller."""
+
+WORK_STATES: tuple[StepState, ...] = (S.GENERATE, S.REWARD, S.REF_LOGP, S.LOGP, S.TRAIN, S.SYNC)
+"""States every training step works through, in order (VALIDATE only when due)."""
+
+
+def why(frm: StepState, to: StepState) -> str:
+    """The documented reason for edge `frm -> to` (KeyError if there is no such edge)."""
+    for target, reason in _EDGES[frm]:
+        if target is to:
+            return reason
+    raise KeyError(f"{frm} -> {to}")
+
+
+class IllegalTransition(Exception):
+    """A move the table forbids: names the step, where it was and where it was asked to go."""
+
+    def __init__(self, step: int, frm: StepState, to: StepState, detail: str = ""):
+        allowed = ", ".join(sorted(s.name for s in TRANSITIONS[frm])) or "nothing (final)"
+        msg = f"step {step}: illegal transition {frm} -> {to} (from {frm} allowed: {allowed})"
+        super().__init__(msg + (f"; {detail}" if detail else ""))
+        self.step, self.frm, self.to = step, frm, to
+
+
+def check(step: int, frm: StepState, to: StepState) -> None:
+    """Raise `IllegalTransition` unless the table allows `frm -> to`."""
+    if to not in TRANSITIONS[frm]:
+        raise IllegalTransition(step, frm, to)

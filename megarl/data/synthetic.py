@@ -1,0 +1,93 @@
+"""The quickstart's synthetic task: small additions, written as verl-convention jsonl.
+
+Nothing can be downloaded where megarl is developed, so the quickstart makes its own data.
+The task is chosen so that a randomly initialised 2-layer model learns *something* visible
+in a few dozen GRPO steps: "What is A + B?" with single-digit operands (every digit is one
+token of the tiny tokenizer, answers are one or two tokens), scored by the shaped reward of
+``megarl.reward.quickstart`` (see there for the tiers). Validation pairs are disjoint from
+training pairs while there are pairs left to keep apart.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import tempfile
+from pathlib import Path
+
+from megarl.reward.quickstart import DATA_SOURCE
+
+logger = logging.getLogger(__name__)
+
+
+def _row(a: int, b: int, split: str, index: int) -> dict:
+    return {
+        "data_source": DATA_SOURCE,
+        "prompt": [{"role": "user", "content": f"What is {a} + {b}?"}],
+        "ability": "arithmetic",
+        "reward_model": {"style": "rule", "ground_truth": str(a + b)},
+        "extra_info": {"split": split, "index": index, "a": a, "b": b},
+    }
+
+
+def _write_jsonl_atomic(path: Path, rows: list[dict]) -> None:
+    # Temp file in the same directory + rename: a crash never leaves a half-written file
+    # that a later run would take for a finished one.
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def quickstart_rows(n_train: int, n_val: int, seed: int = 0,
+                    max_operand: int = 9) -> tuple[list[dict], list[dict]]:
+    """(train rows, val rows); deterministic in ``seed``."""
+    rng = random.Random(seed)
+    pairs = [(a, b) for a in range(max_operand + 1) for b in range(max_operand + 1)]
+    rng.shuffle(pairs)
+    # Keep validation pairs out of training, unless that would leave training nothing.
+    n_held = min(n_val, len(pairs) - 1)
+    val_pairs = [pairs[i % len(pairs)] for i in range(n_val)]
+    train_pool = pairs[n_held:]
+    train_pairs: list[tuple[int, int]] = []
+    while len(train_pairs) < n_train:
+        rng.shuffle(train_pool)
+        train_pairs.extend(train_pool[: n_train - len(train_pairs)])
+    train = [_row(a, b, "train", i) for i, (a, b) in enumerate(train_pairs)]
+    val = [_row(a, b, "val", i) for i, (a, b) in enumerate(val_pairs)]
+    return train, val
+
+
+def make_quickstart_task(out_dir: str | os.PathLike, n_train: int = 256, n_val: int = 32,
+                         seed: int = 0, *, max_operand: int = 9, overwrite: bool = False,
+                         train_file: str | os.PathLike | None = None,
+                         val_file: str | os.PathLike | None = None) -> dict[str, Path]:
+    """Write ``train.jsonl`` and ``val.jsonl`` under ``out_dir``; returns their paths.
+
+    ``train_file`` / ``val_file`` name the files instead (e.g. ``data.train_files``). When
+    both files already exist they are kept (and returned) unless ``overwrite``: the
+    quickstart calls this on every start and must not rewrite data under a resumed run.
+    """
+    out = Path(out_dir)
+    paths = {"train": Path(train_file) if train_file else out / "train.jsonl",
+             "val": Path(val_file) if val_file else out / "val.jsonl"}
+    if not overwrite and all(p.is_file() for p in paths.values()):
+        logger.info("quickstart task: using existing %s and %s", paths["train"], paths["val"])
+        return paths
+    if n_train <= 0 or n_val < 0 or max_operand < 0:
+        raise ValueError(f"make_quickstart_task: need n_train > 0, n_val >= 0, max_operand >= 0; "
+                         f"got {n_train}, {n_val}, {max_operand}")
+    for p in paths.values():
+        p.parent.mkdir(parents=True, exist_ok=True)
+    train, val = quickstart_rows(n_train, n_val, seed, max_operand)
+    _write_jsonl_atomic(paths["train"], train)
+    _write_jsonl_atomic(paths["val"], val)
+    logger.info("quickstart task: wrote %d train and %d val prompts to %s",
+                len(train), len(val), paths["train"].parent)
+    return paths

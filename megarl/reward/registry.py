@@ -1,0 +1,123 @@
+"""Which reward function scores a response: the built-in dispatch by data source, or a
+user function named by ``reward.reward_fn`` as an import path (``module:function``, or
+``path/to/file.py:function``), plus a plain synchronous ``score_batch``.
+
+A reward function has verl's signature
+``fn(data_source, solution_str, ground_truth, extra_info=None) -> float`` and may also
+return a dict with a ``"score"`` key (verl allows that). Left out here: the streaming process
+pool with per-call timeouts (``reward.num_workers``, ``reward.timeout_s``) and the code sandbox.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import logging
+import math
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+from megarl.config.errors import ConfigError
+from megarl.reward import math_exact, quickstart
+
+logger = logging.getLogger(__name__)
+
+RewardFn = Callable[..., object]
+
+# Exact data_source names with a built-in scorer (verl's names for the math sets).
+DATA_SOURCES: dict[str, RewardFn] = {
+    quickstart.DATA_SOURCE: quickstart.compute_score,
+    "openai/gsm8k": math_exact.compute_score,
+    "gsm8k": math_exact.compute_score,
+    "lighteval/MATH": math_exact.compute_score,
+    "DigitalLearningGmbH/MATH-lighteval": math_exact.compute_score,
+    "HuggingFaceH4/MATH-500": math_exact.compute_score,
+    "math": math_exact.compute_score,
+}
+
+
+def default_compute_score(data_source: str, solution_str: str, ground_truth,
+                          extra_info=None) -> float:
+    """Dispatch on ``data_source``: the table above, then any name containing math/gsm8k."""
+    fn = DATA_SOURCES.get(data_source)
+    if fn is None and any(k in data_source.lower() for k in ("math", "gsm8k")):
+        fn = math_exact.compute_score
+    if fn is None:
+        raise ValueError(
+            f"no built-in reward for data_source {data_source!r} (known: "
+            f"{sorted(DATA_SOURCES)}); set reward.reward_fn to 'module:function'")
+    return fn(data_source, solution_str, ground_truth, extra_info)
+
+
+def _import_module(spec: str, path: str):
+    if spec.endswith(".py"):
+        file = Path(spec)
+        if not file.is_file():
+            raise ConfigError(f"reward.reward_fn: {path!r}: no such file {file}")
+        mod_spec = importlib.util.spec_from_file_location(f"megarl_user_reward_{file.stem}", file)
+        module = importlib.util.module_from_spec(mod_spec)
+        try:
+            mod_spec.loader.exec_module(module)
+        except Exception as err:
+            raise ConfigError(f"reward.reward_fn: {path!r}: importing {file} failed: "
+                              f"{type(err).__name__}: {err}") from err
+        return module
+    try:
+        return importlib.import_module(spec)
+    except Exception as err:  # ImportError, or any error raised by the module's own code
+        raise ConfigError(f"reward.reward_fn: {path!r}: cannot import module {spec!r}: "
+                          f"{type(err).__name__}: {err}") from err
+
+
+def load_reward_fn(path: Optional[str | RewardFn]) -> RewardFn:
+    """The reward function for ``reward.reward_fn``; None gives the data-source dispatch."""
+    if path is None or (isinstance(path, str) and not path.strip()):
+        return default_compute_score
+    if callable(path):
+        return path
+    module_name, sep, fn_name = path.rpartition(":")
+    if not sep or not module_name or not fn_name:
+        raise ConfigError(f"reward.reward_fn: {path!r} is not an import path "
+                          f"'module:function' (or 'file.py:function')")
+    module = _import_module(module_name.strip(), path)
+    fn = getattr(module, fn_name.strip(), None)
+    if fn is None:
+        raise ConfigError(f"reward.reward_fn: {path!r}: module {module_name!r} has no "
+                          f"attribute {fn_name!r}")
+    if not callable(fn):
+        raise ConfigError(f"reward.reward_fn: {path!r}: {fn_name!r} is not callable")
+    logger.info("reward function: %s", path)
+    return fn
+
+
+def _as_score(value, fn: RewardFn, uid: str) -> float:
+    if isinstance(value, dict):
+        value = value.get("score")
+    try:
+        score = float(value)
+    except (TypeError, ValueError):
+        score = math.nan
+    if not math.isfinite(score):
+        name = getattr(fn, "__qualname__", repr(fn))
+        raise ValueError(f"reward function {name} returned {value!r} for prompt {uid}; "
+                         f"expected a finite number (or a dict with a 'score')")
+    return score
+
+
+def score_batch(fn: RewardFn, items: Sequence, solutions: Sequence[str]) -> list[float]:
+    """Score ``solutions[i]`` against ``items[i]`` (a ``Prompt``), in order, in this process.
+
+    An exception inside ``fn`` is re-raised naming the prompt: a silently zero reward would
+    look like a policy that learns nothing.
+    """
+    if len(items) != len(solutions):
+        raise ValueError(f"score_batch: {len(items)} prompts but {len(solutions)} solutions")
+    scores = []
+    for item, sol in zip(items, solutions):
+        try:
+            value = fn(item.data_source, sol, item.ground_truth, item.extra_info)
+        except Exception as err:
+            name = getattr(fn, "__qualname__", repr(fn))
+            raise RuntimeError(f"reward function {name} failed on prompt {item.uid} "
+                               f"(data_source {item.data_source!r}): {err}") from err
+        scores.append(_as_score(value, fn, item.uid))
+    return scores

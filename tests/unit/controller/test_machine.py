@@ -1,0 +1,161 @@
+"""Pipeline scheduling: groups serialize, generate_ahead_steps pins weight versions, overlap."""
+import pytest
+
+from megarl.controller.machine import Action, Pipeline, simulate, task_groups
+from megarl.controller.states import IllegalTransition, StepState
+
+S = StepState
+SEPARATED = task_groups([["logp", "actor-train", "ref_logp"], "generate"])
+COLOCATED = {t: "all" for t in ("generate", "reward", "ref_logp", "logp", "actor-train")}
+DUR = {"generate": 4.0, "reward": 0.5, "ref_logp": 0.5, "logp": 0.5, "actor-train": 2.0,
+       "sync": 0.25, "val-generate": 1.5, "val-score": 0.25}
+
+
+def run(a, groups, steps=6, durations=DUR, **kw):
+    p = Pipeline(a, steps, groups=groups, clock=lambda: 0.0, **kw)
+    seen = {}  # GENERATE(j) -> version the generators served when it started
+
+    def cost(action):
+        if action.state is S.GENERATE:
+            seen[action.step] = p.weight_version
+        return durations.get(action.task, 0.0)
+
+    tl = simulate(p, cost)
+    assert p.done and all(m.state is S.DONE for m in p.steps.values())
+    return p, tl, seen
+
+
+def by(tl, task, step=None):
+    hits = [i for i in tl if i.task == task and (step is None or i.step == step)]
+    return hits if step is None else hits[0]
+
+
+def overlaps(x, y):
+    return x.start < y.end and y.start < x.end
+
+
+def test_task_groups_from_config():
+    assert SEPARATED == {"logp": "logp+actor-train+ref_logp", "actor-train":
+                         "logp+actor-train+ref_logp", "ref_logp": "logp+actor-train+ref_logp",
+                         "generate": "generate", "reward": "reward"}
+    assert task_groups([["generate", "reward", "logp"]])["reward"] == "generate+reward+logp"
+
+
+@pytest.mark.parametrize("groups", [SEPARATED, COLOCATED], ids=["separated", "colocated"])
+@pytest.mark.parametrize("a", [1, 2, 3])
+def test_weight_version_of_every_generate_is_exact(a, groups):
+    p, tl, seen = run(a, groups)
+    for j in range(6):
+        assert seen[j] == p.weight_version_for_generate(j) == max(0, j - a + 1)
+        assert p.staleness(j) == min(j, a - 1)
+    for k in range(6):
+        # per-state step order; TRAIN(k) after SYNC(k-1); LOGP(k) after TRAIN(k-1)
+        for task in ("generate", "reward", "ref_logp", "logp", "actor-train", "sync"):
+            if k:
+                assert by(tl, task, k).start >= by(tl, task, k - 1).end
+        if k:
+            assert by(tl, "actor-train", k).start >= by(tl, "sync", k - 1).end
+            assert by(tl, "logp", k).start >= by(tl, "actor-train", k - 1).end
+        if k - a >= 0:
+            assert by(tl, "generate", k).start >= by(tl, "sync", k - a).end
+    # groups serialize
+    for g in set(i.group for i in tl):
+        mine = sorted((i for i in tl if i.group == g), key=lambda i: i.start)
+        assert all(x.end <= y.start for x, y in zip(mine, mine[1:]))
+
+
+def test_one_step_off_overlaps_generate_with_train_on_separate_groups():
+    p, tl, _ = run(2, SEPARATED)
+    assert all(overlaps(by(tl, "generate", k + 1), by(tl, "actor-train", k)) for k in range(4))
+    # REWARD/REF_LOGP/LOGP(k) overlap GENERATE(k+1) when on other groups
+    assert overlaps(by(tl, "ref_logp", 2), by(tl, "generate", 3))
+    assert overlaps(by(tl, "reward", 2), by(tl, "generate", 3))
+    # generate-bound: the generate group never waits after the first step
+    gens = by(tl, "generate")
+    assert all(x.end == y.start for x, y in zip(gens, gens[1:]))
+    sync_p, sync_tl, _ = run(1, SEPARATED)
+    assert tl[-1].end < sync_tl[-1].end
+    assert not any(overlaps(g, t) for g in by(sync_tl, "generate")
+                   for t in by(sync_tl, "actor-train"))
+
+
+@pytest.mark.parametrize("a", [1, 2, 3])
+def test_colocated_nothing_overlaps(a):
+    _, tl, _ = run(a, COLOCATED)
+    tl = sorted(tl, key=lambda i: i.start)
+    assert all(x.end <= y.start for x, y in zip(tl, tl[1:]))
+    assert tl[-1].end == pytest.approx(6 * sum(v for k, v in DUR.items()
+                                               if not k.startswith("val")))
+
+
+def test_colocated_two_ahead_is_really_one_step_off():
+    """Everything on one group: GENERATE(k+1) still runs before SYNC(k) publishes v(k+1)."""
+    _, tl, seen = run(2, COLOCATED)
+    for k in range(5):
+        assert by(tl, "generate", k + 1).end <= by(tl, "sync", k).start
+        assert seen[k + 1] == k
+
+
+def test_ready_is_group_disjoint_and_complete():
+    p = Pipeline(2, 4, groups=SEPARATED, clock=lambda: 0.0)
+    first = p.ready()
+    assert first == [Action(0, S.GENERATE, "generate")]
+    p.start(first[0], now=0)
+    assert p.ready() == []
+    p.finish(first[0], now=1)
+    nxt = p.ready()
+    assert {(a.step, a.state) for a in nxt} == {(0, S.REWARD), (1, S.GENERATE)}
+    assert len({a.group for a in nxt}) == len(nxt)
+
+
+def test_illegal_starts_and_finishes_raise():
+    p = Pipeline(1, 3, groups=SEPARATED, clock=lambda: 0.0)
+    with pytest.raises(IllegalTransition, match="not ready"):
+        p.start(Action(0, S.TRAIN, SEPARATED["actor-train"]))
+    with pytest.raises(IllegalTransition, match="not ready"):
+        p.start(Action(1, S.GENERATE, "generate"))  # a=1: waits for SYNC(0)
+    gen = Action(0, S.GENERATE, "generate")
+    with pytest.raises(IllegalTransition, match="not running"):
+        p.finish(gen)
+    p.start(gen)
+    with pytest.raises(IllegalTransition, match="busy"):
+        p.start(gen)
+    p.finish(gen)
+    with pytest.raises(IllegalTransition, match="not running"):
+        p.finish(gen)
+
+
+def test_sync_waits_for_the_generate_it_must_not_change():
+    """a=3, generate slow: SYNC(k) may not start before GENERATE(k+2) has started."""
+    p, tl, seen = run(3, SEPARATED, durations={**DUR, "generate": 1.0, "actor-train": 0.1})
+    for k in range(4):
+        assert by(tl, "sync", k).start >= by(tl, "generate", k + 2).start
+
+
+def test_resume_from_a_later_step():
+    p, tl, seen = run(2, SEPARATED, steps=8, start_step=5)
+    assert sorted(p.steps) == [5, 6, 7]
+    assert seen == {5: 5, 6: 5, 7: 6}
+    assert p.weight_version == 8
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="generate_ahead_steps"):
+        Pipeline(0, 3)
+    with pytest.raises(ValueError, match="ref_logp"):
+        Pipeline(1, 3, groups={"generate": "g", "reward": "r", "logp": "t", "actor-train": "t"})
+    with pytest.raises(ValueError, match="start step"):
+        Pipeline(1, 3, start_step=4)
+
+
+def test_defaults_and_step_window():
+    p = Pipeline(1, 2, clock=lambda: 0.0)
+    assert p.groups["sync"] == p.groups["actor-train"] == "colocated"
+    assert p.groups["val-generate"] == "colocated" and p.groups["val-score"] == "reward"
+    simulate(p, {"generate": 1, "actor-train": 1, "sync": 1})
+    assert p.step_window(0) == (0.0, 3.0) and p.step_window(1) == (3.0, 6.0)
+
+
+def test_zero_steps_is_done_at_once():
+    p = Pipeline(2, 0)
+    assert p.done and p.ready() == []

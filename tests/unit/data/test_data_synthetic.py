@@ -1,0 +1,48 @@
+"""The quickstart task files: convention, determinism, atomic writes, kept when present."""
+from __future__ import annotations
+
+import json
+
+from megarl.data import RLDataset, make_quickstart_task
+from megarl.reward import load_reward_fn, score_batch
+
+
+def test_writes_loadable_task(tmp_path, tokenizer):
+    paths = make_quickstart_task(tmp_path / "qs", n_train=64, n_val=16, seed=0)
+    assert sorted(p.name for p in (tmp_path / "qs").iterdir()) == ["train.jsonl", "val.jsonl"]
+    train = RLDataset(paths["train"], tokenizer, bad_rows="error", max_prompt_length=64,
+                      filter_overlong_prompts=False)
+    val = RLDataset(paths["val"], tokenizer, bad_rows="error", config_key="data.val_files")
+    assert (len(train), len(val)) == (64, 16)
+    p = train[0]
+    assert p.data_source == "megarl/quickstart"
+    a, b = p.extra_info["a"], p.extra_info["b"]
+    assert p.raw_prompt == [{"role": "user", "content": f"What is {a} + {b}?"}]
+    assert p.ground_truth == str(a + b) and 0 <= a <= 9 and 0 <= b <= 9
+    # Held-out validation pairs never appear in training.
+    pairs = lambda ds: {(q.extra_info["a"], q.extra_info["b"]) for q in ds}  # noqa: E731
+    assert not pairs(train) & pairs(val)
+    # The default reward scores the exact answers 1.0.
+    assert score_batch(load_reward_fn(None), list(val), [q.ground_truth for q in val]) == [1.0] * 16
+
+
+def test_deterministic_and_kept_unless_overwrite(tmp_path):
+    a = make_quickstart_task(tmp_path / "a", n_train=32, n_val=8, seed=3)
+    b = make_quickstart_task(tmp_path / "b", n_train=32, n_val=8, seed=3)
+    assert a["train"].read_text() == b["train"].read_text()
+    before = a["train"].read_text()
+    make_quickstart_task(tmp_path / "a", n_train=8, n_val=2, seed=4)  # exists: kept
+    assert a["train"].read_text() == before
+    make_quickstart_task(tmp_path / "a", n_train=8, n_val=2, seed=4, overwrite=True)
+    lines = a["train"].read_text().splitlines()
+    assert len(lines) == 8 and json.loads(lines[0])["reward_model"]["style"] == "rule"
+    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == ["train.jsonl", "val.jsonl"]
+
+
+def test_explicit_file_names(tmp_path):
+    paths = make_quickstart_task(tmp_path, n_train=4, n_val=2,
+                                 train_file=tmp_path / "x" / "t.jsonl",
+                                 val_file=tmp_path / "y" / "v.jsonl")
+    assert paths == {"train": tmp_path / "x" / "t.jsonl", "val": tmp_path / "y" / "v.jsonl"}
+    assert len(paths["train"].read_text().splitlines()) == 4
+    assert len(paths["val"].read_text().splitlines()) == 2

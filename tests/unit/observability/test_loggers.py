@@ -1,0 +1,74 @@
+"""Console line format, TensorBoard event files read back, logger selection, Chrome trace."""
+import json
+import logging
+
+import pytest
+
+from megarl.config.errors import ConfigError
+from megarl.controller.machine import Pipeline, simulate
+from megarl.observability.loggers import (ConsoleLogger, TensorBoardLogger, make_loggers,
+                                          progress_bar)
+from megarl.observability.timeline import write_chrome_trace
+
+
+def test_progress_bar():
+    assert progress_bar(0, 10) == "[....................]   0%"
+    assert progress_bar(3, 10) == "[######..............]  30%"
+    assert progress_bar(10, 10) == "[####################] 100%"
+
+
+def test_console_line_format(caplog):
+    t = [0.0]
+    log = ConsoleLogger(10, clock=lambda: t[0])
+    caplog.set_level(logging.INFO, logger="megarl.progress")
+    t[0] = 12.0
+    log.log(3, {"reward/mean": 0.25, "timing/step": 4.0, "actor/kl_loss": 1e-4,
+                "not/shown": 1.0})
+    t[0] = 130.0
+    log.log(10, {"reward/mean": 0.5})
+    first, last = caplog.messages
+    assert first == ("step 3/10 [######..............]  30% elapsed 0m12s eta 0m28s | "
+                     "reward/mean=0.25 actor/kl_loss=0.0001 timing/step=4")
+    assert last == "step 10/10 [####################] 100% elapsed 2m10s | reward/mean=0.5"
+    assert "\r" not in first + last
+
+
+def test_tensorboard_event_file_reads_back(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    with make_loggers(["console", "tensorboard"], tmp_path, total_steps=3) as loggers:
+        for step in (1, 2, 3):
+            loggers.log(step, {"reward/mean": step / 10, "timing/generate": 2.0 * step,
+                               "perf/idle_ratio/generate": 0.5})
+    files = list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+    assert files
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    assert {"reward/mean", "timing/generate", "perf/idle_ratio/generate"} <= set(
+        acc.Tags()["scalars"])
+    events = acc.Scalars("reward/mean")
+    assert [e.step for e in events] == [1, 2, 3]
+    assert [e.value for e in events] == pytest.approx([0.1, 0.2, 0.3])
+
+
+def test_tensorboard_skips_non_scalars(tmp_path):
+    tb = TensorBoardLogger(tmp_path)
+    tb.log(1, {"a": 1, "flag": True, "name": "x"})
+    tb.close()
+
+
+def test_unknown_logger_names_the_key(tmp_path):
+    with pytest.raises(ConfigError, match=r"trainer\.logger.*'wandb'.*console, tensorboard"):
+        make_loggers(["console", "wandb"], tmp_path)
+    assert len(make_loggers("console", tmp_path).sinks) == 1
+
+
+def test_chrome_trace(tmp_path):
+    p = Pipeline(2, 2, clock=lambda: 0.0)
+    tl = simulate(p, {"generate": 1.0, "actor-train": 0.5})
+    trace = json.loads(write_chrome_trace(tl, tmp_path / "trace.json").read_text())
+    events = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert len(events) == len(tl)
+    assert {e["name"] for e in events} >= {"generate(0)", "actor-train(1)"}
+    names = {e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M"}
+    assert names == {"colocated", "reward"}
+    assert max(e["ts"] + e["dur"] for e in events) == pytest.approx(3.0e6)
