@@ -9,6 +9,7 @@ samples and tensors each state produces) and the side effects (metrics, checkpoi
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from pathlib import Path
@@ -146,6 +147,14 @@ class Driver:
         tokens = int(b["attention_mask"].sum())
         self.metrics.update(k, throughput(tokens, dt))
         self.metrics.update(k, staleness(b, k))
+        self._record_prompts(k)
+
+    def _record_prompts(self, k: int) -> None:
+        """Append which prompts step k trained on (an audit trail that resume tests read)."""
+        uids = sorted({s.uid for s in self.steps[k]["samples"]})
+        self.r.ckpt_root.mkdir(parents=True, exist_ok=True)
+        with open(self.r.ckpt_root / "trained_prompts.jsonl", "a") as f:
+            f.write(json.dumps({"step": k, "uids": uids}) + "\n")
 
     async def sync(self, k: int) -> None:
         stats = await self.r.actor.sync_weights(k + 1)
