@@ -189,6 +189,7 @@ class BucketConsumer:
                 self._drain(group, meta, device)
                 failed = False
                 raise
+            t0 = time.perf_counter()
             try:
                 got = self._receive_pieces(group, meta, device)
             except Exception as e:
@@ -196,6 +197,9 @@ class BucketConsumer:
                 self.fail(meta.version, f"bucket {meta.index} of stage {meta.stage}: {e}")
                 raise
             failed = False
+            logger.debug("bucket %d of version %s stage %d: %.1f MB in %.1f ms", meta.index,
+                         meta.version, meta.stage, meta.nbytes / 1e6,
+                         (time.perf_counter() - t0) * 1e3)
         finally:
             self._end_turn(meta, failed)
         with self._lock:

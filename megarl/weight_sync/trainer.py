@@ -1,7 +1,8 @@
 """The Megatron trainer's side of weight sync: what every trainer rank calls.
 
-Owns the choice of sender (TP-rank-0 of each pipeline stage holds a `WeightProducer`; the
-other TP ranks only take part in `export_hf`'s gathers) and the cross-rank ordering of a
+Owns the choice of sender (TP-rank-0 of each pipeline stage of the first data-parallel
+replica holds a `WeightProducer`; the other TP ranks of that replica only take part in
+`export_hf`'s gathers, other replicas only in the agreement on success) and the cross-rank ordering of a
 sync: one version is finished on every stage before the next starts, failures are agreed on
 by all ranks, and without dual buffer global rank 0 pauses the engines around the update.
 
@@ -31,7 +32,10 @@ class TrainerWeightSync:
         self.worker, self.config, self.export_dtype = worker, config, export_dtype
         self.stage = ps.get_pipeline_model_parallel_rank()
         self.num_stages = ps.get_pipeline_model_parallel_world_size()
-        self.sender = ps.get_tensor_model_parallel_rank() == 0
+        # One data-parallel replica (the first) holds every weight once: only its ranks
+        # export, and its TP-rank-0 of each stage sends.
+        self.exporter = ps.get_data_parallel_rank() == 0
+        self.sender = self.exporter and ps.get_tensor_model_parallel_rank() == 0
         self.coordinator = dist.get_rank() == 0  # stage 0's sender
         self.pause_mode = pause_mode
         self.producer = None
@@ -76,7 +80,7 @@ class TrainerWeightSync:
         version = str(version)
         t0 = time.perf_counter()
         self.wait()
-        named = self.worker.export_hf(self.export_dtype)
+        named = self.worker.export_hf(self.export_dtype) if self.exporter else iter(())
         if self.config.dual_buffer:
             if self.sender:
                 snap = self.producer.snapshot(named, version)
