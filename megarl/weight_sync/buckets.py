@@ -18,7 +18,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from .protocol import BucketMeta, Digest, Entry, byte_view
+from .protocol import BucketMeta, Digest, Entry, byte_view, copy_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ class Bucket:
         for e, seg in zip(self.meta.entries, self.segments):
             lo, hi = max(a, e.offset), min(b, e.offset + e.end - e.start)
             if lo < hi:
-                out[lo - a: hi - a].copy_(seg[lo - e.offset: hi - e.offset])
+                copy_bytes(out[lo - a: hi - a], seg[lo - e.offset: hi - e.offset])
         return out
 
 
@@ -147,4 +147,4 @@ def scatter(meta: BucketMeta, lo: int, piece: torch.Tensor,
         a, b = max(lo, e.offset), min(hi, e.offset + e.end - e.start)
         if a < b:
             t0 = e.start + a - e.offset
-            dest(e)[t0: t0 + b - a].copy_(piece[a - lo: b - lo])
+            copy_bytes(dest(e)[t0: t0 + b - a], piece[a - lo: b - lo])

@@ -132,3 +132,30 @@ def test_failure_names_version_bucket_engine_and_no_half_model_serves(
             good.call(good.engine.generate(GenerateRequest([1, 2, 3], SamplingParams())))
     good.close()
     bad.close()
+
+
+def test_dual_buffers_alternate_by_reference(engine_thread, ws_model, ws_model_b):
+    """Each staged version becomes live without a copy; the displaced weights become the next
+    staging buffer, which never shares storage with what is live."""
+    eng = engine_thread.engine
+    params = eng.weights.params
+    ptr = lambda: {n: p.data_ptr() for n, p in params.items()}  # noqa: E731
+    before = ptr()
+    prod = connect([LocalLink(eng, engine_thread.loop)], dual_buffer=True,
+                   produce_bucket_mb=32 * KB, consume_bucket_mb=8 * KB)
+    try:
+        for version, model in (("v1", ws_model_b), ("v2", ws_model), ("v3", ws_model_b)):
+            named = trainer_weights(model)
+            prod.start(prod.snapshot(iter(named), version))
+            prod.wait(60)
+            assert eng.weight_version == version
+            assert_engine_equals(engine_thread, named)
+            live = {p.untyped_storage().data_ptr() for p in params.values()}
+            staging = eng._buckets._staging
+            assert sum(t.numel() * t.element_size() for t in staging.values()) == sum(
+                t.numel() * t.element_size() for _, t in named)
+            assert not live & {t.untyped_storage().data_ptr() for t in staging.values()}
+            if version == "v2":  # back on the original storage: two buffers, alternating
+                assert ptr() == before
+    finally:
+        prod.close()
