@@ -79,9 +79,9 @@ def prepare_assets(cfg) -> None:
                           "(set actor_rollout_ref.model.make_tiny to make a tiny one)")
 
 
-def _total_steps(cfg, loader, val_only: bool) -> int:
+def _total_steps(cfg, loader, val_only: bool, start_step: int) -> int:
     if val_only:
-        return 0
+        return start_step  # nothing left to train: validate the weights of that step
     t = cfg.trainer
     return int(t.total_training_steps or t.total_epochs * loader.steps_per_epoch)
 
@@ -140,7 +140,7 @@ async def setup_run(cfg, val_only: bool) -> Run:
         loader.load_state_dict(state["loader"])
         ckpt.set_rng_state(state["rng"])
         logger.info("resuming after step %d from %s", state["step"], found[1])
-    total = _total_steps(cfg, loader, val_only)
+    total = _total_steps(cfg, loader, val_only, start_step)
 
     init_ray(cfg)
     dgs = {p.name: DeviceGroup(p, t.device) for p in plans if p.tasks != ("reward",)}
@@ -157,7 +157,8 @@ async def setup_run(cfg, val_only: bool) -> Run:
     share = {n: 1.0 / max(1, c) for n, c in count.items()}
     rollout = RolloutGroup(gen_dg, cfg, share[gen_dg.name], count[gen_dg.name])
     actor = ref = None
-    if not val_only:
+    # val_only with no checkpoint validates the HF model itself: no trainer is needed.
+    if not val_only or state is not None:
         actor = MegatronGroup(actor_dg, cfg, "actor", share[actor_dg.name], count[actor_dg.name])
         if ref_dg is not None:
             ref = MegatronGroup(ref_dg, cfg, "ref", share[ref_dg.name], count[ref_dg.name])
@@ -166,9 +167,6 @@ async def setup_run(cfg, val_only: bool) -> Run:
             await actor.load(str(found[1] / "actor"))
             await actor.sync_weights(start_step)  # engines start from the HF weights
             await actor.wait_weight_sync()
-    elif t.resume_mode != "disable" and found is not None:
-        logger.warning("val_only validates the model at actor_rollout_ref.model.path; "
-                       "checkpoint weights reach it only through conversion to HF")
     manager = RolloutManager([SGLangEngine(u) for u in rollout.urls])
     loggers = make_loggers(list(t.logger), root, total_steps=total, start_step=start_step)
     groups = task_groups([list(g) if not isinstance(g, str) else g

@@ -139,6 +139,9 @@ def test_kill_after_checkpoint_then_resume(assets, tmp_path):
     for k in range(8):
         assert steps[k] == sorted(p.uid for p in loader.next_batch()), k
     assert len(scalars(tmp_path, "reward/mean")) >= 8 - saved - 1
+    # validation-only on the run's latest checkpoint: the engines serve its weights (v8)
+    out = megarl("validate", _args(assets, tmp_path, *extra))
+    assert "validation of weights v8:" in out
 
 
 def test_validation_only_mode(assets, tmp_path):

@@ -15,7 +15,9 @@ def test_config_prints_resolved_yaml(capsys):
     assert main(["config", "--config", QUICKSTART, "+trainer.generate_ahead_steps=3"]) == 0
     printed = yaml.safe_load(capsys.readouterr().out)
     assert printed["trainer"]["generate_ahead_steps"] == 3
-    assert printed["actor_rollout_ref"]["rollout"]["max_new_tokens"] == 32
+    # max_new_tokens is filled from data.max_response_length when the YAML leaves it null
+    assert printed["actor_rollout_ref"]["rollout"]["max_new_tokens"] == \
+        printed["data"]["max_response_length"] == 8
 
 
 def test_bad_override_exits_2_naming_key(capsys):
