@@ -65,11 +65,12 @@ class MegatronActor:
     def train(self, mini_batches: list[dict], micro_batch_size: int, temperature: float) -> list:
         """One optimizer step per mini-batch; the loss is built here from the config."""
         from megarl.algo.actor_loss import make_actor_loss_from_config
+        from megarl.algo.aggregate import global_denom
 
         out = []
         actor = self.cfg.actor_rollout_ref.actor
         for mb in mini_batches:
-            denom = _loss_denominator(mb, actor.loss_agg_mode)
+            denom = global_denom(mb["response_mask"], actor.loss_agg_mode)
             loss_fn = make_actor_loss_from_config(actor, denom)
             # Entropy is always computed: it is a metric even when its coefficient is 0.
             out.append(self.worker.train_step(mb, loss_fn, micro_batch_size, temperature,
@@ -111,14 +112,6 @@ class MegatronActor:
         if self.sync is not None:
             self.sync.close()
         destroy_distributed()
-
-
-def _loss_denominator(mb: dict, agg: str) -> float:
-    """Global normaliser of this rank's mini-batch (tokens for token-mean, else sequences)."""
-    mask = mb["response_mask"]
-    if agg == "token-mean":
-        return max(1.0, float(mask.sum()))
-    return max(1.0, float((mask.sum(-1) > 0).sum()))
 
 
 @ray.remote
