@@ -18,7 +18,9 @@ parameters waits for the next safe point. Between `begin_weight_update` and
 `end_weight_update` all updates stage into one buffer and swap together. As in SGLang, an
 update without `weight_version` keeps the current version string. Bucketed updates
 (`load_format="megarl_bucket"`) are received by megarl.weight_sync.consumer and swap in here
-once every pipeline stage of their version has arrived.
+once every pipeline stage of their version has arrived; the swap takes the staged tensors by
+reference where it can, and the displaced ones go back to the consumer as its next staging
+buffer.
 """
 from __future__ import annotations
 

@@ -74,10 +74,11 @@ class BucketPacker:
 
     def __init__(self, version: str, bucket_bytes: int, chunk_bytes: int,
                  buffer: BufferFn | None, *, stage: int = 0, num_stages: int = 1,
-                 verify: bool = False, direct: bool = False):
+                 verify: bool = False, direct: bool = False,
+                 copy: Callable[[torch.Tensor, torch.Tensor], None] = copy_bytes):
         self.version, self.bucket_bytes, self.chunk_bytes = version, bucket_bytes, chunk_bytes
         self.stage, self.num_stages, self.verify, self.direct = stage, num_stages, verify, direct
-        self._buffer = buffer
+        self._buffer, self._copy = buffer, copy
         self._index = 0
         self._meta: BucketMeta | None = None
         self._flat: torch.Tensor | None = None
@@ -120,7 +121,7 @@ class BucketPacker:
                 self._segments.append(src[done: done + n])
             else:
                 seg = self._flat[meta.nbytes: meta.nbytes + n]
-                seg.copy_(src[done: done + n])
+                self._copy(seg, src[done: done + n])
                 self._segments.append(seg)
             meta.entries.append(Entry(name, dtype, shape, done, done + n, meta.nbytes))
             meta.nbytes += n

@@ -70,7 +70,7 @@ class BucketConsumer:
         self._ended: dict[int, tuple[str, int, bool]] = {}  # stage -> (version, index, failed)
         self._incoming: _Incoming | None = None
         self._staging: dict[str, torch.Tensor] = {}
-        self._pieces: dict[int, torch.Tensor] = {}  # receive buffer per thread
+        self._pieces: dict[int, torch.Tensor] = {}  # receive buffer per stage
         self.broken: str | None = None  # set when a direct update failed half-way
         self.peak_piece_bytes = 0  # largest receive buffer ever allocated (transient memory)
 
@@ -115,8 +115,8 @@ class BucketConsumer:
             return inc
 
     # -- receiving ----------------------------------------------------------------------------
-    def _piece(self, nbytes: int, device) -> torch.Tensor:
-        key = threading.get_ident()  # one per stage's receive thread
+    def _piece(self, stage: int, nbytes: int, device) -> torch.Tensor:
+        key = stage  # a stage receives one bucket at a time (turns), so one buffer each
         buf = self._pieces.get(key)
         if buf is None or buf.numel() < nbytes or buf.device != torch.device(device):
             buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
@@ -137,7 +137,8 @@ class BucketConsumer:
 
     def _drain(self, group, meta: BucketMeta, device) -> None:
         for a, b in meta.chunks():
-            group.broadcast(self._piece(min(meta.chunk_bytes, meta.nbytes), device)[: b - a], 0)
+            group.broadcast(self._piece(meta.stage, min(meta.chunk_bytes, meta.nbytes),
+                                        device)[: b - a], 0)
 
     # -- ordering -----------------------------------------------------------------------------
     def _take_turn(self, meta: BucketMeta) -> None:
@@ -234,7 +235,8 @@ class BucketConsumer:
                 view = dest(e)[t0: t0 + b - a]
                 posted.append((group.broadcast_async(view, 0), view))
             else:
-                view = self._piece(min(meta.chunk_bytes, meta.nbytes), device)[: b - a]
+                view = self._piece(meta.stage, min(meta.chunk_bytes, meta.nbytes), device)
+                view = view[: b - a]
                 posted.append((group.broadcast_async(view, 0), view))
                 settle()
                 scatter(meta, a, view, dest)

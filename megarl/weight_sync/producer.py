@@ -29,9 +29,11 @@ import torch
 from megarl.rollout.weights import new_update_group
 
 from .buckets import Bucket, BucketPacker
-from .protocol import BucketMeta, SyncConfig, WeightSyncError
+from .protocol import BucketMeta, SyncConfig, WeightSyncError, copy_bytes
 
 logger = logging.getLogger(__name__)
+
+_SPLIT_COPY_BYTES = 4 << 20  # snapshot copies at least this large use two threads
 
 
 @dataclass
@@ -97,6 +99,7 @@ class WeightProducer:
         self._scratch_bufs: list[torch.Tensor | None] = [None, None]  # straddling pieces
         self._bg: concurrent.futures.Future | None = None
         self._bg_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="megarl-wsync")
+        self._copy_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="megarl-copy")
 
     # -- group and engine control -------------------------------------------------------------
     async def _each(self, fn) -> list:
@@ -139,32 +142,59 @@ class WeightProducer:
         return self._all(lambda l: l.weights_digest(names), "weights_digest")
 
     # -- sending ------------------------------------------------------------------------------
-    def _packer(self, version: str, buffer, direct: bool) -> BucketPacker:
+    def _packer(self, version: str, buffer, direct: bool, **kw) -> BucketPacker:
         return BucketPacker(version, self.config.bucket_bytes, self.config.chunk_bytes, buffer,
                             stage=self.stage, num_stages=self.num_stages,
-                            verify=self.config.verify, direct=direct)
+                            verify=self.config.verify, direct=direct, **kw)
+
+    def _snapshot_copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """The snapshot's copy: on CPU a large tensor is split over two threads of plain
+        memcpy (as fast as torch's OpenMP copy on an idle box, and it does not stall at a
+        barrier when another process holds a core); on GPU one device copy."""
+        n = src.numel()
+        if n < _SPLIT_COPY_BYTES or dst.device.type != "cpu" or src.device.type != "cpu":
+            copy_bytes(dst, src)
+            return
+        half = n // 2
+        other = self._copy_pool.submit(copy_bytes, dst[half:], src[half:])
+        copy_bytes(dst[:half], src[:half])
+        other.result()
 
     def _send_all(self, buckets: Iterable[Bucket], stats: SyncStats) -> None:
-        """Send buckets in order, pipelined: bucket k+1 is announced as soon as bucket k's
-        bytes are out, and bucket k's answers are collected after bucket k+1's bytes are out
-        (the engine finishes k before it receives k+1, so they are there by then). Every
-        announced bucket is broadcast unless the group itself failed, so no engine is left
-        waiting for bytes."""
+        """Send buckets in order, pipelined: once bucket k's pieces are posted, bucket k+1 is
+        announced (so the engine has its metadata before bucket k's bytes are done), and
+        bucket k's answers are collected once bucket k+1's bytes are out (they are there by
+        then: the engine finishes k before it receives k+1). Every announced bucket is
+        broadcast unless the group failed, and a failure closes the group, so no engine is
+        left waiting for bytes."""
+        it = iter(buckets)
+        nxt = next(it, None)
+        nxt_fl = self._announce(nxt.meta) if nxt is not None else None
         prev: _InFlight | None = None
-        for bucket in buckets:
-            if self.broken:
-                raise WeightSyncError(bucket.meta.version, bucket.meta.index, self.broken,
-                                      stage=self.stage)
-            cur = self._announce(bucket.meta)
-            self._broadcast(bucket, cur, stats, prev)
-            del bucket  # stream mode: the source tensors may go
+        while nxt is not None:
+            cur, cur_fl = nxt, nxt_fl
+            try:
+                works = self._post(cur, stats)
+            except Exception as e:  # noqa: BLE001 - a dead peer surfaces as any gloo/NCCL error
+                self._broadcast_failed(e, cur_fl, prev)
+            nxt = next(it, None)  # stream mode: the next bucket's tensors (views)
+            nxt_fl = self._announce(nxt.meta) if nxt is not None else None
+            try:
+                for work in works:
+                    work.wait()
+            except Exception as e:  # noqa: BLE001
+                self._broadcast_failed(e, cur_fl, prev)
+            stats.bytes += cur.meta.nbytes
+            del cur, works  # stream mode: the source tensors may go
             if prev is not None:
                 self._collect(prev, stats)
-            prev = cur
+            prev = cur_fl
         if prev is not None:
             self._collect(prev, stats)
 
     def _announce(self, meta: BucketMeta) -> "_InFlight":
+        if self.broken:
+            raise WeightSyncError(meta.version, meta.index, self.broken, stage=self.stage)
         timeout, payload = self.config.timeout_s, meta.to_json()
         fl = _InFlight(meta, [self._io.submit(asyncio.wait_for(
             l.update_bucket(self.group_name, payload), timeout)) for l in self.links])
@@ -180,12 +210,11 @@ class WeightProducer:
                                                          device=self.device)
         return buf
 
-    def _broadcast(self, bucket: Bucket, fl: "_InFlight", stats: SyncStats,
-                   prev: "_InFlight | None") -> None:
-        """Post every piece asynchronously and wait for all. Pieces that straddle tensors are
-        gathered into two alternating scratch buffers (the gather of one overlaps the send of
-        the other); the rest go straight from the tensors (or the snapshot)."""
-        meta, timeout = bucket.meta, self.config.timeout_s
+    def _post(self, bucket: Bucket, stats: SyncStats) -> list:
+        """Post every piece of a bucket asynchronously; returns the works to wait for. Pieces
+        that straddle tensors are gathered into two alternating scratch buffers (the gather
+        of one overlaps the send of the other); the rest go straight from the tensors (or the
+        snapshot)."""
         works, slot_work, used = [], [None, None], []
 
         def scratch(n):
@@ -195,39 +224,38 @@ class WeightProducer:
             used.append(slot)
             return self._scratch(slot, n)
 
-        try:
-            for a, b in meta.chunks():
-                gathered = len(used)
-                work = self.group.broadcast_async(bucket.piece(a, b, scratch), 0)
-                if len(used) > gathered:
-                    slot_work[used[-1]] = work
-                works.append(work)
-                stats.pieces += 1
-            for work in works:
-                work.wait()
-        except Exception as e:  # noqa: BLE001 - a dead peer surfaces as any gloo/NCCL error
-            t_err = time.monotonic()
-            if prev is not None:  # the previous bucket's failure broke the group: name it
-                for link, f in zip(self.links, prev.answers):
-                    if f.done() and not f.cancelled() and f.exception() is not None:
-                        self._fail(WeightSyncError(prev.meta.version, prev.meta.index,
-                                                   _why(f.exception(), timeout),
-                                                   stage=self.stage, engine=link.name))
-            # Blame engines whose call failed well before the broadcast gave up (they caused
-            # it); else those still silent a moment later (hung). Healthy peers fail too, but
-            # only once the broken group is torn down.
-            answers, failed_at = fl.answers, fl.failed_at
-            early = [l.name for l, f in zip(self.links, answers)
-                     if failed_at.get(id(f), t_err) < t_err - 0.5]
-            concurrent.futures.wait(answers, timeout=1.0)
-            silent = [l.name for l, f in zip(self.links, answers) if not f.done() or (
-                id(f) in failed_at and isinstance(f.exception(), asyncio.TimeoutError))]
-            culprits = early or silent or [l.name for l, f in zip(self.links, answers)
-                                           if id(f) in failed_at]
-            self._fail(WeightSyncError(meta.version, meta.index, f"broadcast failed: "
-                                       f"{_why(e, timeout)}", stage=self.stage,
-                                       engine=", ".join(culprits) or None))
-        stats.bytes += meta.nbytes
+        for a, b in bucket.meta.chunks():
+            gathered = len(used)
+            work = self.group.broadcast_async(bucket.piece(a, b, scratch), 0)
+            if len(used) > gathered:
+                slot_work[used[-1]] = work
+            works.append(work)
+            stats.pieces += 1
+        return works
+
+    def _broadcast_failed(self, e: BaseException, fl: "_InFlight", prev: "_InFlight | None"):
+        """Raise the WeightSyncError for a failed broadcast, naming the likely culprit."""
+        meta, timeout, t_err = fl.meta, self.config.timeout_s, time.monotonic()
+        if prev is not None:  # the previous bucket's failure broke the group: name it
+            for link, f in zip(self.links, prev.answers):
+                if f.done() and not f.cancelled() and f.exception() is not None:
+                    self._fail(WeightSyncError(prev.meta.version, prev.meta.index,
+                                               _why(f.exception(), timeout),
+                                               stage=self.stage, engine=link.name))
+        # Blame engines whose call failed well before the broadcast gave up (they caused it);
+        # else those still silent a moment later (hung). Healthy peers fail too, but only once
+        # the broken group is torn down.
+        answers, failed_at = fl.answers, fl.failed_at
+        early = [l.name for l, f in zip(self.links, answers)
+                 if failed_at.get(id(f), t_err) < t_err - 0.5]
+        concurrent.futures.wait(answers, timeout=1.0)
+        silent = [l.name for l, f in zip(self.links, answers) if not f.done() or (
+            id(f) in failed_at and isinstance(f.exception(), asyncio.TimeoutError))]
+        culprits = early or silent or [l.name for l, f in zip(self.links, answers)
+                                       if id(f) in failed_at]
+        self._fail(WeightSyncError(meta.version, meta.index, f"broadcast failed: "
+                                   f"{_why(e, timeout)}", stage=self.stage,
+                                   engine=", ".join(culprits) or None))
 
     def _collect(self, fl: "_InFlight", stats: SyncStats) -> None:
         """Every engine's answer for one bucket, within the timeout; checks checksums."""
@@ -249,8 +277,13 @@ class WeightProducer:
         stats.results = results
 
     def _fail(self, err: WeightSyncError):
+        """Mark the group broken and close it now: an engine still waiting on it (for a bucket
+        already announced) then fails at once instead of at its group timeout."""
         self.broken = f"update group unusable after a failed sync ({err}); reconnect"
         logger.error("%s", err)
+        group, self.group = self.group, None
+        if group is not None:
+            group.close()
         raise err
 
     def send(self, named: Iterable[tuple[str, torch.Tensor]], version: str,
@@ -287,7 +320,7 @@ class WeightProducer:
                                                            device=self.device)
             return buf
 
-        packer = self._packer(str(version), buffer, direct=False)
+        packer = self._packer(str(version), buffer, direct=False, copy=self._snapshot_copy)
         buckets = [b for name, t in named for b in packer.add(name, t)]
         buckets += list(packer.finish())
         if self.device.type == "cuda":
@@ -318,6 +351,7 @@ class WeightProducer:
         except Exception:  # noqa: BLE001 - already reported; closing must go on
             pass
         self._bg_pool.shutdown(wait=True)
+        self._copy_pool.shutdown(wait=True)
         self._io.submit(self._each(lambda l: l.close())).result(10)
         self._io.close()
         if self.group is not None:

@@ -21,6 +21,9 @@ import torch
 
 LOAD_FORMAT = "megarl_bucket"
 MiB = 1 << 20
+# Tensors below this share broadcasts: about where a broadcast's fixed cost (~50-100 us over
+# loopback gloo) outweighs copying the bytes in and out of a shared piece.
+SMALL_TENSOR_BYTES = 1 * MiB
 
 
 @dataclass(frozen=True)
@@ -61,10 +64,11 @@ class BucketMeta:
         """Byte ranges of the broadcasts that carry this bucket, in order, each at most
         `chunk_bytes`. Pieces are cut at tensor boundaries, so most lie inside one tensor:
         the producer sends them from the tensor itself and the consumer receives them in
-        place (no copy on either side). Tensors smaller than `chunk_bytes // 8` share pieces,
-        so a run of tiny tensors (norms, biases) is not one broadcast each."""
+        place (no copy on either side). Tensors smaller than `chunk_bytes // 8` and
+        `SMALL_TENSOR_BYTES` share pieces (copied on both sides), so a run of tiny tensors
+        (norms, biases) is not one broadcast each."""
         step = max(1, self.chunk_bytes)
-        small = step // 8
+        small = min(step // 8, SMALL_TENSOR_BYTES)
         out, a = [], 0  # a: start of the open piece of small tensors
         for e in self.entries:
             s, n = e.offset, e.end - e.start
