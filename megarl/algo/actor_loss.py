@@ -22,8 +22,10 @@ and the worker's sum over micro-batches is the mini-batch value. Metrics (all sh
 ``actor/ppo_kl``, ``actor/ratio_mean``, ``actor/entropy`` (when entropy is given),
 ``actor/kl_loss`` (with ``use_kl_loss``), and with rollout log-probs ``actor/tis_weight_mean``,
 ``actor/tis_truncated_frac``, ``actor/logp_mismatch`` (mean abs(old - behaviour log-prob): the
-rollout-vs-trainer mismatch). Maxima (`losses.MAX_STATS`) are not returned, since the worker
-sums metrics.
+rollout-vs-trainer mismatch). Maxima (``actor/ratio_max``, ``actor/tis_weight_max``, the raw
+untruncated weight; names in `MAX_METRICS`) are returned only with `with_max_metrics=True`:
+they must be reduced over micro-batches with max, not summed, so a caller that sums every
+metric must leave them off.
 """
 from __future__ import annotations
 
@@ -33,13 +35,16 @@ import torch
 
 from .aggregate import AGG_MODES, aggregate
 from .kl import KL_KINDS, kl_penalty
-from .losses import aggregate_entropy, ppo_policy_loss
+from .losses import TIS_LEVELS, aggregate_entropy, ppo_policy_loss
 
 _STAT_NAMES = {"pg_loss": "actor/pg_loss", "clip_frac": "actor/pg_clipfrac",
                "dual_clip_frac": "actor/pg_clipfrac_lower", "ppo_kl": "actor/ppo_kl",
                "ratio_mean": "actor/ratio_mean", "tis_weight_mean": "actor/tis_weight_mean",
                "tis_truncated_frac": "actor/tis_truncated_frac",
                "logp_mismatch": "actor/logp_mismatch"}
+_MAX_NAMES = {"ratio_max": "actor/ratio_max", "tis_weight_max": "actor/tis_weight_max"}
+MAX_METRICS = tuple(_MAX_NAMES.values())
+"""Metric names to reduce with max over micro-batches (and ranks); every other one is summed."""
 
 ActorLossFn = Callable[[torch.Tensor, torch.Tensor | None, dict],
                        tuple[torch.Tensor, dict[str, torch.Tensor]]]
@@ -49,14 +54,19 @@ def make_actor_loss(*, clip_ratio_low: float, clip_ratio_high: float,
                     clip_ratio_c: float | None = 3.0, loss_agg_mode: str = "token-mean",
                     entropy_coeff: float = 0.0, use_kl_loss: bool = False,
                     kl_loss_coef: float = 0.001, kl_loss_type: str = "low_var_kl",
-                    tis_imp_ratio_cap: float | None = 2.0,
-                    denom: float | None = None) -> ActorLossFn:
+                    tis_imp_ratio_cap: float | None = 2.0, tis_level: str = "token",
+                    denom: float | None = None, with_max_metrics: bool = False
+                    ) -> ActorLossFn:
     """Build the actor loss (see the module docstring). `clip_ratio_c=None` disables dual
-    clip; `tis_imp_ratio_cap=None` leaves the importance weight untruncated."""
+    clip; `tis_imp_ratio_cap=None` leaves the importance weight untruncated; `tis_level`
+    ("token" | "sequence") is the granularity of that weight."""
     if loss_agg_mode not in AGG_MODES:
         raise ValueError(f"unknown loss_agg_mode {loss_agg_mode!r}; choose from {AGG_MODES}")
     if use_kl_loss and kl_loss_type not in KL_KINDS:
         raise ValueError(f"unknown kl_loss_type {kl_loss_type!r}; choose from {KL_KINDS}")
+    if tis_level not in TIS_LEVELS:
+        raise ValueError(f"unknown tis_level {tis_level!r}; choose from {TIS_LEVELS}")
+    names = {**_STAT_NAMES, **(_MAX_NAMES if with_max_metrics else {})}
 
     def loss_fn(logprobs: torch.Tensor, entropy: torch.Tensor | None, mb: dict):
         mask = mb["response_mask"].to(logprobs.device).float()
@@ -64,8 +74,8 @@ def make_actor_loss(*, clip_ratio_low: float, clip_ratio_high: float,
         loss, stats = ppo_policy_loss(
             logprobs, mb["old_logprobs"], mb["advantages"], mask, clip_ratio_low,
             clip_ratio_high, clip_ratio_c, behav_logp=behav, tis_cap=tis_imp_ratio_cap,
-            agg=loss_agg_mode, denom=denom)
-        metrics = {name: stats[key] for key, name in _STAT_NAMES.items() if key in stats}
+            agg=loss_agg_mode, denom=denom, level=tis_level)
+        metrics = {name: stats[key] for key, name in names.items() if key in stats}
         if entropy is not None:
             ent = aggregate_entropy(entropy, mask, loss_agg_mode, denom)
             metrics["actor/entropy"] = ent.detach()
@@ -88,9 +98,11 @@ def make_actor_loss(*, clip_ratio_low: float, clip_ratio_high: float,
     return loss_fn
 
 
-def make_actor_loss_from_config(actor_cfg, denom: float | None = None) -> ActorLossFn:
+def make_actor_loss_from_config(actor_cfg, denom: float | None = None,
+                                with_max_metrics: bool = False) -> ActorLossFn:
     """`make_actor_loss` from the ``actor_rollout_ref.actor`` config section (null
-    clip_ratio_low/high fall back to clip_ratio)."""
+    clip_ratio_low/high fall back to clip_ratio; a section without ``tis_level`` means
+    "token")."""
     def pick(v):
         return actor_cfg.clip_ratio if v is None else v
 
@@ -100,4 +112,6 @@ def make_actor_loss_from_config(actor_cfg, denom: float | None = None) -> ActorL
         clip_ratio_c=actor_cfg.clip_ratio_c, loss_agg_mode=actor_cfg.loss_agg_mode,
         entropy_coeff=actor_cfg.entropy_coeff, use_kl_loss=actor_cfg.use_kl_loss,
         kl_loss_coef=actor_cfg.kl_loss_coef, kl_loss_type=actor_cfg.kl_loss_type,
-        tis_imp_ratio_cap=actor_cfg.tis_imp_ratio_cap, denom=denom)
+        tis_imp_ratio_cap=actor_cfg.tis_imp_ratio_cap,
+        tis_level=getattr(actor_cfg, "tis_level", "token"), denom=denom,
+        with_max_metrics=with_max_metrics)

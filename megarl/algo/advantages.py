@@ -1,17 +1,23 @@
-"""Advantage estimators: sample-level scores in, sample-level advantages out.
+"""Advantage estimators: rewards in, token-level advantages [N, T] out.
 
-Owns: grouping samples by prompt uid, GRPO's group-relative advantage, and spreading a
-sample-level advantage over its response tokens. Leaves out (for now): Dr. GRPO, RLOO,
-REINFORCE++ and GAE; they reuse `group_index` and `broadcast_to_tokens`.
+Owns: grouping samples by prompt uid, the outcome-reward estimators (GRPO, Dr. GRPO, RLOO,
+REINFORCE++ and REINFORCE++-baseline), spreading a sample-level advantage over its response
+tokens, and the one dispatcher `compute_advantages` keyed by ``algorithm.adv_estimator``.
+Leaves out: GAE (needs a critic's values; the dispatcher raises NotImplementedError).
 
 Conventions:
-- `rewards` is [N] (one scalar score per sample, e.g. the sum of its token-level rewards).
+- `rewards` is [N] (one scalar score per sample) or [N, T] (token-level rewards, e.g. the score
+  at the last response token minus a per-token KL penalty, see `kl.apply_kl_in_reward`).
+  Group estimators use a sample's *sum* of token rewards over its response; REINFORCE++ places
+  a sample-level reward on the last response token.
 - `group_ids` names each sample's group (the prompt's uid): a list of hashables, or a tensor.
+- `response_mask` [N, T] is 1 on the response tokens; advantages are exactly 0 elsewhere.
 - GRPO's std is the unbiased sample std (Bessel, as `torch.std` and verl).
-- A group whose rewards are all equal carries no signal: its advantages are exactly 0 (the
-  `eps` in the denominator keeps 0/0 away). A group of one sample is treated the same way (its
-  mean is its own reward), so it contributes 0 — verl instead passes a singleton's raw reward
-  through; we do not, because a one-sample "group" has no baseline to compare with.
+- A group whose rewards are all equal carries no signal: its advantages are exactly 0 (checked
+  on the group's range, so rounding in the mean cannot leak a tiny nonzero value). A group of
+  one sample is treated the same way (its baseline is its own reward), so it contributes 0 —
+  verl instead passes a singleton's raw reward through; we do not, because a one-sample
+  "group" has no baseline to compare with.
 """
 from __future__ import annotations
 
@@ -19,8 +25,12 @@ from typing import Hashable, Sequence
 
 import torch
 
+ADV_ESTIMATORS = ("grpo", "drgrpo", "rloo", "reinforce_plus_plus",
+                  "reinforce_plus_plus_baseline", "gae")
+GroupIds = Sequence[Hashable] | torch.Tensor
 
-def group_index(group_ids: Sequence[Hashable] | torch.Tensor) -> tuple[torch.Tensor, int]:
+
+def group_index(group_ids: GroupIds) -> tuple[torch.Tensor, int]:
     """Map group ids to dense indices 0..G-1 in order of first appearance -> (index [N], G)."""
     if torch.is_tensor(group_ids):
         uniq, inv = torch.unique(group_ids, return_inverse=True)
@@ -44,21 +54,150 @@ def group_mean_std(rewards: torch.Tensor, idx: torch.Tensor, n_groups: int
     return mean[idx], std[idx], count[idx]
 
 
-def grpo_advantages(rewards: torch.Tensor, group_ids: Sequence[Hashable] | torch.Tensor,
-                    norm_by_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
-    """GRPO: adv_i = (r_i - mean_g) / (std_g + eps) with `norm_by_std`, else r_i - mean_g.
-
-    `rewards` [N] float; returns [N] in float32 (no gradient flows through advantages)."""
+def _prepare(rewards: torch.Tensor, group_ids: GroupIds
+             ) -> tuple[torch.Tensor, torch.Tensor, int]:
     rewards = torch.as_tensor(rewards).detach().float().reshape(-1)
     idx, n_groups = group_index(group_ids)
     if idx.numel() != rewards.numel():
         raise ValueError(f"{rewards.numel()} rewards but {idx.numel()} group ids")
-    idx = idx.to(rewards.device)
+    return rewards, idx.to(rewards.device), n_groups
+
+
+def _constant_group(rewards: torch.Tensor, idx: torch.Tensor, n_groups: int) -> torch.Tensor:
+    """Per-sample: does the sample's group hold one reward value only (incl. singletons)?"""
+    hi = rewards.new_full((n_groups,), -torch.inf).scatter_reduce(0, idx, rewards, "amax")
+    lo = rewards.new_full((n_groups,), torch.inf).scatter_reduce(0, idx, rewards, "amin")
+    return (hi == lo)[idx]
+
+
+def grpo_advantages(rewards: torch.Tensor, group_ids: GroupIds, norm_by_std: bool = True,
+                    eps: float = 1e-6) -> torch.Tensor:
+    """GRPO: adv_i = (r_i - mean_g) / (std_g + eps) with `norm_by_std`, else r_i - mean_g.
+
+    `rewards` [N] float; returns [N] in float32 (no gradient flows through advantages)."""
+    rewards, idx, n_groups = _prepare(rewards, group_ids)
     mean, std, _ = group_mean_std(rewards, idx, n_groups)
     adv = rewards - mean
     if norm_by_std:
         adv = adv / (std + eps)
-    return adv
+    return adv.masked_fill(_constant_group(rewards, idx, n_groups), 0.0)
+
+
+def drgrpo_advantages(rewards: torch.Tensor, group_ids: GroupIds) -> torch.Tensor:
+    """Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-like training"): adv_i = r_i - mean_g.
+
+    Differs from GRPO in exactly two places, one here and one in the loss:
+    1. no division by the group std (which up-weights groups whose rewards barely differ,
+       i.e. questions that are too easy or too hard) — this function;
+    2. no per-sequence 1/|o_i| length normalisation in the loss (which shrinks the gradient of
+       long wrong answers, so they grow) — that is the loss aggregation, not the advantage:
+       use ``loss_agg_mode`` ``seq-mean-token-sum`` (Dr. GRPO's sum over tokens / number of
+       sequences, without its constant 1/max_len, which only rescales the learning rate) or
+       ``token-mean``; ``seq-mean-token-mean`` reintroduces GRPO's length bias
+       (`LENGTH_NORMALISED_AGG_MODES`).
+    Identical to ``grpo_advantages(..., norm_by_std=False)``."""
+    return grpo_advantages(rewards, group_ids, norm_by_std=False)
+
+
+LENGTH_NORMALISED_AGG_MODES = ("seq-mean-token-mean",)
+
+
+def rloo_advantages(rewards: torch.Tensor, group_ids: GroupIds) -> torch.Tensor:
+    """RLOO (Ahmadian et al. 2024): adv_i = r_i - mean_{j in g, j != i} r_j.
+
+    Equals n/(n-1) * (r_i - mean_g) for a group of n; the baseline excludes the sample itself,
+    so it is independent of r_i and the estimate unbiased. Singletons give 0 (no other sample
+    to form a baseline; verl uses baseline 0 there). Returns [N] float32."""
+    rewards, idx, n_groups = _prepare(rewards, group_ids)
+    mean, _, count = group_mean_std(rewards, idx, n_groups)
+    adv = (rewards - mean) * count / (count - 1).clamp(min=1)
+    return adv.masked_fill(_constant_group(rewards, idx, n_groups), 0.0)
+
+
+def sample_rewards(rewards: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """[N] scores from [N] (as is) or [N, T] token rewards (summed over the response)."""
+    rewards = torch.as_tensor(rewards).detach().float()
+    if rewards.dim() == 1:
+        return rewards
+    return (rewards * response_mask.to(rewards.dtype)).sum(-1)
+
+
+def token_rewards(rewards: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """[N, T] token rewards: masked as is, or a sample's score [N] on its last response token.
+
+    A row without response tokens gets no reward anywhere."""
+    rewards = torch.as_tensor(rewards).detach().float()
+    mask = response_mask.to(rewards.device).float()
+    if rewards.dim() == 2:
+        return rewards * mask
+    if rewards.shape[0] != mask.shape[0]:
+        raise ValueError(f"{rewards.shape[0]} rewards but mask {tuple(mask.shape)}")
+    pos = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
+    last = torch.where(mask > 0, pos, -1).amax(-1)  # -1: no response
+    out = torch.zeros_like(mask)
+    rows = (last >= 0).nonzero().squeeze(-1)
+    out[rows, last[rows]] = rewards[rows]
+    return out
+
+
+def discounted_returns(token_rewards: torch.Tensor, response_mask: torch.Tensor,
+                       gamma: float = 1.0) -> torch.Tensor:
+    """G_t = sum_{k >= t, k in response} gamma^(k - t) r_k per row, 0 outside the response.
+
+    Masked positions carry no reward and are skipped by the discount (the response's tokens
+    are treated as contiguous steps even if the mask has holes)."""
+    mask = response_mask.to(token_rewards.dtype)
+    r = token_rewards * mask
+    out = torch.zeros_like(r)
+    running = r.new_zeros(r.shape[0])
+    for t in range(r.shape[1] - 1, -1, -1):
+        step = mask[:, t]
+        running = torch.where(step > 0, r[:, t] + gamma * running, running)
+        out[:, t] = running * step
+    return out
+
+
+def masked_whiten(values: torch.Tensor, mask: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """(v - mean) / (std + eps) over the valid tokens of the whole tensor; 0 off the mask.
+
+    mean and unbiased std are taken over *tokens* (a sample counts once per response token).
+    Constant values (incl. one valid token, or none) give exactly 0, never NaN."""
+    mask = mask.to(values.dtype)
+    valid = mask > 0
+    n = mask.sum()
+    if n == 0:
+        return torch.zeros_like(values)
+    v = values[valid]
+    if bool(v.max() == v.min()):
+        return torch.zeros_like(values)
+    mean = v.sum() / n
+    std = torch.sqrt(((v - mean) ** 2).sum() / (n - 1).clamp(min=1))
+    return (values - mean) / (std + eps) * mask
+
+
+def reinforce_plus_plus_advantages(rewards: torch.Tensor, response_mask: torch.Tensor,
+                                   gamma: float = 1.0, eps: float = 1e-6) -> torch.Tensor:
+    """REINFORCE++ (Hu 2025): token-level discounted returns, whitened over the batch.
+
+    adv[i, t] = (G[i, t] - mean) / (std + eps), G from `discounted_returns` of the token rewards
+    (a sample score [N] sits on the last response token), mean/std over every valid response
+    token of every sample in the tensors given (pass the whole step's batch, not a
+    mini-batch). No prompt grouping. Returns [N, T] float32."""
+    mask = response_mask.float()
+    g = discounted_returns(token_rewards(rewards, mask), mask, gamma)
+    return masked_whiten(g, mask, eps)
+
+
+def reinforce_plus_plus_baseline_advantages(rewards: torch.Tensor, group_ids: GroupIds,
+                                            response_mask: torch.Tensor, eps: float = 1e-6
+                                            ) -> torch.Tensor:
+    """REINFORCE++-baseline: subtract the group mean (r_i - mean_g, as Dr. GRPO), spread over
+    the response tokens, then whiten over all valid tokens of the batch (`masked_whiten`).
+
+    No discounting (an outcome reward per sample). Returns [N, T] float32."""
+    mask = response_mask.float()
+    adv = drgrpo_advantages(sample_rewards(rewards, mask), group_ids)
+    return masked_whiten(broadcast_to_tokens(adv, mask), mask, eps)
 
 
 def broadcast_to_tokens(adv: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
@@ -67,3 +206,40 @@ def broadcast_to_tokens(adv: torch.Tensor, response_mask: torch.Tensor) -> torch
         raise ValueError(f"advantages {tuple(adv.shape)} do not match mask "
                          f"{tuple(response_mask.shape)}")
     return adv.unsqueeze(-1) * response_mask.to(adv.dtype)
+
+
+def compute_advantages(name: str, rewards: torch.Tensor, group_ids: GroupIds | None,
+                       response_mask: torch.Tensor, *, norm_by_std: bool = True,
+                       gamma: float = 1.0, eps: float = 1e-6) -> torch.Tensor:
+    """Token-level advantages [N, T] (float32, 0 off the response) for estimator `name`.
+
+    `name` is ``algorithm.adv_estimator``. `norm_by_std` (``norm_adv_by_std_in_grpo``) applies
+    to ``grpo`` only; `gamma` to ``reinforce_plus_plus`` only (any other estimator with
+    gamma != 1 raises rather than silently ignore it); `group_ids` may be None for
+    ``reinforce_plus_plus``. Pass the whole step's batch: the batch-normalised estimators
+    and the group baselines need all of it."""
+    mask = response_mask.float()
+    if name not in ADV_ESTIMATORS:
+        raise ValueError(f"unknown algorithm.adv_estimator {name!r}; choose from "
+                         f"{ADV_ESTIMATORS}")
+    if name == "gae":
+        raise NotImplementedError("algorithm.adv_estimator='gae' needs a critic (value "
+                                  "model), which megarl does not have; use an outcome "
+                                  "estimator")
+    if gamma != 1.0 and name != "reinforce_plus_plus":
+        raise ValueError(f"algorithm.gamma={gamma} has no effect with adv_estimator={name!r} "
+                         "(outcome rewards, no discounting); set it to 1.0")
+    if name == "reinforce_plus_plus":
+        return reinforce_plus_plus_advantages(rewards, mask, gamma, eps)
+    if group_ids is None:
+        raise ValueError(f"adv_estimator={name!r} needs group_ids (prompt uids)")
+    if name == "reinforce_plus_plus_baseline":
+        return reinforce_plus_plus_baseline_advantages(rewards, group_ids, mask, eps)
+    scores = sample_rewards(rewards, mask)
+    if name == "grpo":
+        adv = grpo_advantages(scores, group_ids, norm_by_std, eps)
+    elif name == "drgrpo":
+        adv = drgrpo_advantages(scores, group_ids)
+    else:
+        adv = rloo_advantages(scores, group_ids)
+    return broadcast_to_tokens(adv.to(mask.device), mask)

@@ -13,10 +13,17 @@ of KL(pi || pi_ref):
 k3 is clamped as verl does: -d is clamped to [-20, 20] before the exp (no overflow), and the
 result to [-10, 10], so one wild token cannot dominate the loss. Values are per token [b, T];
 aggregate with `megarl.algo.aggregate.aggregate`.
+
+KL in the reward (PPO style, ``algorithm.use_kl_in_reward``) instead of in the loss:
+`apply_kl_in_reward` turns scores into token rewards r[i, t] - coef * k[i, t] over the response;
+`adaptive_kl_coef` is the adaptive controller's update (Ziegler et al. 2019), a pure function
+of the current coefficient so the caller owns its state.
 """
 from __future__ import annotations
 
 import torch
+
+from .advantages import token_rewards
 
 KL_KINDS = ("k1", "kl", "k2", "mse", "k3", "low_var_kl", "abs")
 
@@ -35,3 +42,35 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "low_var_
     if kind == "abs":
         return d.abs()
     raise ValueError(f"unknown KL kind {kind!r}; choose from {KL_KINDS}")
+
+
+def apply_kl_in_reward(rewards: torch.Tensor, logp: torch.Tensor, ref_logp: torch.Tensor,
+                       response_mask: torch.Tensor, kind: str = "kl", coef: float = 0.001
+                       ) -> tuple[torch.Tensor, dict[str, float]]:
+    """Token rewards [N, T] = token_rewards(rewards) - coef * kl_penalty(logp, ref_logp, kind).
+
+    `rewards` is [N] (each score lands on its sample's last response token) or [N, T]; the
+    penalty applies on every response token and nothing outside the response. Log-probs are
+    the *behaviour-time* ones that the rollout's tokens were scored with (no gradient).
+    Metrics: ``reward/kl_penalty`` (the mean over samples of each sample's token-mean KL,
+    i.e. the ``current_kl`` that `adaptive_kl_coef` wants) and ``reward/kl_coef``."""
+    mask = response_mask.float()
+    kl = kl_penalty(logp.detach().float(), ref_logp.detach().float(), kind) * mask
+    out = token_rewards(rewards, mask) - coef * kl
+    n_tok = mask.sum(-1)
+    has = n_tok > 0
+    per_seq = kl.sum(-1)[has] / n_tok[has]
+    current = float(per_seq.mean()) if bool(has.any()) else 0.0
+    return out, {"reward/kl_penalty": current, "reward/kl_coef": float(coef)}
+
+
+def adaptive_kl_coef(coef: float, current_kl: float, target_kl: float, n_steps: int,
+                     horizon: int) -> float:
+    """One update of the adaptive KL controller (``algorithm.kl_ctrl.type: adaptive``):
+    coef * (1 + clip(current_kl / target_kl - 1, -0.2, 0.2) * n_steps / horizon).
+
+    `n_steps` is the number of samples (verl's convention) seen since the last update."""
+    if target_kl <= 0 or horizon <= 0:
+        raise ValueError(f"need target_kl > 0 and horizon > 0, got {target_kl}, {horizon}")
+    err = min(max(current_kl / target_kl - 1.0, -0.2), 0.2)
+    return coef * (1.0 + err * n_steps / horizon)

@@ -18,6 +18,13 @@ bound (`clip_c` > 1):
     w     = min(exp(old_logp - behav_logp), tis_cap)   detached    (truncated IS weight)
     loss_token = w * l
 
+`level="sequence"` replaces the per-token w by one weight per sequence,
+w_i = min(exp(sum_t m[i,t] (old_logp - behav_logp)[i,t]), tis_cap), on all of row i's tokens:
+the exact importance ratio of the whole response, unbiased for a sequence-level objective
+(e.g. an outcome reward under seq-mean-token-sum) when untruncated, at the price of a variance
+that grows with the length; the token level (default) is the usual lower-variance, biased
+per-token approximation.
+
 This is decoupled PPO (AReaL, Fu et al. 2025): the trust region is measured against the
 proximal policy, and the mismatch between proximal and behaviour policy is corrected by the
 importance weight w, truncated at `tis_cap` as in TIS (Yao et al. 2025). `tis_cap=None`
@@ -36,7 +43,8 @@ same `denom`, so summing them over the micro-batches of a batch gives the batch 
 branch is active), ``dual_clip_frac`` (tokens where the dual clip is active), ``ppo_kl``
 (k1 estimate of KL(pi_prox || pi_theta), mean of old_logp - logp), ``ratio_mean``, and when
 `behav_logp` is given ``tis_weight_mean`` (mean w after truncation), ``tis_truncated_frac``
-(tokens with raw weight > cap) and ``logp_mismatch`` (mean abs(old_logp - behav_logp)).
+(tokens with raw weight > cap; at the sequence level each token of a truncated sequence) and
+``logp_mismatch`` (per-token mean abs(old_logp - behav_logp), at either level).
 *Maxima* (reduce with max, not sum; names in `MAX_STATS`): ``ratio_max`` and, with
 `behav_logp`, ``tis_weight_max`` (the raw, untruncated weight).
 """
@@ -59,12 +67,25 @@ def _masked_max(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return x[valid].max()
 
 
-def behaviour_weight(old_logp: torch.Tensor, behav_logp: torch.Tensor,
-                     cap: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(w, raw log-weight, truncated?) with w = min(pi_prox / pi_behav, cap), detached.
+TIS_LEVELS = ("token", "sequence")
 
+
+def behaviour_weight(old_logp: torch.Tensor, behav_logp: torch.Tensor, cap: float | None,
+                     mask: torch.Tensor | None = None, level: str = "token"
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(w, raw log-weight, truncated?), all [b, T], detached, w = min(pi_prox / pi_behav, cap).
+
+    ``level="token"``: per token, log w = old - behav. ``level="sequence"``: one weight per
+    row, log w = sum over the row's masked tokens of (old - behav), i.e. the ratio of the
+    whole response's probabilities, broadcast to every token of the row (needs `mask`).
     Computed in log space (min(exp(x), cap) = exp(min(x, log cap))) so it never overflows."""
+    if level not in TIS_LEVELS:
+        raise ValueError(f"unknown TIS level {level!r}; choose from {TIS_LEVELS}")
     log_w = (old_logp - behav_logp).detach()
+    if level == "sequence":
+        if mask is None:
+            raise ValueError("sequence-level importance weights need the response mask")
+        log_w = (log_w * mask).sum(-1, keepdim=True).expand_as(log_w)
     capped = log_w.clamp(max=_LOG_CLAMP)
     if cap is None:
         truncated = torch.zeros_like(log_w, dtype=torch.bool)
@@ -80,12 +101,13 @@ def ppo_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tenso
                     mask: torch.Tensor, clip_low: float, clip_high: float,
                     clip_c: float | None = None, behav_logp: torch.Tensor | None = None,
                     tis_cap: float | None = None, agg: str = "token-mean",
-                    denom: float | torch.Tensor | None = None
+                    denom: float | torch.Tensor | None = None, level: str = "token"
                     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped (dual-clip, decoupled, TIS-weighted) PPO loss -> (loss, stats); see module doc.
 
     All tensors [b, T] (adv may be [b], broadcast over the row); `mask` is 1 on the tokens
-    that count. Only `logp` should carry a gradient; the others are detached here anyway."""
+    that count. Only `logp` should carry a gradient; the others are detached here anyway.
+    `level` ("token" | "sequence") picks the importance weight (`behaviour_weight`)."""
     if not 0 <= clip_low < 1 or clip_high < 0:
         raise ValueError(f"need 0 <= clip_low < 1 and clip_high >= 0, got {clip_low}, "
                          f"{clip_high}")
@@ -114,11 +136,12 @@ def ppo_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tenso
     smode = stats_mode(agg)
     stats: dict[str, torch.Tensor] = {}
     if behav_logp is not None:
-        w, log_w, truncated = behaviour_weight(old_logp, behav_logp.float(), tis_cap)
+        behav_logp = behav_logp.detach().float()
+        w, log_w, truncated = behaviour_weight(old_logp, behav_logp, tis_cap, mask, level)
         per_token = per_token * w
         stats["tis_weight_mean"] = aggregate(w, mask, smode, denom)
         stats["tis_truncated_frac"] = aggregate(truncated.to(mask.dtype), mask, smode, denom)
-        stats["logp_mismatch"] = aggregate(log_w.abs(), mask, smode, denom)
+        stats["logp_mismatch"] = aggregate((old_logp - behav_logp).abs(), mask, smode, denom)
         stats["tis_weight_max"] = _masked_max(torch.exp(log_w.clamp(max=_LOG_CLAMP)), mask)
 
     loss = aggregate(per_token, mask, agg, denom)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from megarl.algo.advantages import broadcast_to_tokens, grpo_advantages
+from megarl.algo.advantages import compute_advantages
 from megarl.config import ConfigError
 from megarl.observability.loggers import make_loggers
 from megarl.observability.metrics import MetricsTracker, pipeline_step_metrics, throughput
@@ -103,9 +103,10 @@ class Driver:
         await asyncio.gather(*d["scores"])  # scoring started as each response finished
         samples = d["samples"]
         batch = build_batch(samples, self.r.pad_id)
-        adv = grpo_advantages(batch["rewards"], [s.uid for s in samples],
-                              norm_by_std=self.cfg.algorithm.norm_adv_by_std_in_grpo)
-        batch["advantages"] = broadcast_to_tokens(adv, batch["response_mask"])
+        alg = self.cfg.algorithm
+        batch["advantages"] = compute_advantages(
+            alg.adv_estimator, batch["rewards"], [s.uid for s in samples],
+            batch["response_mask"], norm_by_std=alg.norm_adv_by_std_in_grpo, gamma=alg.gamma)
         d["batch"] = batch
         rw = batch["rewards"]
         self.metrics.update(k, {"reward/mean": rw.mean().item(), "reward/max": rw.max().item(),

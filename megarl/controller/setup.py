@@ -108,6 +108,13 @@ async def setup_run(cfg, val_only: bool) -> Run:
     if _hosts(plans, "logp") is not _hosts(plans, "actor-train"):
         raise ConfigError("trainer.separated_node_tasks: `logp` and `actor-train` must share "
                           "a group (one Megatron model serves both)")
+    if cfg.algorithm.use_kl_in_reward:
+        raise ConfigError("algorithm.use_kl_in_reward: not wired into the trainer yet (the "
+                          "penalty exists in megarl.algo.kl); use actor_rollout_ref.actor."
+                          "use_kl_loss")
+    if cfg.algorithm.adv_estimator == "gae":
+        raise ConfigError("algorithm.adv_estimator: `gae` needs a critic, which megarl does "
+                          "not have yet")
     if arr.rollout.name != "embedded":
         raise ConfigError("actor_rollout_ref.rollout.name: only `embedded` is wired into the "
                           "trainer so far (the sglang client and launcher exist; see docs)")
@@ -144,7 +151,7 @@ async def setup_run(cfg, val_only: bool) -> Run:
 
     init_ray(cfg)
     dgs = {p.name: DeviceGroup(p, t.device) for p in plans if p.tasks != ("reward",)}
-    need_ref = (arr.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward) and not val_only
+    need_ref = arr.actor.use_kl_loss and not val_only
     actor_dg = dgs[_hosts(plans, "actor-train").name]
     gen_dg = dgs[_hosts(plans, "generate").name]
     ref_dg = dgs[_hosts(plans, "ref_logp").name] if need_ref else None

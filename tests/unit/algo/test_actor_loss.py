@@ -113,3 +113,31 @@ def test_from_config_null_clip_bounds_fall_back():
     cfg.clip_ratio_high = 0.5
     loss, _ = make_actor_loss_from_config(cfg, denom=4.0)(logp, None, mb)
     torch.testing.assert_close(loss, torch.tensor(-1.5 * 2 / 4))  # unclipped, a 2/4 share
+
+
+def test_max_metrics_only_on_request_and_tis_level():
+    from megarl.algo.actor_loss import MAX_METRICS
+    mb, logp = _mb()
+    # behaviour: ratios 3 and 1 per token -> sequence weight 3, capped to 2 on both tokens
+    mb["rollout_logprobs"] = mb["old_logprobs"] - torch.tensor([[0.0, 0.0, math.log(3), 0.0]])
+    _, m = make_actor_loss(**KW)(logp, None, mb)
+    assert not set(MAX_METRICS) & set(m)
+    loss, m = make_actor_loss(**{**KW, "tis_level": "sequence"}, with_max_metrics=True)(
+        logp, None, mb)
+    torch.testing.assert_close(loss, torch.tensor(-4.0))  # -A * w = -2 * 2 per token
+    torch.testing.assert_close(m["actor/tis_weight_max"], torch.tensor(3.0))
+    torch.testing.assert_close(m["actor/ratio_max"], torch.tensor(1.0))
+    torch.testing.assert_close(m["actor/tis_truncated_frac"], torch.tensor(1.0))
+    with pytest.raises(ValueError):
+        make_actor_loss(**{**KW, "tis_level": "batch"})
+
+
+def test_from_config_reads_tis_level_when_present():
+    plain = OmegaConf.to_container(OmegaConf.structured(ActorConfig))
+    mb, logp = _mb()
+    mb["rollout_logprobs"] = mb["old_logprobs"] - torch.tensor([[0.0, 0.0, math.log(3), 0.0]])
+    token, _ = make_actor_loss_from_config(OmegaConf.create(plain))(logp, None, mb)
+    seq, _ = make_actor_loss_from_config(OmegaConf.create({**plain, "tis_level": "sequence"}))(
+        logp, None, mb)
+    torch.testing.assert_close(token, torch.tensor(-3.0))
+    torch.testing.assert_close(seq, torch.tensor(-4.0))

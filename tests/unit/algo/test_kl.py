@@ -43,3 +43,39 @@ def test_low_var_kl_is_clamped():
 def test_unknown_kind_raises():
     with pytest.raises(ValueError):
         kl_penalty(LOGP, REF, "k4")
+
+
+# --- KL in the reward and the adaptive controller ----------------------------------------------
+from megarl.algo.kl import adaptive_kl_coef, apply_kl_in_reward  # noqa: E402
+
+
+def test_kl_in_reward_hand_computed():
+    # k1 d = logp - ref: row 0 response tokens 1, 2 have d = +ln2, -ln2; row 1 token 0 d = 0.5;
+    # row 2 has no response. Position values outside the mask are junk (d = 9).
+    logp = torch.tensor([[9.0, LN2, 0.0], [0.5, 9.0, 9.0], [9.0, 9.0, 9.0]])
+    ref = torch.tensor([[0.0, 0.0, LN2], [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
+    mask = torch.tensor([[0, 1, 1], [1, 0, 0], [0, 0, 0]])
+    out, m = apply_kl_in_reward(torch.tensor([1.0, 2.0, 3.0]), logp, ref, mask, "k1", 0.1)
+    want = torch.tensor([[0.0, -0.1 * LN2, 1.0 + 0.1 * LN2], [2.0 - 0.05, 0, 0], [0, 0, 0]])
+    torch.testing.assert_close(out, want)
+    # per-sample token-mean KL: row 0 (ln2 - ln2) / 2 = 0, row 1 0.5; rows with tokens only
+    assert m == {"reward/kl_penalty": pytest.approx(0.25), "reward/kl_coef": 0.1}
+    # token-level rewards in: the penalty is subtracted on top of them
+    dense = torch.ones(3, 3)
+    out, _ = apply_kl_in_reward(dense, logp, ref, mask, "k1", 0.1)
+    torch.testing.assert_close(out, mask * (1 - 0.1 * (logp - ref)))
+
+
+def test_kl_in_reward_all_masked_no_nan():
+    out, m = apply_kl_in_reward(torch.ones(2), torch.zeros(2, 3), torch.ones(2, 3),
+                                torch.zeros(2, 3), "low_var_kl", 0.1)
+    assert torch.count_nonzero(out) == 0 and m["reward/kl_penalty"] == 0.0
+
+
+def test_adaptive_kl_coef():
+    # error clip(0.15 / 0.1 - 1, +-0.2) = 0.2 -> 0.1 * (1 + 0.2 * 100 / 1000) = 0.102
+    assert adaptive_kl_coef(0.1, 0.15, 0.1, 100, 1000) == pytest.approx(0.102)
+    # error -0.1 -> 0.1 * (1 - 0.1 * 0.1) = 0.099
+    assert adaptive_kl_coef(0.1, 0.09, 0.1, 100, 1000) == pytest.approx(0.099)
+    with pytest.raises(ValueError):
+        adaptive_kl_coef(0.1, 0.1, 0.0, 1, 1)

@@ -167,3 +167,64 @@ def test_gradient_zero_once_clipped():
     loss, _ = ppo_policy_loss(logp, old, torch.tensor([1.0]), torch.ones(1, 1), 0.2, 0.2)
     loss.backward()
     assert logp.grad.abs().max() == 0
+
+
+def test_sequence_level_tis_weight():
+    # row 0: response tokens 0, 1 with prox/behav = 3 and 0.5 -> one weight 1.5 on both;
+    #        token 2 is masked and carries a junk behaviour log-prob (must not count).
+    # row 1: no response. logp = old (r = 1), A = +1 -> loss = -w per token, token-mean -1.5
+    old = torch.log(torch.tensor([[0.3, 0.1, 0.5], [0.2, 0.2, 0.2]]))
+    behav = torch.log(torch.tensor([[0.1, 0.2, 1e-20], [0.2, 0.2, 0.2]]))
+    mask = torch.tensor([[1, 1, 0], [0, 0, 0]])
+    logp = old.clone().requires_grad_(True)
+    loss, st = ppo_policy_loss(logp, old, torch.ones(2), mask, 0.2, 0.2, behav_logp=behav,
+                               tis_cap=2.0, level="sequence")
+    torch.testing.assert_close(loss, torch.tensor(-1.5))
+    torch.testing.assert_close(st["tis_weight_mean"], torch.tensor(1.5))
+    assert st["tis_truncated_frac"] == 0
+    torch.testing.assert_close(st["tis_weight_max"], torch.tensor(1.5))
+    # the per-token mismatch metric is the same at both levels: (ln 3 + ln 2) / 2
+    torch.testing.assert_close(st["logp_mismatch"], torch.tensor((LN(3) + LN(2)) / 2))
+    loss.backward()  # d/d logp = -A * w / 2 tokens on the response, 0 elsewhere
+    torch.testing.assert_close(logp.grad, torch.tensor([[-0.75, -0.75, 0], [0, 0, 0]]))
+    # cap 1.2 truncates the whole sequence: w = 1.2, every token of it counts as truncated;
+    # the max metric keeps the raw weight
+    loss, st = ppo_policy_loss(old, old, torch.ones(2), mask, 0.2, 0.2, behav_logp=behav,
+                               tis_cap=1.2, level="sequence")
+    torch.testing.assert_close(loss, torch.tensor(-1.2))
+    assert st["tis_truncated_frac"] == 1
+    torch.testing.assert_close(st["tis_weight_max"], torch.tensor(1.5))
+    # token level on the same data: w = [2 (capped), 0.5] -> -1.25
+    loss, _ = ppo_policy_loss(old, old, torch.ones(2), mask, 0.2, 0.2, behav_logp=behav,
+                              tis_cap=2.0, level="token")
+    torch.testing.assert_close(loss, torch.tensor(-1.25))
+    with pytest.raises(ValueError):
+        ppo_policy_loss(old, old, torch.ones(2), mask, 0.2, 0.2, behav_logp=behav,
+                        level="batch")
+
+
+def test_sequence_level_never_overflows_and_all_masked_is_zero():
+    old, behav = torch.zeros(1, 40), torch.full((1, 40), -50.0)  # sum of log w = 2000
+    loss, st = ppo_policy_loss(old, old, torch.ones(1, 40), torch.ones(1, 40), 0.2, 0.2,
+                               behav_logp=behav, tis_cap=None, level="sequence")
+    assert torch.isfinite(loss) and torch.isfinite(st["tis_weight_max"])
+    z = torch.zeros(2, 3)
+    for mode in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"):
+        loss, st = ppo_policy_loss(V[:2], V[:2] - 1, torch.ones(2, 3), z, 0.2, 0.2,
+                                   behav_logp=V[:2], tis_cap=2.0, agg=mode, level="sequence")
+        assert loss == 0 and all(torch.isfinite(v) for v in st.values())
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"])
+def test_sequence_level_micro_batch_shares(mode):
+    logp, old, behav, adv, mask = _random_batch(seed=3)
+    kw = dict(clip_low=0.2, clip_high=0.28, clip_c=3.0, tis_cap=1.5, agg=mode,
+              level="sequence")
+    whole, st_whole = ppo_policy_loss(logp, old, adv, mask, behav_logp=behav, **kw)
+    denom = global_denom(mask, mode)
+    parts = [ppo_policy_loss(logp[s], old[s], adv[s], mask[s], behav_logp=behav[s],
+                             denom=denom, **kw) for s in (slice(0, 2), slice(2, 5))]
+    torch.testing.assert_close(sum(p[0] for p in parts), whole)
+    for k, v in st_whole.items():
+        combine = max if k.endswith("_max") else sum
+        torch.testing.assert_close(combine(p[1][k] for p in parts), v, msg=k)
