@@ -23,6 +23,7 @@ CHOICES: Dict[str, tuple] = {
     "actor_rollout_ref.actor.loss_agg_mode": (
         "token-mean", "seq-mean-token-sum", "seq-mean-token-mean"),
     "actor_rollout_ref.actor.kl_loss_type": KL_TYPES,
+    "actor_rollout_ref.actor.tis_level": ("token", "sequence"),
     "actor_rollout_ref.actor.megatron.params_dtype": ("float32", "bfloat16", "float16"),
     "actor_rollout_ref.ref.megatron.params_dtype": ("float32", "bfloat16", "float16"),
     "actor_rollout_ref.rollout.name": ("embedded", "sglang"),
@@ -146,7 +147,12 @@ class ActorConfig:
     kl_loss_type: str = "low_var_kl"
     """KL estimator for the KL loss."""
     tis_imp_ratio_cap: Optional[float] = 2.0
-    """Truncated importance sampling: cap on pi_proximal/pi_behaviour; null disables it."""
+    """Truncated importance sampling: cap on the behaviour weight pi_proximal/pi_behaviour
+    (the rollout engine's own log-probs are the behaviour policy); null leaves the weight
+    untruncated (plain decoupled PPO)."""
+    tis_level: str = "token"
+    """``token``: one importance weight per token; ``sequence``: one per response, the product
+    over its tokens (unbiased for sequence-level rewards, higher variance)."""
     optim: OptimConfig = field(default_factory=OptimConfig)
     """Optimizer and LR schedule."""
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
