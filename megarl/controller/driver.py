@@ -12,19 +12,15 @@ import asyncio
 import json
 import logging
 import time
-from pathlib import Path
 
-import torch
 
 from megarl.algo.advantages import compute_advantages
-from megarl.config import ConfigError
-from megarl.observability.loggers import make_loggers
 from megarl.observability.metrics import MetricsTracker, pipeline_step_metrics, throughput
 
 from . import checkpoint as ckpt
 from .batch import build_batch, mini_batches, staleness
 from .generation import Scorer, rollout, sampling_params
-from .machine import Pipeline, task_groups
+from .machine import Pipeline
 from .setup import Run, setup_run
 
 logger = logging.getLogger(__name__)
@@ -190,7 +186,7 @@ class Driver:
         self.r.loggers.log(k + 1, metrics)
         self.steps.pop(k, None)
         t = self.cfg.trainer
-        last = k + 1 == self.p.total_steps if hasattr(self.p, "total_steps") else False
+        last = k + 1 == self.p.total_steps
         if t.save_freq > 0 and ((k + 1) % t.save_freq == 0 or last):
             await self.save(k)
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
 from megarl.backends.megatron.checkpoint import hf_side_dir, read_meta

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 
-import torch
 import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
 

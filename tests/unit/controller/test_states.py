@@ -32,7 +32,7 @@ def test_every_illegal_pair_raises(frm, to):
     with pytest.raises(IllegalTransition) as err:
         check(7, frm, to)
     assert (err.value.step, err.value.frm, err.value.to) == (7, frm, to)
-    assert f"step 7" in str(err.value) and f"{frm} -> {to}" in str(err.value)
+    assert "step 7" in str(err.value) and f"{frm} -> {to}" in str(err.value)
 
 
 def walk(m, path, group="g"):

@@ -3,7 +3,6 @@ loop thread, as a server runs it): bit-exact delivery, versions, memory, failure
 import asyncio
 
 import pytest
-import torch
 from safetensors.torch import load_file
 
 from megarl.rollout.protocol import BadRequest, GenerateRequest, SamplingParams

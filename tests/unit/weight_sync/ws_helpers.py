@@ -2,7 +2,7 @@
 import asyncio
 import threading
 
-from megarl.utils.launch import free_port
+from megarl.utils.launch import free_port  # noqa: F401 - re-exported to the tests
 
 
 class EngineThread:
