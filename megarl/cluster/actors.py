@@ -97,14 +97,10 @@ class MegatronActor:
         return {} if stats is None else {"transfer_s": stats.transfer_s}
 
     def save(self, path: str, **meta) -> None:
-        from megarl.backends.megatron.checkpoint import save_checkpoint
-
-        save_checkpoint(self.worker, path, **meta)
+        self.worker.save(path, **meta)
 
     def load(self, path: str) -> dict:
-        from megarl.backends.megatron.checkpoint import load_checkpoint
-
-        return load_checkpoint(self.worker, path)
+        return self.worker.load(path)
 
     def shutdown(self) -> None:
         from megarl.backends.megatron.parallel import destroy_distributed

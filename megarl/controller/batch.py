@@ -65,14 +65,3 @@ def mini_batches(batch: dict, n_samples_per_prompt: int, prompts_per_mini: int,
             out.append({k: v[a:a + size] for k, v in batch.items() if torch.is_tensor(v)})
     return out
 
-
-def staleness(batch: dict, trainer_version: int) -> dict[str, float]:
-    """Versions behind the trainer, per response token (min / mean / max)."""
-    mask = batch["response_mask"] > 0
-    if not mask.any():
-        return {"rollout/staleness_min": 0.0, "rollout/staleness_mean": 0.0,
-                "rollout/staleness_max": 0.0}
-    behind = (trainer_version - batch["token_versions"][mask]).float()
-    return {"rollout/staleness_min": behind.min().item(),
-            "rollout/staleness_mean": behind.mean().item(),
-            "rollout/staleness_max": behind.max().item()}

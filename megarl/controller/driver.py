@@ -15,10 +15,11 @@ import time
 
 
 from megarl.algo.advantages import compute_advantages
-from megarl.observability.metrics import MetricsTracker, pipeline_step_metrics, throughput
+from megarl.observability.metrics import (MetricsTracker, pipeline_step_metrics,
+                                          staleness_metrics, throughput)
 
 from . import checkpoint as ckpt
-from .batch import build_batch, mini_batches, staleness
+from .batch import build_batch, mini_batches
 from .generation import Scorer, rollout, sampling_params
 from .machine import Pipeline
 from .setup import Run, setup_run
@@ -143,7 +144,9 @@ class Driver:
                 self.metrics.add(k, name if "/" in name else f"actor/{name}", v)
         tokens = int(b["attention_mask"].sum())
         self.metrics.update(k, throughput(tokens, dt))
-        self.metrics.update(k, staleness(b, k))
+        # per response token: a sync may land mid-request, so tokens of one sample differ
+        versions = b["token_versions"][b["response_mask"] > 0].tolist()
+        self.metrics.update(k, staleness_metrics(k, versions))
         self._record_prompts(k)
 
     def _record_prompts(self, k: int) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import logging
 
 from megarl.rollout.protocol import GenerateRequest, SamplingParams, continuation
@@ -43,14 +44,10 @@ async def generate_one(manager, request: GenerateRequest, max_resumes: int = 100
             return ids, lps, versions, out.finish_reason.type
         if len(ids) >= request.sampling.max_new_tokens:
             return ids, lps, versions, "length"
-        req = continuation(request, _as_partial(out, ids))
+        # the budget left is counted over every token so far, not just this attempt's
+        req = continuation(request, dataclasses.replace(out, output_ids=list(ids)))
         await asyncio.sleep(0.01)  # let the update that aborted us finish
     raise RuntimeError(f"request {request.rid}: aborted {max_resumes} times in a row")
-
-
-def _as_partial(out, ids):
-    out.output_ids = list(ids)
-    return out
 
 
 class Scorer:
@@ -81,7 +78,7 @@ async def rollout(manager, prompts, sp: SamplingParams, tokenizer, scorer: Score
     """Generate n samples for every prompt; start scoring each as soon as it finishes."""
     scores: list[asyncio.Future] = []
 
-    async def one(prompt, i, req):
+    async def one(prompt, req):
         ids, lps, versions, finish = await generate_one(manager, req)
         s = Sample(uid=prompt.uid, prompt_ids=list(prompt.prompt_ids), response_ids=ids,
                    rollout_logprobs=lps, weight_version=versions[0] if versions else -1,
@@ -95,7 +92,6 @@ async def rollout(manager, prompts, sp: SamplingParams, tokenizer, scorer: Score
     jobs = []
     for p in prompts:
         base = GenerateRequest(list(p.prompt_ids), sp, True, f"{rid_prefix}-{p.uid}")
-        for i, req in enumerate(base.expand()):
-            jobs.append(one(p, i, req))
+        jobs += [one(p, req) for req in base.expand()]
     samples = await asyncio.gather(*jobs)
     return list(samples), scores

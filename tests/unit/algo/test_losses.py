@@ -130,10 +130,10 @@ def _random_batch(B=5, T=6, seed=0):
     return logp, old, behav, adv, mask
 
 
-@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"])
-def test_micro_batch_shares_sum_to_batch_value(mode):
-    logp, old, behav, adv, mask = _random_batch()
-    kw = dict(clip_low=0.2, clip_high=0.28, clip_c=3.0, tis_cap=1.5, agg=mode)
+def _assert_shares_sum_to_batch(mode, seed=0, **extra):
+    """Two micro-batches normalised by the whole batch's denominator add up to the batch."""
+    logp, old, behav, adv, mask = _random_batch(seed=seed)
+    kw = dict(clip_low=0.2, clip_high=0.28, clip_c=3.0, tis_cap=1.5, agg=mode, **extra)
     whole, st_whole = ppo_policy_loss(logp, old, adv, mask, behav_logp=behav, **kw)
     denom = global_denom(mask, mode)
     parts = [ppo_policy_loss(logp[s], old[s], adv[s], mask[s], behav_logp=behav[s],
@@ -142,6 +142,12 @@ def test_micro_batch_shares_sum_to_batch_value(mode):
     for k, v in st_whole.items():
         combine = max if k.endswith("_max") else sum
         torch.testing.assert_close(combine(p[1][k] for p in parts), v, msg=k)
+    return mask, denom
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"])
+def test_micro_batch_shares_sum_to_batch_value(mode):
+    mask, denom = _assert_shares_sum_to_batch(mode)
     ent = torch.rand(5, 6)
     torch.testing.assert_close(
         sum(aggregate_entropy(ent[s], mask[s], mode, denom) for s in (slice(0, 2), slice(2, 5))),
@@ -217,14 +223,4 @@ def test_sequence_level_never_overflows_and_all_masked_is_zero():
 
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"])
 def test_sequence_level_micro_batch_shares(mode):
-    logp, old, behav, adv, mask = _random_batch(seed=3)
-    kw = dict(clip_low=0.2, clip_high=0.28, clip_c=3.0, tis_cap=1.5, agg=mode,
-              level="sequence")
-    whole, st_whole = ppo_policy_loss(logp, old, adv, mask, behav_logp=behav, **kw)
-    denom = global_denom(mask, mode)
-    parts = [ppo_policy_loss(logp[s], old[s], adv[s], mask[s], behav_logp=behav[s],
-                             denom=denom, **kw) for s in (slice(0, 2), slice(2, 5))]
-    torch.testing.assert_close(sum(p[0] for p in parts), whole)
-    for k, v in st_whole.items():
-        combine = max if k.endswith("_max") else sum
-        torch.testing.assert_close(combine(p[1][k] for p in parts), v, msg=k)
+    _assert_shares_sum_to_batch(mode, seed=3, level="sequence")

@@ -5,20 +5,11 @@ import pytest
 from omegaconf import DictConfig, ListConfig
 from omegaconf.errors import ReadonlyConfigError
 
+from design_usage import DESIGN_OVERRIDES
 from megarl.config import ConfigError, load_config, to_yaml
 
 REPO = Path(__file__).resolve().parents[3]
 
-# The usage example of DESIGN §1, verbatim.
-DESIGN_OVERRIDES = [
-    "+actor_rollout_ref.async_pipeline=True",
-    "+trainer.sperated_node_tasks=[[logp,actor-train],ref_logp,generate]",
-    "+trainer.sperated_node_ratios=[0.5,0.25,0.25]",
-    "+actor_rollout_ref.rollout.enable_dual_buffer=True",
-    "+actor_rollout_ref.rollout.param_update_preduce_bucket_size_mb=512",
-    "+actor_rollout_ref.rollout.param_update_consume_bucket_size_mb=128",
-    "+trainer.generate_ahead_steps=2",
-]
 
 
 def write(tmp_path, text, name="cfg.yaml"):
