@@ -43,6 +43,11 @@ def _config(args: argparse.Namespace) -> int:
 @subcommand("train", "train (trainer.val_only=True only validates)")
 def _train(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
+    if cfg.trainer.launcher == "torchrun":
+        # Every process of the torchrun world lands here; rank 0 drives, the others serve it.
+        from megarl.cluster import torchrun
+
+        return torchrun.main(cfg, lambda: _driver("train").run(cfg))
     _driver("train").run(cfg)
     return 0
 
@@ -51,6 +56,10 @@ def _train(args: argparse.Namespace) -> int:
 def _validate(args: argparse.Namespace) -> int:
     # Validate as val_only so a config with no data.val_files fails here, not in the driver.
     cfg = load_config(args.config, [*args.overrides, "trainer.val_only=True"])
+    if cfg.trainer.launcher == "torchrun":
+        from megarl.cluster import torchrun
+
+        return torchrun.main(cfg, lambda: _driver("validate").run(cfg, val_only=True))
     _driver("validate").run(cfg, val_only=True)
     return 0
 
@@ -65,15 +74,17 @@ def _driver(command: str):
         raise _Abort(f"megarl {command}: the controller is not built yet") from None
 
 
-@subcommand("convert", "checkpoint conversion: `hf2mcore` or `mcore2hf`, then the "
-            "converter's own flags (see --help of each)", config=False)
+@subcommand("convert", "checkpoint conversion: `megarl convert {hf2mcore,mcore2hf,reshard} "
+            "...` (each with --dry-run; see `megarl convert <name> --help`)", config=False)
 def _convert(args: argparse.Namespace) -> int:
-    from megarl.convert import cli as conv
+    from megarl.convert.cli import SUBCOMMANDS
 
-    mains = {"hf2mcore": conv.hf_to_megatron_main, "mcore2hf": conv.megatron_to_hf_main}
-    if not args.rest or args.rest[0] not in mains:
-        raise _Abort(f"megarl convert: first argument must be one of {sorted(mains)}")
-    return mains[args.rest[0]](args.rest[1:], prog=f"megarl convert {args.rest[0]}")
+    listing = "\n".join(f"  {name:<10} {text}" for name, (_, text) in SUBCOMMANDS.items())
+    if not args.rest or args.rest[0] not in SUBCOMMANDS:
+        raise _Abort(f"megarl convert: first argument must be one of {list(SUBCOMMANDS)}:\n"
+                     f"{listing}")
+    main_fn = SUBCOMMANDS[args.rest[0]][0]
+    return main_fn(args.rest[1:], prog=f"megarl convert {args.rest[0]}")
 
 
 @subcommand("make-tiny-model", "make a tiny HF model directory locally (random weights, "

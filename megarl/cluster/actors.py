@@ -22,9 +22,11 @@ def _threads(n: int) -> None:
     torch.set_num_threads(n)
 
 
-@ray.remote
-class MegatronActor:
-    """One rank of a Megatron model (actor or reference) in its own torch.distributed world."""
+class MegatronRank:
+    """One rank of a Megatron model (actor or reference) in its own torch.distributed world.
+
+    A plain class: `MegatronActor` is its Ray shell, and torchrun mode (cluster/torchrun.py)
+    runs it directly in the process torchrun started."""
 
     def __init__(self, rank: int, world_size: int, threads: int, log_level: str = "INFO"):
         logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: "
@@ -64,17 +66,17 @@ class MegatronActor:
 
     def train(self, mini_batches: list[dict], micro_batch_size: int, temperature: float) -> list:
         """One optimizer step per mini-batch; the loss is built here from the config."""
-        from megarl.algo.actor_loss import make_actor_loss_from_config
+        from megarl.algo.actor_loss import MAX_METRICS, make_actor_loss_from_config
         from megarl.algo.aggregate import global_denom
 
         out = []
         actor = self.cfg.actor_rollout_ref.actor
         for mb in mini_batches:
             denom = global_denom(mb["response_mask"], actor.loss_agg_mode)
-            loss_fn = make_actor_loss_from_config(actor, denom)
+            loss_fn = make_actor_loss_from_config(actor, denom, with_max_metrics=True)
             # Entropy is always computed: it is a metric even when its coefficient is 0.
             out.append(self.worker.train_step(mb, loss_fn, micro_batch_size, temperature,
-                                              with_entropy=True))
+                                              with_entropy=True, max_metrics=MAX_METRICS))
         return out
 
     def init_weight_sync(self, urls: list[str], address: str, base_port: int) -> None:
@@ -111,11 +113,18 @@ class MegatronActor:
 
 
 @ray.remote
-class RolloutActor:
-    """An embedded rollout engine behind SGLang's HTTP API, on one device of the generate group."""
+class MegatronActor(MegatronRank):
+    """The Ray shell of `MegatronRank`."""
+
+
+class RolloutRank:
+    """An embedded rollout engine behind SGLang's HTTP API, on one device of the generate group.
+
+    `host` is the address it binds and advertises: loopback under Ray on one machine, the
+    node's own address when other nodes must reach it (torchrun mode)."""
 
     def __init__(self, model_path: str, threads: int, seed: int, context_length: int,
-                 log_level: str = "INFO"):
+                 log_level: str = "INFO", host: str = "127.0.0.1"):
         logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: "
                             "%(message)s")
         _threads(threads)
@@ -124,10 +133,15 @@ class RolloutActor:
 
         engine = EmbeddedEngine(model_path, seed=seed, context_length=context_length,
                                 load_tokenizer=False, weight_version="0")
-        self.server = ServerThread(engine, "127.0.0.1", 0).__enter__()
+        self.server = ServerThread(engine, host, 0).__enter__()
 
     def url(self) -> str:
         return self.server.url
 
     def shutdown(self) -> None:
         self.server.__exit__(None, None, None)
+
+
+@ray.remote
+class RolloutActor(RolloutRank):
+    """The Ray shell of `RolloutRank`."""

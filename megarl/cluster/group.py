@@ -14,6 +14,8 @@ import ray
 import torch
 from omegaconf import OmegaConf
 
+from megarl.algo.actor_loss import MAX_METRICS
+
 from .actors import MegatronActor, RolloutActor
 from .placement import DeviceGroup, thread_budget
 
@@ -77,7 +79,9 @@ class MegatronGroup:
         steps = []
         for j in range(len(mini_batches)):
             keys = leaders[0][j].keys()
-            steps.append({k: sum(l[j][k] for l in leaders) / len(leaders) for k in keys})
+            # maxima (importance weights, ratios) reduce with max; everything else averages
+            steps.append({k: max(l[j][k] for l in leaders) if k in MAX_METRICS
+                          else sum(l[j][k] for l in leaders) / len(leaders) for k in keys})
         return steps
 
     sync_initialised = False

@@ -31,7 +31,9 @@ CHOICES: Dict[str, tuple] = {
         "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "drgrpo", "gae"),
     "algorithm.kl_penalty": KL_TYPES,
     "algorithm.kl_ctrl.type": ("fixed", "adaptive"),
+    "algorithm.stale_policy": ("drop", "regenerate"),
     "trainer.device": ("cpu", "cuda"),
+    "trainer.launcher": ("ray", "torchrun"),
     "trainer.resume_mode": ("auto", "disable", "resume_path"),
 }
 
@@ -201,6 +203,13 @@ class RolloutConfig:
     """Consumer (engine) receive-piece size, MiB; at most the producer bucket."""
     val_kwargs: ValKwargsConfig = field(default_factory=ValKwargsConfig)
     """Sampling used by validation."""
+    partial_rollout: bool = False
+    """Partial rollout: once a step has ``data.train_batch_size`` complete prompt groups, abort
+    the rest, cache each unfinished trajectory (tokens, behaviour log-probs, per-token
+    versions) and resume it in a later step under newer weights. The cache is checkpointed."""
+    over_sample_prompts: Optional[int] = None
+    """With partial rollout: prompt groups kept in flight beyond ``data.train_batch_size`` so
+    the engines never idle while the long tail runs; null means half the batch (at least 1)."""
 
 
 @dataclass
@@ -253,6 +262,13 @@ class AlgorithmConfig:
     """KL estimator for the in-reward penalty."""
     kl_ctrl: KLCtrlConfig = field(default_factory=KLCtrlConfig)
     """Controller of the in-reward KL coefficient."""
+    max_staleness: Optional[int] = None
+    """Most weight versions a sample's oldest response token may lag the weights it is
+    trained from; null means no limit. Must be >= ``trainer.generate_ahead_steps - 1`` (the
+    lag the pipeline itself introduces)."""
+    stale_policy: str = "drop"
+    """What happens to a sample group over ``max_staleness``: ``drop`` it (counted, its prompt
+    is not trained) or ``regenerate`` it from the prompt under the current weights."""
 
 
 @dataclass
@@ -262,7 +278,11 @@ class RewardConfig:
     num_workers: int = 2
     """Processes in the streaming reward pool."""
     timeout_s: float = 30.0
-    """Seconds one reward call may take before it scores 0."""
+    """Seconds one reward call may take before it scores ``failure_score`` (its worker is
+    killed and replaced)."""
+    failure_score: float = 0.0
+    """Score given to a reward call that raises, times out, returns a non-number or whose
+    worker dies; such calls are logged and counted in ``reward/failures``."""
 
 
 @dataclass
@@ -273,6 +293,9 @@ class TrainerConfig:
     """Nodes in the cluster."""
     n_gpus_per_node: int = 1
     """Devices per node; on CPU, the number of worker processes per node."""
+    launcher: str = "ray"
+    """How worker processes start: ``ray`` (placement groups, the default) or ``torchrun``
+    (one process per device started by ``launch/torchrun.sh``; no Ray; see docs/launch.md)."""
     separated_node_tasks: List[Any] = field(
         default_factory=lambda: [["generate", "ref_logp", "logp", "actor-train"]])
     """Task groups: each item a task name or a list of task names sharing workers.

@@ -58,6 +58,7 @@ def validate_config(cfg: DictConfig) -> None:
     _check_actor(cfg, cfg.actor_rollout_ref.actor)
     _check_trainer(cfg.trainer, cfg.data)
     _check_reward(cfg.reward)
+    _check_staleness(cfg)
     for plan in plan_task_groups(cfg):
         _check_group_parallelism(cfg, plan)
 
@@ -105,6 +106,21 @@ def _check_rollout(cfg: DictConfig) -> None:
     if not 0 < r.gpu_memory_utilization <= 1:
         raise ConfigError(f"{_ARR}.rollout.gpu_memory_utilization: must be in (0, 1], "
                           f"got {r.gpu_memory_utilization}")
+
+
+def _check_staleness(cfg: DictConfig) -> None:
+    alg, r, t = cfg.algorithm, cfg.actor_rollout_ref.rollout, cfg.trainer
+    ahead = t.generate_ahead_steps if cfg.actor_rollout_ref.async_pipeline else 1
+    if alg.max_staleness is not None and alg.max_staleness < ahead - 1:
+        # GENERATE(k) starts on version k - ahead + 1 and TRAIN(k) uses version k: every
+        # sample would be over the limit and nothing would ever train.
+        raise ConfigError(
+            f"algorithm.max_staleness: {alg.max_staleness} is below the lag the pipeline "
+            f"itself introduces (trainer.generate_ahead_steps - 1 = {ahead - 1}); every "
+            "sample would be too stale")
+    if r.over_sample_prompts is not None and r.over_sample_prompts < 0:
+        raise ConfigError(f"{_ARR}.rollout.over_sample_prompts: must be >= 0, got "
+                          f"{r.over_sample_prompts}")
 
 
 def _check_actor(cfg: DictConfig, actor: DictConfig) -> None:

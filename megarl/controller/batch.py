@@ -28,6 +28,7 @@ class Sample:
     data_source: str = ""
     response_text: str = ""
     reward: float = 0.0
+    extra_info: dict = dataclasses.field(default_factory=dict)  # the prompt's, for rewards
 
 
 def build_batch(samples: list[Sample], pad_id: int) -> dict[str, torch.Tensor]:

@@ -15,13 +15,16 @@ import time
 
 
 from megarl.algo.advantages import compute_advantages
+from megarl.algo.kl import adaptive_kl_coef, apply_kl_in_reward
+from megarl.reward.pool import RewardPool
 from megarl.observability.metrics import (MetricsTracker, pipeline_step_metrics,
                                           staleness_metrics, throughput)
 
 from . import checkpoint as ckpt
 from .batch import build_batch, mini_batches
-from .generation import Scorer, rollout, sampling_params
+from .generation import rollout, sampling_params
 from .machine import Pipeline
+from .partial import PartialRollout
 from .setup import Run, setup_run
 
 logger = logging.getLogger(__name__)
@@ -35,8 +38,26 @@ class Driver:
         self.loader_states: dict[int, dict] = {}  # step -> loader position before its prompts
         self.metrics = MetricsTracker()
         self.val: dict[int, dict] = {}
-        self.scorer = Scorer(run.reward_fn, self.cfg.reward.num_workers)
+        # Scores each response in a worker process as soon as it finishes (streaming).
+        self.scorer = RewardPool.from_config(self.cfg.reward)
         self.val_results: list[dict] = []
+        saved = run.driver_state or {}
+        # In-reward KL coefficient: the adaptive controller's value survives a resume.
+        self.kl_coef = float(saved.get("kl_coef", self.cfg.algorithm.kl_ctrl.kl_coef))
+        self.partial = None
+        rc = self.cfg.actor_rollout_ref.rollout
+        if rc.partial_rollout:
+            need = self.cfg.data.train_batch_size
+            over = rc.over_sample_prompts if rc.over_sample_prompts is not None \
+                else max(1, need // 2)
+            self.partial = PartialRollout(
+                run.manager, run.tokenizer, run.loader, n=rc.n, need=need, over=over,
+                scorer=self.scorer, max_staleness=self.cfg.algorithm.max_staleness,
+                stale_policy=self.cfg.algorithm.stale_policy)
+            if saved.get("partial"):
+                self.partial.load_state_dict(saved["partial"])
+                logger.info("partial rollout: %d cached prompt group(s) restored",
+                            len(self.partial.cache))
 
     # ---------------------------------------------------------------- the loop
     async def main(self, pipeline: Pipeline) -> None:
@@ -76,18 +97,28 @@ class Driver:
     # ---------------------------------------------------------------- step states
     async def generate(self, k: int) -> None:
         r = self.r
-        self.loader_states[k] = r.loader.state_dict()
-        prompts = r.loader.next_batch()
+        # What is owed training before this step's prompts: where a checkpoint of step k-1
+        # resumes (the loader position, and the partial-rollout cache as it is now).
+        self.loader_states[k] = {"loader": r.loader.state_dict(),
+                                 "partial": self.partial.state_dict() if self.partial else None}
         sp = sampling_params(self.cfg.actor_rollout_ref.rollout, r.eos_ids,
                              self.cfg.trainer.seed * 1_000_003 + k,
                              max_new_tokens=r.max_new_tokens)
+        waited = await self._engines_at(max(r.start_step, k - r.ahead + 1))
         t0 = time.perf_counter()
-        samples, scores = await rollout(r.manager, prompts, sp, r.tokenizer, self.scorer,
-                                        f"s{k}")
+        extra, dropped = {"timing/wait_for_weights_s": waited}, []
+        if self.partial is not None:
+            # TRAIN(k) starts from version k: staleness is measured against that
+            samples, scores, extra, dropped = await self.partial.run_step(k, sp, k)
+        else:
+            samples, scores = await rollout(r.manager, r.loader.next_batch(), sp, r.tokenizer,
+                                            self.scorer, f"s{k}")
         dt = time.perf_counter() - t0
         tokens = sum(len(s.response_ids) for s in samples)
-        self.steps[k] = {"samples": samples, "scores": scores}
+        self.steps[k] = {"samples": samples, "scores": scores, "dropped": dropped}
+        self.metrics.update(k, extra)
         self.metrics.update(k, {"rollout/gen_tokens_per_s": tokens / dt if dt else 0.0,
+                                "rollout/generate_s": dt,
                                 "response/length_mean": tokens / max(1, len(samples)),
                                 "response/length_max": max(len(s.response_ids)
                                                            for s in samples),
@@ -95,20 +126,52 @@ class Driver:
                                     len(set(s.token_versions)) > 1 for s in samples) /
                                 len(samples)})
 
+    async def _engines_at(self, version: int, timeout_s: float = 600.0) -> float:
+        """Wait until every engine serves weights >= `version`; returns the seconds waited.
+
+        SYNC(k) finishes when the trainer has its snapshot; with the dual buffer the transfer
+        to the engines is still landing then. GENERATE(j) is promised version j - a + 1, so
+        it waits here for that transfer instead of starting new requests on older weights.
+        Polling the engines keeps the trainer free (a call on it would queue behind TRAIN)."""
+        if version <= self.r.start_step:
+            return 0.0  # the initial (or resumed) weights: loaded before the first step
+        t0 = time.perf_counter()
+        while True:
+            have = await self.r.manager.weight_versions()
+            if all(_version_number(v) >= version for v in have):
+                return time.perf_counter() - t0
+            if time.perf_counter() - t0 > timeout_s:
+                raise RuntimeError(f"engines still serve weight versions {have} after "
+                                   f"{timeout_s:.0f} s; version {version} never landed")
+            await asyncio.sleep(0.002)
+
     async def reward(self, k: int) -> None:
         d = self.steps[k]
         await asyncio.gather(*d["scores"])  # scoring started as each response finished
         samples = d["samples"]
-        batch = build_batch(samples, self.r.pad_id)
-        alg = self.cfg.algorithm
-        batch["advantages"] = compute_advantages(
-            alg.adv_estimator, batch["rewards"], [s.uid for s in samples],
-            batch["response_mask"], norm_by_std=alg.norm_adv_by_std_in_grpo, gamma=alg.gamma)
-        d["batch"] = batch
-        rw = batch["rewards"]
+        d["batch"] = build_batch(samples, self.r.pad_id)
+        rw = d["batch"]["rewards"]
         self.metrics.update(k, {"reward/mean": rw.mean().item(), "reward/max": rw.max().item(),
                                 "reward/min": rw.min().item(),
                                 "reward/exact_frac": (rw >= 1.0).float().mean().item()})
+
+    def _advantages(self, k: int) -> None:
+        """Advantages of step k's batch, at the start of TRAIN(k): the in-reward KL penalty
+        needs the reference and proximal log-probs of REF_LOGP(k) and LOGP(k)."""
+        b = self.steps[k]["batch"]
+        alg = self.cfg.algorithm
+        rewards = b["rewards"]
+        if alg.use_kl_in_reward:
+            rewards, m = apply_kl_in_reward(rewards, b["old_logprobs"], b["ref_logprobs"],
+                                            b["response_mask"], alg.kl_penalty, self.kl_coef)
+            self.metrics.update(k, m)
+            if alg.kl_ctrl.type == "adaptive":
+                self.kl_coef = adaptive_kl_coef(self.kl_coef, m["reward/kl_penalty"],
+                                                alg.kl_ctrl.target_kl, len(rewards),
+                                                alg.kl_ctrl.horizon)
+        b["advantages"] = compute_advantages(
+            alg.adv_estimator, rewards, [s.uid for s in self.steps[k]["samples"]],
+            b["response_mask"], norm_by_std=alg.norm_adv_by_std_in_grpo, gamma=alg.gamma)
 
     async def ref_logp(self, k: int) -> None:
         if self.r.ref is None:  # no KL anywhere: nothing consumes reference log-probs
@@ -131,6 +194,7 @@ class Driver:
                                 "rollout/logp_mismatch_max": diff.max().item()})
 
     async def train(self, k: int) -> None:
+        self._advantages(k)
         b = self.steps[k]["batch"]
         actor = self.cfg.actor_rollout_ref.actor
         mbs = mini_batches(b, self.cfg.actor_rollout_ref.rollout.n, actor.ppo_mini_batch_size,
@@ -152,9 +216,12 @@ class Driver:
     def _record_prompts(self, k: int) -> None:
         """Append which prompts step k trained on (an audit trail that resume tests read)."""
         uids = sorted({s.uid for s in self.steps[k]["samples"]})
+        rec = {"step": k, "uids": uids}
+        if self.steps[k].get("dropped"):
+            rec["dropped"] = sorted(self.steps[k]["dropped"])  # over max_staleness
         self.r.ckpt_root.mkdir(parents=True, exist_ok=True)
         with open(self.r.ckpt_root / "trained_prompts.jsonl", "a") as f:
-            f.write(json.dumps({"step": k, "uids": uids}) + "\n")
+            f.write(json.dumps(rec) + "\n")
 
     async def sync(self, k: int) -> None:
         stats = await self.r.actor.sync_weights(k + 1)
@@ -163,6 +230,7 @@ class Driver:
     # ---------------------------------------------------------------- validation
     async def val_generate(self, version: int) -> None:
         r = self.r
+        await self._engines_at(version)
         sp = sampling_params(self.cfg.actor_rollout_ref.rollout, r.eos_ids,
                              self.cfg.trainer.seed, validation=True,
                              max_new_tokens=r.max_new_tokens)
@@ -185,6 +253,7 @@ class Driver:
     # ---------------------------------------------------------------- end of a step
     async def finish_step(self, k: int) -> None:
         self.metrics.update(k, pipeline_step_metrics(self.p, k))
+        self.metrics.update(k, self.scorer.pop_stats())  # reward calls since the last step
         metrics = self.metrics.pop(k)
         self.r.loggers.log(k + 1, metrics)
         self.steps.pop(k, None)
@@ -202,11 +271,23 @@ class Driver:
         root = self.r.ckpt_root
         tmp = ckpt.begin(root, k)
         await self.r.actor.save(str(tmp / "actor"), step=k)
-        position = self.loader_states.get(k + 1, self.r.loader.state_dict())
-        ckpt.commit(root, k, {"step": k, "weight_version": k + 1, "loader": position,
+        owed = self.loader_states.get(k + 1) or {
+            "loader": self.r.loader.state_dict(),
+            "partial": self.partial.state_dict() if self.partial else None}
+        ckpt.commit(root, k, {"step": k, "weight_version": k + 1, "loader": owed["loader"],
+                              "partial": owed["partial"], "kl_coef": self.kl_coef,
                               "rng": ckpt.rng_state()})
         for old in [s for s in self.loader_states if s <= k]:
             self.loader_states.pop(old)
+
+
+def _version_number(v) -> int:
+    """An engine's version string as a number; one that is not (SGLang's "default", before
+    any update) counts as older than every trained version."""
+    try:
+        return int(v)
+    except (TypeError, ValueError):
+        return -1
 
 
 def run(cfg, val_only: bool = False) -> dict:

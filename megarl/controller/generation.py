@@ -73,6 +73,10 @@ class Scorer:
         self.pool.shutdown(wait=False, cancel_futures=True)
 
 
+def extra_info_of(prompt) -> dict:
+    return dict(getattr(prompt, "extra_info", None) or {})
+
+
 async def rollout(manager, prompts, sp: SamplingParams, tokenizer, scorer: Scorer | None,
                   rid_prefix: str) -> tuple[list[Sample], list[asyncio.Future]]:
     """Generate n samples for every prompt; start scoring each as soon as it finishes."""
@@ -83,7 +87,7 @@ async def rollout(manager, prompts, sp: SamplingParams, tokenizer, scorer: Score
         s = Sample(uid=prompt.uid, prompt_ids=list(prompt.prompt_ids), response_ids=ids,
                    rollout_logprobs=lps, weight_version=versions[0] if versions else -1,
                    token_versions=versions, finish=finish, ground_truth=prompt.ground_truth,
-                   data_source=prompt.data_source,
+                   data_source=prompt.data_source, extra_info=extra_info_of(prompt),
                    response_text=tokenizer.decode(ids, skip_special_tokens=True))
         if scorer is not None:
             scores.append(scorer.submit(s))

@@ -42,6 +42,7 @@ class Run:
     temperature: float
     ckpt_root: Path
     device_groups: list
+    driver_state: dict | None = None   # the resumed checkpoint's driver_state.json
 
     async def actor_wait(self) -> None:
         if self.actor is not None and self.actor.sync_initialised:
@@ -102,16 +103,18 @@ async def setup_run(cfg, val_only: bool) -> Run:
     from megarl.reward import load_reward_fn
     from megarl.rollout.manager import RolloutManager
 
+    if cfg.trainer.launcher == "torchrun":
+        # The same groups over processes torchrun started, no Ray: megarl/cluster/torchrun.py.
+        from megarl.cluster.torchrun import RankGroup as DeviceGroup
+        from megarl.cluster.torchrun import TorchrunMegatronGroup as MegatronGroup
+        from megarl.cluster.torchrun import TorchrunRolloutGroup as RolloutGroup
+        from megarl.cluster.torchrun import no_ray as init_ray
     arr, t = cfg.actor_rollout_ref, cfg.trainer
     prepare_assets(cfg)
     plans = plan_task_groups(cfg)
     if _hosts(plans, "logp") is not _hosts(plans, "actor-train"):
         raise ConfigError("trainer.separated_node_tasks: `logp` and `actor-train` must share "
                           "a group (one Megatron model serves both)")
-    if cfg.algorithm.use_kl_in_reward:
-        raise ConfigError("algorithm.use_kl_in_reward: not wired into the trainer yet (the "
-                          "penalty exists in megarl.algo.kl); use actor_rollout_ref.actor."
-                          "use_kl_loss")
     if cfg.algorithm.adv_estimator == "gae":
         raise ConfigError("algorithm.adv_estimator: `gae` needs a critic, which megarl does "
                           "not have yet")
@@ -151,7 +154,7 @@ async def setup_run(cfg, val_only: bool) -> Run:
 
     init_ray(cfg)
     dgs = {p.name: DeviceGroup(p, t.device) for p in plans if p.tasks != ("reward",)}
-    need_ref = arr.actor.use_kl_loss and not val_only
+    need_ref = (arr.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward) and not val_only
     actor_dg = dgs[_hosts(plans, "actor-train").name]
     gen_dg = dgs[_hosts(plans, "generate").name]
     ref_dg = dgs[_hosts(plans, "ref_logp").name] if need_ref else None
@@ -186,4 +189,4 @@ async def setup_run(cfg, val_only: bool) -> Run:
                manager=manager, loggers=loggers, groups=groups, ahead=ahead, total_steps=total,
                start_step=start_step, max_new_tokens=max_new,
                temperature=float(arr.rollout.temperature), ckpt_root=root,
-               device_groups=list(dgs.values()))
+               device_groups=list(dgs.values()), driver_state=state)

@@ -5,7 +5,8 @@ user function named by ``reward.reward_fn`` as an import path (``module:function
 A reward function has verl's signature
 ``fn(data_source, solution_str, ground_truth, extra_info=None) -> float`` and may also
 return a dict with a ``"score"`` key (verl allows that). Left out here: the streaming process
-pool with per-call timeouts (``reward.num_workers``, ``reward.timeout_s``) and the code sandbox.
+pool with per-call timeouts lives in ``megarl.reward.pool``, the code sandbox in
+``megarl.reward.sandbox``.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 from megarl.config.errors import ConfigError
-from megarl.reward import math_exact, quickstart
+from megarl.reward import code_exec, math_exact, quickstart
 
 logger = logging.getLogger(__name__)
 
@@ -32,15 +33,19 @@ DATA_SOURCES: dict[str, RewardFn] = {
     "DigitalLearningGmbH/MATH-lighteval": math_exact.compute_score,
     "HuggingFaceH4/MATH-500": math_exact.compute_score,
     "math": math_exact.compute_score,
+    **{name: code_exec.compute_score for name in code_exec.DATA_SOURCES},
 }
 
 
 def default_compute_score(data_source: str, solution_str: str, ground_truth,
                           extra_info=None) -> float:
-    """Dispatch on ``data_source``: the table above, then any name containing math/gsm8k."""
+    """Dispatch on ``data_source``: the table above, then any name containing math/gsm8k
+    (exact-match) or code (sandboxed test cases)."""
     fn = DATA_SOURCES.get(data_source)
     if fn is None and any(k in data_source.lower() for k in ("math", "gsm8k")):
         fn = math_exact.compute_score
+    if fn is None and "code" in data_source.lower():
+        fn = code_exec.compute_score
     if fn is None:
         raise ValueError(
             f"no built-in reward for data_source {data_source!r} (known: "

@@ -99,6 +99,7 @@ class EmbeddedEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task | None = None
         self.generated_tokens = 0
+        self.model_steps = 0  # batched forward passes (prefill + decode): a load-free cost
         logger.info("embedded engine: %s on %s (%s), context %d, eos %s", self.model_path,
                     self.device, next(self.model.parameters()).dtype, self.context_length,
                     sorted(self.eos_token_ids))
@@ -156,6 +157,7 @@ class EmbeddedEngine:
                 await asyncio.sleep(0)  # let request handlers and aborts in between steps
 
     def _step(self, admit: list[Sequence], version: str) -> list[Sequence]:
+        self.model_steps += bool(admit) + bool(len(self.batch) or admit)
         finished = self.batch.take_finished()  # rows flagged for abort since the last step
         if admit:
             self.batch.admit(admit, version)
@@ -269,7 +271,7 @@ class EmbeddedEngine:
     def stats(self) -> dict:
         return {"running": len(self.batch), "waiting": len(self._waiting),
                 "paused": self._paused, "weight_version": self.weight_version,
-                "generated_tokens": self.generated_tokens,
+                "generated_tokens": self.generated_tokens, "model_steps": self.model_steps,
                 "weights_broken": self.weights_broken, **self.weight_memory()}
 
     # -- weight updates ---------------------------------------------------------------------

@@ -136,6 +136,76 @@ def test_kill_after_checkpoint_then_resume(assets, tmp_path):
     assert "validation of weights v8:" in out
 
 
+def test_partial_rollout_kill_resume_trains_every_prompt_once(assets, tmp_path):
+    """Partial rollout caches unfinished groups; a run killed after a checkpoint and resumed
+    trains every prompt it drew exactly once (trained + still cached = drawn)."""
+    from megarl.data.dataset import load_split
+    from megarl.data.loader import PromptLoader
+
+    extra = ["trainer.total_training_steps=8", "trainer.save_freq=2", "trainer.test_freq=-1",
+             "trainer.val_before_train=False", "actor_rollout_ref.rollout.partial_rollout=True",
+             "actor_rollout_ref.rollout.over_sample_prompts=6"]
+    proc = megarl("train", _args(assets, tmp_path, *extra), start_new_session=True)
+    latest = tmp_path / "megarl" / "t" / "latest_checkpointed_iteration.txt"
+    deadline = time.time() + 300
+    while not latest.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    saved = int(latest.read_text())
+    assert 1 <= saved < 7, "the run should have been killed mid-way"
+    state = json.loads((tmp_path / "megarl" / "t" / f"global_step_{saved}" /
+                        "driver_state.json").read_text())
+    assert state["partial"]["groups"], "the checkpoint should hold cached partial groups"
+    out = megarl("train", _args(assets, tmp_path, *extra))
+    assert f"resuming after step {saved}" in out
+    assert "cached prompt group(s) restored" in out
+    steps = trained(tmp_path)
+    assert sorted(steps) == list(range(8))
+    uids = [u for k in range(8) for u in steps[k]]
+    assert all(len(steps[k]) == 8 for k in range(8))
+    assert len(uids) == len(set(uids)), "a prompt was trained twice"
+    final = json.loads((tmp_path / "megarl" / "t" / "global_step_7" /
+                        "driver_state.json").read_text())
+    cached = {g["uid"] for g in final["partial"]["groups"]}
+    assert not cached & set(uids)
+    # what the loader handed out, in its seeded order, up to the final position
+    from megarl.config import load_config
+    from transformers import AutoTokenizer
+    cfg = load_config(None, [f"data.train_files={assets / 'data' / 'train.jsonl'}",
+                             "data.train_batch_size=8", "data.max_prompt_length=64"])
+    tok = AutoTokenizer.from_pretrained(assets / "tiny")
+    loader = PromptLoader(load_split(cfg.data, tok), 8, shuffle=cfg.data.shuffle,
+                          seed=cfg.data.seed)
+    drawn = set()
+    while (loader.state_dict()["epoch"], loader.state_dict()["offset"]) != \
+            (final["loader"]["epoch"], final["loader"]["offset"]):
+        drawn |= {p.uid for p in loader.next_batch()}
+    assert set(uids) | cached == drawn
+    assert scalars(tmp_path, "rollout/partial/ratio")
+    assert max(scalars(tmp_path, "rollout/partial/versions_spanned_max").values()) >= 2
+
+
+def test_kl_in_reward_with_adaptive_coefficient(assets, tmp_path):
+    """PPO-style in-reward KL: the reference model runs for it alone (no KL loss), the
+    penalty is logged each step and the adaptive coefficient is checkpointed."""
+    extra = ["trainer.total_training_steps=3", "trainer.save_freq=3", "trainer.test_freq=-1",
+             "trainer.val_before_train=False", "algorithm.use_kl_in_reward=True",
+             "algorithm.kl_penalty=low_var_kl", "algorithm.kl_ctrl.type=adaptive",
+             "algorithm.kl_ctrl.target_kl=0.001",
+             "algorithm.kl_ctrl.horizon=100", "actor_rollout_ref.actor.use_kl_loss=False",
+             "algorithm.max_staleness=1"]
+    megarl("train", _args(assets, tmp_path, *extra))
+    kl = scalars(tmp_path, "reward/kl_penalty")
+    assert sorted(kl) == [1, 2, 3]
+    assert all(v >= 0 for v in kl.values()) and max(kl.values()) > 0
+    assert not scalars(tmp_path, "actor/kl_loss")
+    state = json.loads((tmp_path / "megarl" / "t" / "global_step_2" /
+                        "driver_state.json").read_text())
+    # KL above target grows the coefficient from its initial 0.001
+    assert state["kl_coef"] > 0.001
+
+
 def test_validation_only_mode(assets, tmp_path):
     out = megarl("validate", _args(assets, tmp_path))
     assert "val/reward_mean=" in out

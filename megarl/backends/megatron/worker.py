@@ -174,8 +174,11 @@ class MegatronWorker:
         return logits.cpu()
 
     def train_step(self, batch: dict, loss_fn: LossFn, micro_batch_size: int = 8,
-                   temperature: float = 1.0, with_entropy: bool = False) -> dict:
-        """One optimizer step over the batch, split into micro-batches."""
+                   temperature: float = 1.0, with_entropy: bool = False,
+                   max_metrics: tuple[str, ...] = ()) -> dict:
+        """One optimizer step over the batch, split into micro-batches. Metrics are summed
+        over micro-batches (loss_fn returns shares), except those named in `max_metrics`
+        (maxima, e.g. `megarl.algo.actor_loss.MAX_METRICS`), which take the max."""
         if self.optimizer is None:
             raise RuntimeError("train_step on a worker built with trainable=False")
         self.model.train()
@@ -192,13 +195,13 @@ class MegatronWorker:
             return loss * n_micro, metrics
 
         store = self._run(batch, micro_batch_size, loss_of, forward_only=False)
-        stats = self._reduce_metrics(store)
+        stats = self._reduce_metrics(store, max_metrics)
         stats.update(self.optimizer.step())
         return stats
 
-    def _reduce_metrics(self, store: list[dict]) -> dict:
-        """Sum the per-micro-batch metrics (they are shares of batch totals) on the last
-        stage and broadcast them to every stage."""
+    def _reduce_metrics(self, store: list[dict], max_metrics: tuple[str, ...] = ()) -> dict:
+        """Sum the per-micro-batch metrics (they are shares of batch totals; `max_metrics`
+        take the max instead) on the last stage and broadcast them to every stage."""
         names = sorted(store[0]) if store else []
         ps = self.ps
         if ps.get_pipeline_model_parallel_world_size() > 1:
@@ -206,7 +209,11 @@ class MegatronWorker:
             obj = [names]
             dist.broadcast_object_list(obj, src=src, group=grp)
             names = obj[0]
-        vals = torch.stack([sum(d[k] for d in store).reshape(()) for k in names]).cpu() \
+        def reduce(k):
+            parts = [d[k].reshape(()) for d in store]
+            return torch.stack(parts).max() if k in max_metrics else sum(parts)
+
+        vals = torch.stack([reduce(k) for k in names]).cpu() \
             if ps.is_pipeline_last_stage() else torch.zeros(len(names))
         if ps.get_pipeline_model_parallel_world_size() > 1:
             dist.broadcast(vals, src=ps.get_pipeline_model_parallel_last_rank(),

@@ -50,6 +50,16 @@ def main():
     ent_step = w.train_step(batch, with_entropy, micro_batch_size=mbs, with_entropy=True)
     assert torch.isfinite(torch.tensor(ent_step["grad_norm"])), ent_step
     curve.append(ent_step)
+    # Maxima named in max_metrics reduce with max over micro-batches; the rest are summed.
+    def with_max(logprobs, entropy, mb):
+        loss, m = fn(logprobs, entropy, mb)
+        top = mb["input_ids"].max().float()
+        return loss, {**m, "top": top, "top_summed": top}
+    mx = w.train_step(batch, with_max, micro_batch_size=mbs, max_metrics=("top",))
+    masked = ids * attn
+    assert mx["top"] == float(masked.max()), (mx, masked.max())
+    per_micro = sum(float(masked[a:a + mbs].max()) for a in range(0, 5, mbs))
+    assert abs(mx["top_summed"] - per_micro) < 1e-3 and mx["top_summed"] > mx["top"], mx
     if dist.get_rank() == 0:
         with open(out, "w") as f:
             json.dump(curve, f)

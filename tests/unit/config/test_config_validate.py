@@ -180,3 +180,19 @@ def test_reward_fn_must_be_an_import_path():
 def test_mini_batch_must_divide_train_batch():
     msg = error_of("data.train_batch_size=6", f"{ARR}.actor.ppo_mini_batch_size=4")
     assert msg.startswith(f"{ARR}.actor.ppo_mini_batch_size:")
+
+
+def test_max_staleness_below_the_pipeline_lag_is_refused():
+    msg = error_of(f"{ARR}.async_pipeline=True", "trainer.generate_ahead_steps=3",
+                   "algorithm.max_staleness=1")
+    assert msg.startswith("algorithm.max_staleness") and "generate_ahead_steps" in msg
+    # the lag of a synchronous pipeline is 0: any limit fits
+    load_config(None, ["algorithm.max_staleness=0"])
+    load_config(None, [f"{ARR}.async_pipeline=True", "trainer.generate_ahead_steps=3",
+                       "algorithm.max_staleness=2", "algorithm.stale_policy=regenerate"])
+
+
+def test_stale_policy_and_over_sample_are_checked():
+    assert error_of("algorithm.stale_policy=discard").startswith("algorithm.stale_policy")
+    assert error_of(f"{ARR}.rollout.over_sample_prompts=-1").startswith(
+        f"{ARR}.rollout.over_sample_prompts")

@@ -1,0 +1,408 @@
+"""torchrun mode: every device is a process that torchrun started; no Ray.
+
+`launch/torchrun.sh` starts `megarl train` once per device on every node. All processes
+compute the same group plan (cluster/topology.py); global rank r *is* device r (node-major:
+rank = node_rank × nproc_per_node + local_rank), so each task group owns the rank range of its
+devices. Global rank 0 runs the unchanged driver; every other rank runs `serve`, a command loop
+that builds and calls the same per-rank objects the Ray actors wrap (`MegatronRank`,
+`RolloutRank`).
+
+The control plane is the TCPStore that torchrun's agents already host (MASTER_ADDR:MASTER_PORT):
+rank 0 writes `cmd/<rank>/<seq>` (pickled), the rank executes it and writes `res/<rank>/<seq>`.
+Commands to one rank run in order, one at a time, like calls on a Ray actor; different ranks
+run concurrently. Nothing here touches the default process group of the torchrun world: an
+actor rank's default group must be its *model's* world (Megatron's parallel_state assumes so),
+which `MegatronRank.setup` creates on its own address and port, exactly as under Ray.
+
+Deliberately left out: fractional device shares (all models placed on a device live in one
+process; an actor and a reference model on the same ranks share its parallel state and so need
+the same TP×PP), restarting failed ranks, and Ray's placement groups. Batches travel through
+the store, which suits control-sized data; weights travel on the weight-sync group as usual.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures as cf
+import datetime
+import logging
+import os
+import pickle
+import socket
+import threading
+import time
+import traceback
+
+from megarl.config import ConfigError
+
+from .actors import MegatronRank, RolloutRank
+from .group import MegatronGroup
+from .placement import thread_budget
+
+logger = logging.getLogger(__name__)
+
+_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+_CONTROL: "Control | None" = None   # this process's link to the others, set by `main`
+# A rank whose heartbeat has not moved for this long is taken for dead: rank 0 fails the calls
+# waiting on it, and the other ranks leave when rank 0 goes quiet (no rank hangs for ever).
+HEARTBEAT_ENV = "MEGARL_TORCHRUN_HEARTBEAT_S"
+
+
+class RemoteError(RuntimeError):
+    """A command failed on another rank; the message carries that rank's traceback."""
+
+
+def node_ip(toward: str) -> str:
+    """The address of this host's interface that routes to `toward` (the rendezvous host), so
+    other nodes can reach what this rank serves. Loopback when `toward` is loopback. A UDP
+    connect sends nothing; it only asks the kernel for a route."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((socket.gethostbyname(toward), 9))
+            return s.getsockname()[0]
+        except OSError:
+            return socket.gethostbyname(socket.gethostname())
+
+
+def _threads(cfg) -> int:
+    """Threads per process: every model on a device shares its one process. OMP_NUM_THREADS,
+    when set (torchrun sets 1 for several processes per node), wins over the core split."""
+    env = os.environ.get("OMP_NUM_THREADS")
+    return int(env) if env else thread_budget(cfg, 1)
+
+
+# ------------------------------------------------------------------ per-rank objects
+class _Megatron(MegatronRank):
+    def rendezvous(self, single_node: bool) -> tuple[str, int]:
+        """This rank's node address (not Ray's idea of it) and a free port."""
+        from megarl.utils.launch import free_port
+
+        return _control().node_ip, free_port()
+
+
+class _Rollout(RolloutRank):
+    def __init__(self, model_path: str, threads: int, seed: int, context_length: int):
+        # Bind the node's address: the driver may be on another node.
+        super().__init__(model_path, threads, seed, context_length, host=_control().node_ip)
+
+
+_KINDS = {"megatron": _Megatron, "rollout": _Rollout}
+
+
+def _execute(objects: dict, msg: tuple):
+    """Run one command against this rank's objects: create one, or call a method on one."""
+    name, method, args, kwargs = msg
+    if method == "__init__":
+        objects[name] = _KINDS[args[0]](*args[1:], **kwargs)
+        return None
+    return getattr(objects[name], method)(*args, **kwargs)
+
+
+# ------------------------------------------------------------------ control plane
+class Control:
+    """One process's view of the torchrun world: its rank, the store, and (on rank 0) the
+    calls in flight to other ranks."""
+
+    def __init__(self, cfg):
+        missing = [k for k in _ENV if k not in os.environ]
+        if missing:
+            raise ConfigError(f"trainer.launcher=torchrun: {', '.join(missing)} not set; start "
+                              "`megarl train` with launch/torchrun.sh (or torchrun)")
+        t = cfg.trainer
+        self.rank, self.world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        if self.world != t.nnodes * t.n_gpus_per_node:
+            raise ConfigError(
+                f"trainer.nnodes × trainer.n_gpus_per_node = {t.nnodes} × {t.n_gpus_per_node} "
+                f"but torchrun started WORLD_SIZE={self.world} processes (one per device)")
+        local = os.environ.get("LOCAL_WORLD_SIZE")
+        if local is not None and int(local) != t.n_gpus_per_node:
+            raise ConfigError(f"trainer.n_gpus_per_node={t.n_gpus_per_node} but torchrun "
+                              f"started {local} processes on this node (--nproc-per-node)")
+        self.master = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        # With the agent's store, torchrun would make *every* env:// init_process_group a
+        # client of that store; the model worlds host their own stores, so turn it off here.
+        agent_store = os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None) == "True"
+        self._host_store = not agent_store and self.rank == 0
+        self._prefix = "megarl/{}/{}/".format(os.environ.get("TORCHELASTIC_RUN_ID", "run"),
+                                              os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        self.store = self._connect(self._host_store)
+        self.node_ip = node_ip(self.master[0])
+        self.objects: dict = {}
+        # rank 0 only: its own share of every call runs on one thread, in call order.
+        self._local = cf.ThreadPoolExecutor(1, thread_name_prefix="megarl-rank0")
+        self._seq = {r: 0 for r in range(self.world)}
+        self._pending: dict[str, tuple[cf.Future, str]] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._collector = None
+        self.heartbeat_s = float(os.environ.get(HEARTBEAT_ENV, 60))
+        self._seen: dict[int, tuple[int, float]] = {}
+        self._dead: set[int] = set()
+        threading.Thread(target=self._beat, daemon=True, name="megarl-heartbeat").start()
+
+    def _connect(self, host: bool = False):
+        """A store client. Every blocking user gets its own: a TCPStore client serialises its
+        operations, so a waiter would otherwise hold up every other caller."""
+        import torch.distributed as dist
+
+        store = dist.TCPStore(self.master[0], self.master[1], is_master=host,
+                              timeout=datetime.timedelta(seconds=600))
+        return dist.PrefixStore(self._prefix, store)
+
+    def _beat(self) -> None:
+        try:
+            store = self._connect()
+            while not self._stop.wait(self.heartbeat_s / 6):
+                store.add(f"beat/{self.rank}", 1)
+        except Exception as err:  # noqa: BLE001 - the store is gone: the run is over anyway
+            logger.debug("rank %d: heartbeat stopped: %s", self.rank, err)
+
+    def _silent(self, store, rank: int) -> bool:
+        """Whether `rank`'s heartbeat has stood still for `heartbeat_s` (on this clock)."""
+        count, now = store.add(f"beat/{rank}", 0), time.monotonic()
+        seen = self._seen.get(rank)
+        if seen is None or seen[0] != count:
+            self._seen[rank] = (count, now)
+            return False
+        return now - seen[1] > self.heartbeat_s
+
+    # ---------------------------------------------------------------- rank 0: calling
+    def call(self, rank: int, name: str, method: str, *args, **kwargs) -> cf.Future:
+        """Run `objects[name].method(*args)` on `rank`; the future holds its result."""
+        msg = (name, method, args, kwargs)
+        if rank == self.rank:
+            return self._local.submit(_execute, self.objects, msg)
+        if rank in self._dead:
+            fut = cf.Future()
+            fut.set_exception(RemoteError(f"rank {rank}: {name}.{method}: the rank is gone"))
+            return fut
+        seq = self._seq[rank]
+        self._seq[rank] += 1
+        fut: cf.Future = cf.Future()
+        with self._lock:
+            self._pending[f"res/{rank}/{seq}"] = (fut, f"rank {rank}: {name}.{method}")
+        self.store.set(f"cmd/{rank}/{seq}", pickle.dumps(msg, pickle.HIGHEST_PROTOCOL))
+        if self._collector is None:
+            self._collector = threading.Thread(target=self._collect, daemon=True,
+                                               name="megarl-results")
+            self._collector.start()
+        return fut
+
+    def _collect(self) -> None:
+        """Hand results back to their futures as the ranks write them."""
+        store = self._connect()
+        checked, nap = time.monotonic(), 0.001
+        while not self._stop.is_set():
+            with self._lock:
+                keys = list(self._pending)
+            if time.monotonic() - checked > 1.0:
+                checked = time.monotonic()
+                self._fail_silent(store, keys)
+                continue
+            got = False
+            for key in keys:
+                if not store.check([key]):
+                    continue
+                status, value = pickle.loads(store.get(key))
+                store.delete_key(key)
+                with self._lock:
+                    fut, what = self._pending.pop(key)
+                if status == "ok":
+                    fut.set_result(value)
+                else:
+                    fut.set_exception(RemoteError(f"{what} failed:\n{value}"))
+                got = True
+            nap = 0.001 if got else min(0.02, nap * 1.5)
+            time.sleep(nap)
+
+    def _fail_silent(self, store, keys: list[str]) -> None:
+        for rank in {int(k.split("/")[1]) for k in keys} - self._dead:
+            if not self._silent(store, rank):
+                continue
+            logger.error("rank %d: no heartbeat for %.0f s; failing its calls", rank,
+                         self.heartbeat_s)
+            self._dead.add(rank)
+            with self._lock:
+                lost = [k for k in self._pending if int(k.split("/")[1]) == rank]
+                futs = [self._pending.pop(k) for k in lost]
+            for fut, what in futs:
+                fut.set_exception(RemoteError(f"{what}: rank {rank} stopped answering"))
+
+    def release(self, timeout_s: float = 120.0) -> None:
+        """Tell every other rank to leave its loop, and wait until each has."""
+        acks = [self.call(r, "", "__exit__") for r in range(self.world) if r != self.rank]
+        done, late = cf.wait(acks, timeout=timeout_s)
+        if late:
+            logger.warning("%d rank(s) did not acknowledge the end of the run", len(late))
+        self._stop.set()
+        self._local.shutdown(wait=False)
+
+    # ---------------------------------------------------------------- other ranks: serving
+    def serve(self) -> None:
+        """Execute rank 0's commands in order until it says the run is over."""
+        seq = 0
+        logger.info("rank %d/%d serving (node %s)", self.rank, self.world, self.node_ip)
+        while True:
+            key = f"cmd/{self.rank}/{seq}"
+            # Poll rather than block in `wait`, so a rank 0 that vanished is noticed (and
+            # c10d does not log a socket timeout on every quiet stretch).
+            nap, checked = 0.001, time.monotonic()
+            while not self.store.check([key]):
+                time.sleep(nap)
+                nap = min(0.05, nap * 1.5)
+                if time.monotonic() - checked > 1.0:
+                    checked = time.monotonic()
+                    if self._silent(self.store, 0):
+                        raise RuntimeError(f"rank {self.rank}: rank 0 (the driver) has had no "
+                                           f"heartbeat for {self.heartbeat_s:.0f} s; leaving")
+            msg = pickle.loads(self.store.get(key))
+            self.store.delete_key(key)
+            if msg[1] == "__exit__":
+                self.store.set(f"res/{self.rank}/{seq}", pickle.dumps(("ok", None)))
+                break
+            try:
+                out = ("ok", _execute(self.objects, msg))
+            except Exception:  # noqa: BLE001 - the failure belongs to rank 0's caller
+                logger.exception("rank %d: %s.%s failed", self.rank, msg[0], msg[1])
+                out = ("error", traceback.format_exc())
+            self.store.set(f"res/{self.rank}/{seq}", pickle.dumps(out, pickle.HIGHEST_PROTOCOL))
+            seq += 1
+        self._stop.set()
+        logger.info("rank %d: run over", self.rank)
+
+
+def _control() -> Control:
+    if _CONTROL is None:
+        raise ConfigError("trainer.launcher=torchrun: this process was not started through "
+                          "`megarl train` under torchrun (see launch/torchrun.sh)")
+    return _CONTROL
+
+
+def main(cfg, run_driver) -> int:
+    """`megarl train` under torchrun: rank 0 runs `run_driver()`, the others serve it."""
+    global _CONTROL
+    _CONTROL = ctl = Control(cfg)
+    if ctl.rank != 0:
+        ctl.serve()
+        return 0
+    try:
+        run_driver()
+    finally:
+        ctl.release()
+    return 0
+
+
+# ------------------------------------------------------------------ group handles
+class _Method:
+    def __init__(self, handle: "_Handle", method: str):
+        self.handle, self.method = handle, method
+
+    def future(self, *args, **kwargs) -> cf.Future:
+        h = self.handle
+        return h.ctl.call(h.rank, h.name, self.method, *args, **kwargs)
+
+    def remote(self, *args, **kwargs):
+        """Like a Ray actor method: the call is issued now, the result is awaitable."""
+        return asyncio.wrap_future(self.future(*args, **kwargs))
+
+
+class _Handle:
+    """One object on one rank, called as `handle.method.remote(...)` like a Ray actor, so
+    `MegatronGroup`'s sharding and gathering run unchanged on top of it."""
+
+    def __init__(self, ctl: Control, rank: int, name: str, kind: str, *args):
+        self.ctl, self.rank, self.name = ctl, rank, name
+        self.ready = ctl.call(rank, name, "__init__", kind, *args)
+
+    def __getattr__(self, method: str) -> _Method:
+        return _Method(self, method)
+
+
+class RankGroup:
+    """The ranks of one task group: torchrun mode's stand-in for a Ray `DeviceGroup`."""
+
+    def __init__(self, plan, device: str):
+        self.plan, self.device = plan, device
+
+    @property
+    def name(self) -> str:
+        return self.plan.name
+
+    @property
+    def num_devices(self) -> int:
+        return self.plan.num_devices
+
+    @property
+    def ranks(self) -> list[int]:
+        return list(self.plan.devices)
+
+    def remove(self) -> None:
+        pass  # nothing reserved: torchrun owns the processes
+
+
+def no_ray(cfg) -> None:
+    """torchrun mode's `init_ray`: the processes already exist."""
+
+
+class TorchrunMegatronGroup(MegatronGroup):
+    """`MegatronGroup` over torchrun ranks; the same async interface for the driver."""
+
+    def __init__(self, devices: RankGroup, cfg, role: str, share: float = 1.0,
+                 processes_per_device: int = 1):
+        ctl = _control()
+        arr = cfg.actor_rollout_ref
+        if role == "ref" and "actor-train" in devices.plan.tasks:
+            a, r = arr.actor.megatron, arr.ref.megatron
+            if (a.tensor_model_parallel_size, a.pipeline_model_parallel_size) != \
+                    (r.tensor_model_parallel_size, r.pipeline_model_parallel_size):
+                raise ConfigError(
+                    "actor_rollout_ref.ref.megatron: with trainer.launcher=torchrun a reference "
+                    "model on the actor's devices shares its processes, so it needs the actor's "
+                    "tensor/pipeline parallel sizes (or its own task group)")
+        from omegaconf import OmegaConf
+
+        self.role, self.ctl = role, ctl
+        n, threads = devices.num_devices, _threads(cfg)
+        self.actors = [_Handle(ctl, r, role, "megatron", i, n, threads)
+                       for i, r in enumerate(devices.ranks)]
+        self.single_node = cfg.trainer.nnodes == 1
+        addr, port = self.actors[0].rendezvous.future(self.single_node).result()
+        yaml = OmegaConf.to_yaml(cfg, resolve=True)
+        futs = [a.setup.future(yaml, role, addr, port) for a in self.actors]
+        self.ranks = [f.result() for f in futs]
+        self.dp = self.ranks[0]["dp_size"]
+        self.leaders = {}
+        for a, r in zip(self.actors, self.ranks):
+            self.leaders.setdefault(r["dp_rank"], a)
+        logger.info("%s model: ranks %s (group %s), DP=%d", role, devices.ranks, devices.name,
+                    self.dp)
+
+    async def init_weight_sync(self, urls: list[str]) -> None:
+        addr, base_port = await self.actors[0].rendezvous.remote(self.single_node)
+        await asyncio.gather(*[a.init_weight_sync.remote(urls, addr, base_port)
+                               for a in self.actors])
+        self.sync_initialised = True
+
+    def shutdown(self) -> None:
+        done, late = cf.wait([a.shutdown.future() for a in self.actors], timeout=60)
+        if late or any(f.exception() for f in done):
+            logger.warning("%s group did not shut down cleanly", self.role)
+
+
+class TorchrunRolloutGroup:
+    """One embedded rollout server per rank of the generate group, on its node's address."""
+
+    def __init__(self, devices: RankGroup, cfg, share: float = 1.0,
+                 processes_per_device: int = 1):
+        ctl = _control()
+        model = cfg.actor_rollout_ref.model.path
+        ctx = cfg.data.max_prompt_length + cfg.data.max_response_length
+        threads = _threads(cfg)
+        self.actors = [_Handle(ctl, r, "rollout", "rollout", model, threads,
+                               cfg.trainer.seed + i, ctx) for i, r in enumerate(devices.ranks)]
+        self.urls = [f.result() for f in [a.url.future() for a in self.actors]]
+        logger.info("rollout servers: %s", ", ".join(self.urls))
+
+    def shutdown(self) -> None:
+        done, late = cf.wait([a.shutdown.future() for a in self.actors], timeout=60)
+        if late or any(f.exception() for f in done):
+            logger.warning("rollout group did not shut down cleanly")

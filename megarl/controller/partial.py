@@ -1,0 +1,306 @@
+"""Partial rollout: interrupt the long tail, cache unfinished trajectories, resume them later.
+
+A step needs ``need`` complete prompt groups (``data.train_batch_size``, n samples each). With
+partial rollout the GENERATE state keeps ``need + over`` groups in flight — the groups cached
+by earlier steps first, then new prompts, one new group started for every group that
+completes — and once ``need`` groups are complete it aborts every request still running. Each
+unfinished trajectory keeps its tokens, per-token behaviour log-probs and per-token weight
+versions and is resumed, under whatever weights the engines then hold, by a later step; a
+sample that finished inside an unfinished group keeps its tokens and its reward. So a long
+response costs the step that starts it no more than the steps' common length, and the engines
+never idle on a tail of a few stragglers.
+
+Exactly-once. Prompts are drawn from the loader a batch at a time; drawn prompts that have not
+been started yet are cached too. The cache plus the loader position is the whole state of
+"which prompts are owed training", and the driver checkpoints both as they were at the start
+of the next step's GENERATE, so after a resume no prompt is lost or trained twice.
+
+Staleness. A group's staleness when it is trained at step k is k minus the oldest version of
+any of its tokens (TRAIN(k) starts from version k). Before a cached group is resumed it is
+checked against `algorithm.max_staleness`; an over-limit group is dropped (counted, its prompt
+recorded as dropped) or regenerated from its prompt (``stale_policy``). A group completed in
+this step is never over the limit: the config check keeps the limit >= generate_ahead - 1.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import logging
+from typing import Any, Callable
+
+from megarl.rollout.protocol import GenerateRequest, SamplingParams
+
+from .batch import Sample
+from .generation import extra_info_of
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class Trajectory:
+    """One sample of a group, possibly unfinished (``finish is None``)."""
+    ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    versions: list[int] = dataclasses.field(default_factory=list)
+    finish: str | None = None
+    reward: float | None = None
+    interrupted: int = 0          # times cut off at the end of a step
+    text: str = ""
+    # transient: the scoring future and the Sample it scores (not checkpointed)
+    future: Any = dataclasses.field(default=None, repr=False, compare=False)
+    sample: Any = dataclasses.field(default=None, repr=False, compare=False)
+
+    def to_dict(self) -> dict:
+        # copies: the live lists grow in place while a snapshot waits to be written
+        return {"ids": list(self.ids), "logprobs": list(self.logprobs),
+                "versions": list(self.versions),
+                "finish": self.finish, "reward": self.reward, "interrupted": self.interrupted,
+                "text": self.text}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Trajectory":
+        return cls(ids=list(d["ids"]), logprobs=[float(x) for x in d["logprobs"]],
+                   versions=[int(v) for v in d["versions"]], finish=d["finish"],
+                   reward=d["reward"], interrupted=int(d["interrupted"]), text=d["text"])
+
+
+@dataclasses.dataclass
+class PromptGroup:
+    """The n samples of one prompt."""
+    prompt: Any                     # megarl.data.dataset.Prompt
+    samples: list[Trajectory]
+    first_step: int                 # the step that drew the prompt
+
+    @classmethod
+    def fresh(cls, prompt, n: int, step: int) -> "PromptGroup":
+        return cls(prompt, [Trajectory() for _ in range(n)], step)
+
+    @property
+    def complete(self) -> bool:
+        return all(t.finish is not None for t in self.samples)
+
+    @property
+    def started(self) -> bool:
+        return any(t.ids or t.finish for t in self.samples)
+
+    def oldest_version(self) -> int | None:
+        vs = [min(t.versions) for t in self.samples if t.versions]
+        return min(vs) if vs else None
+
+    def restart(self) -> None:
+        """Throw away every token (regenerate from the prompt under current weights)."""
+        self.samples = [Trajectory() for _ in self.samples]
+
+    def to_dict(self) -> dict:
+        # The prompt is stored by dataset index + uid, checked on load: the data itself is
+        # the dataset's, so a checkpoint cannot resume on a changed data set unnoticed.
+        return {"index": self.prompt.index, "uid": self.prompt.uid,
+                "first_step": self.first_step, "samples": [t.to_dict() for t in self.samples]}
+
+    @classmethod
+    def from_dict(cls, d: dict, dataset) -> "PromptGroup":
+        idx = int(d["index"])
+        if not 0 <= idx < len(dataset) or dataset[idx].uid != d["uid"]:
+            raise ValueError(f"partial rollout cache: prompt {d['uid']!r} (row {idx}) is not "
+                             "in this run's data set at that row; the data changed since the "
+                             "checkpoint")
+        return cls(dataset[idx], [Trajectory.from_dict(t) for t in d["samples"]],
+                   int(d["first_step"]))
+
+
+class PartialRollout:
+    """The GENERATE state's work with partial rollout, and its cache (see the module doc).
+
+    `scorer.submit(sample)` must return an awaitable of the reward (the streaming scorer)."""
+
+    def __init__(self, manager, tokenizer, loader, *, n: int, need: int, over: int,
+                 scorer=None, max_staleness: int | None = None, stale_policy: str = "drop",
+                 max_resumes: int = 100):
+        if need <= 0 or n <= 0 or over < 0:
+            raise ValueError(f"partial rollout: need={need}, n={n}, over={over}")
+        self.manager, self.tokenizer, self.loader = manager, tokenizer, loader
+        self.n, self.need, self.over = n, need, over
+        self.scorer = scorer
+        self.max_staleness, self.stale_policy = max_staleness, stale_policy
+        self.max_resumes = max_resumes
+        self.cache: list[PromptGroup] = []
+        self._stopping = False
+        self._running: dict[str, None] = {}   # rids in flight (insertion-ordered set)
+
+    # ------------------------------------------------------------------ checkpoint state
+    def state_dict(self) -> dict:
+        return {"version": 1, "n": self.n, "groups": [g.to_dict() for g in self.cache]}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("version") != 1:
+            raise ValueError(f"partial rollout cache: unknown version {state.get('version')!r}")
+        if state["n"] != self.n:
+            raise ValueError(f"partial rollout cache: saved with rollout.n={state['n']}, this "
+                             f"run has {self.n}")
+        self.cache = [PromptGroup.from_dict(g, self.loader.dataset) for g in state["groups"]]
+
+    # ------------------------------------------------------------------ one step
+    async def run_step(self, step: int, sp: SamplingParams, trainer_version: int
+                       ) -> tuple[list[Sample], list, dict[str, float], list[str]]:
+        """Generate until `need` groups are complete; returns (samples of those groups in
+        group order, their score futures, metrics, uids dropped as too stale)."""
+        metrics = collections.Counter()
+        queue: collections.deque[PromptGroup] = collections.deque()
+        dropped: list[str] = []
+        for g in self.cache:
+            old = g.oldest_version()
+            if (self.max_staleness is not None and old is not None
+                    and trainer_version - old > self.max_staleness):
+                if self.stale_policy == "regenerate":
+                    g.restart()
+                    metrics["rollout/stale_regenerated"] += 1
+                else:
+                    dropped.append(g.prompt.uid)
+                    metrics["rollout/stale_dropped"] += 1
+                    continue
+            queue.append(g)
+        self.cache = []
+        resumed = sum(g.started for g in queue)
+
+        def next_group() -> PromptGroup:
+            if not queue:
+                batch = self.loader.next_batch()
+                metrics["rollout/prompts_drawn"] += len(batch)
+                queue.extend(PromptGroup.fresh(p, self.n, step) for p in batch)
+            return queue.popleft()
+
+        self._stopping = False
+        active: dict[asyncio.Task, PromptGroup] = {}
+        complete: list[PromptGroup] = []
+
+        def launch(g: PromptGroup) -> None:
+            active[asyncio.ensure_future(self._run_group(g, step, sp))] = g
+
+        target = self.need + self.over
+        try:
+            while len(active) < target:
+                launch(next_group())
+            while active and len(complete) < self.need:
+                done, _ = await asyncio.wait(active, return_when=asyncio.FIRST_COMPLETED)
+                for t in done:
+                    g = active.pop(t)
+                    t.result()
+                    complete.append(g)
+                # one new group for each that completed: the engines stay full
+                while len(complete) < self.need and len(active) < target:
+                    launch(next_group())
+            # enough: cut the tail off; each aborted request returns its partial output
+            self._stopping = True
+            if self._running:
+                metrics["rollout/partial/aborted_requests"] += len(self._running)
+                await self.manager.abort(list(self._running))
+            late = await asyncio.gather(*active)  # noqa: F841 - results are in the groups
+        finally:
+            self._stopping = False
+            for t in active:
+                t.cancel()
+        leftovers = [g for g in active.values()]
+        # Complete groups beyond the batch (several can finish in one wait) are trained next.
+        extra, complete = complete[self.need:], complete[:self.need]
+        self.cache = extra + leftovers + list(queue)
+        samples, futures = [], []
+        for g in complete:
+            for t in g.samples:
+                samples.append(t.sample)
+                futures.append(t.future)
+        spans = [max(s.token_versions) - min(s.token_versions) + 1
+                 for s in samples if s.token_versions]
+        resumed_samples = sum(1 for g in complete for t in g.samples if t.interrupted)
+        out = dict(metrics)
+        out.update({
+            "rollout/partial/resumed_groups": float(resumed),
+            "rollout/partial/ratio": resumed_samples / max(1, len(samples)),
+            "rollout/partial/versions_spanned_max": float(max(spans, default=0)),
+            "rollout/partial/cached_groups": float(len(self.cache)),
+            "rollout/partial/cached_started_groups": float(sum(g.started
+                                                               for g in self.cache)),
+        })
+        return samples, futures, out, dropped
+
+    async def _run_group(self, g: PromptGroup, step: int, sp: SamplingParams) -> None:
+        await asyncio.gather(*[self._run_sample(g, i, step, sp)
+                               for i in range(len(g.samples))])
+
+    async def _run_sample(self, g: PromptGroup, i: int, step: int, sp: SamplingParams) -> None:
+        t = g.samples[i]
+        attempts = 0
+        while t.finish is None:
+            budget = sp.max_new_tokens - len(t.ids)
+            if budget <= 0:
+                t.finish = "length"
+                break
+            if self._stopping:
+                t.interrupted += 1
+                return
+            seed = sp.sampling_seed
+            if seed is not None:  # reproducible per (step seed, prompt, sample, position)
+                seed = (seed * 1_000_003 + g.prompt.index * 4099 + i * 131 + len(t.ids)) \
+                    % (2**63)
+            req = GenerateRequest(
+                list(g.prompt.prompt_ids) + t.ids,
+                dataclasses.replace(sp, n=1, max_new_tokens=budget, sampling_seed=seed,
+                                    min_new_tokens=max(0, sp.min_new_tokens - len(t.ids)),
+                                    stop_token_ids=list(sp.stop_token_ids)),
+                True, f"s{step}-{g.prompt.uid}-{i}+{len(t.ids)}.{attempts}")
+            attempts += 1
+            self._running[req.rid] = None
+            try:
+                out = await self.manager.generate(req)
+            finally:
+                self._running.pop(req.rid, None)
+            t.ids += out.output_ids
+            t.logprobs += out.output_logprobs or [0.0] * len(out.output_ids)
+            tv = out.token_versions() or [out.weight_version] * len(out.output_ids)
+            t.versions += [int(v) for v in tv]
+            if not out.aborted:
+                t.finish = out.finish_reason.type
+            elif self._stopping:
+                t.interrupted += 1
+                return
+            elif attempts > self.max_resumes:
+                raise RuntimeError(f"request {req.rid}: aborted {attempts} times in a row")
+            else:
+                await asyncio.sleep(0.01)  # a weight update aborted us; let it land
+        self._finish(g, t)
+
+    def _finish(self, g: PromptGroup, t: Trajectory) -> None:
+        """Make the finished trajectory a Sample and start scoring it (once)."""
+        if t.sample is not None:
+            return
+        p = g.prompt
+        if not t.text:
+            t.text = self.tokenizer.decode(t.ids, skip_special_tokens=True)
+        t.sample = Sample(uid=p.uid, prompt_ids=list(p.prompt_ids), response_ids=list(t.ids),
+                          rollout_logprobs=list(t.logprobs),
+                          weight_version=t.versions[0] if t.versions else -1,
+                          token_versions=list(t.versions), finish=t.finish,
+                          ground_truth=p.ground_truth, data_source=p.data_source,
+                          response_text=t.text, extra_info=extra_info_of(p))
+        if t.reward is not None:  # scored before a checkpoint: keep that score
+            t.sample.reward = t.reward
+            t.future = _done(t.reward)
+        elif self.scorer is not None:
+            fut = asyncio.ensure_future(self.scorer.submit(t.sample))
+            fut.add_done_callback(_store_reward(t))
+            t.future = fut
+        else:
+            t.future = _done(0.0)
+
+
+def _store_reward(t: Trajectory) -> Callable:
+    def cb(fut: asyncio.Future) -> None:
+        if not fut.cancelled() and fut.exception() is None:
+            t.reward = float(fut.result())
+    return cb
+
+
+def _done(value: float) -> asyncio.Future:
+    fut = asyncio.get_running_loop().create_future()
+    fut.set_result(value)
+    return fut

@@ -1,0 +1,197 @@
+"""`launch/torchrun.sh` without Ray: two "nodes" on loopback, each one torchrun process.
+
+Node 0 (rank 0) runs the driver and the actor + reference model; node 1 (rank 1) serves the
+rollout engine. Real torchrun agents, a real TCPStore control plane, real Megatron and a real
+gloo weight-sync group; no Ray is started.
+"""
+import json
+import os
+import subprocess
+import sys
+import time
+import psutil
+import pytest
+
+from launch_helpers import ROOT
+
+SCRIPT = ROOT / "launch" / "torchrun.sh"
+
+
+@pytest.fixture(scope="module")
+def torchrun_assets(tmp_path_factory):
+    from megarl.data.synthetic import make_quickstart_task
+    from megarl.utils.tiny_model import make_tiny_model
+
+    d = tmp_path_factory.mktemp("torchrun_assets")
+    make_tiny_model(d / "tiny", "qwen2")
+    make_quickstart_task(d / "data")
+    return d
+
+
+def _overrides(assets, run_dir, steps):
+    return [f"actor_rollout_ref.model.path={assets / 'tiny'}",
+            f"data.train_files={assets / 'data' / 'train.jsonl'}",
+            f"data.val_files={assets / 'data' / 'val.jsonl'}",
+            f"trainer.default_local_dir={run_dir}", "trainer.experiment_name=t",
+            f"trainer.total_training_steps={steps}", "trainer.test_freq=-1",
+            "trainer.val_before_train=False", "trainer.save_freq=-1",
+            "trainer.logger=[console,tensorboard]",
+            # One device per node: the actor, logp and reference share node 0, generate node 1.
+            "trainer.separated_node_tasks=[[logp,actor-train,ref_logp],[generate]]",
+            "trainer.separated_node_ratios=[0.5,0.5]"]
+
+
+def _launch(assets, run_dir, steps, port, **env_extra):
+    """Start both nodes; each in its own session so every process it spawns can be found."""
+    procs = []
+    for node in (0, 1):
+        env = dict(os.environ, NNODES="2", NODE_RANK=str(node), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port), NPROC_PER_NODE="1", OMP_NUM_THREADS="1",
+                   PYTHON=sys.executable, **env_extra)
+        log = open(run_dir / f"node{node}.log", "w")
+        procs.append(subprocess.Popen(
+            ["bash", str(SCRIPT), str(ROOT / "configs" / "quickstart.yaml"),
+             *_overrides(assets, run_dir, steps)],
+            env=env, stdout=log, stderr=subprocess.STDOUT, cwd=run_dir, start_new_session=True))
+        log.close()
+    return procs
+
+
+def _logs(run_dir):
+    return [(run_dir / f"node{n}.log").read_text() for n in (0, 1)]
+
+
+def _tree(p) -> set:
+    """The process and all its descendants now (torchrun puts each worker in a session of its
+    own, so the launcher's process group alone would miss them)."""
+    try:
+        root = psutil.Process(p.pid)
+        return {root, *root.children(recursive=True)}
+    except psutil.NoSuchProcess:
+        return set()
+
+
+def _wait(procs, timeout, seen: set):
+    """Exit codes (None for a node still running at the deadline); `seen` collects every
+    process of the nodes' trees met on the way, to check afterwards that none outlived them."""
+    deadline = time.time() + timeout
+    while time.time() < deadline and any(p.poll() is None for p in procs):
+        for p in procs:
+            seen |= _tree(p)
+        time.sleep(0.2)
+    return [p.poll() for p in procs]
+
+
+def _alive(processes) -> list:
+    """Those still running; a zombie (dead, its killed parent never reaped it) is not."""
+    out = []
+    for q in processes:
+        try:
+            if q.is_running() and q.status() != psutil.STATUS_ZOMBIE:
+                out.append(q)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def _kill(processes) -> None:
+    for q in processes:
+        try:
+            q.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
+def _scalars(run_dir, tag):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir / "megarl" / "t" / "tensorboard"))
+    acc.Reload()
+    return {e.step: e.value for e in acc.Scalars(tag)} if tag in acc.Tags()["scalars"] else {}
+
+
+def _trained_steps(run_dir):
+    f = run_dir / "megarl" / "t" / "trained_prompts.jsonl"
+    return sorted({json.loads(line)["step"] for line in f.read_text().splitlines()})
+
+
+# Any ray.init would try to join this address and fail: proof that Ray plays no part.
+NO_RAY = {"RAY_ADDRESS": "127.0.0.1:9"}
+
+
+def test_two_nodes_on_loopback_train_two_steps(torchrun_assets, tmp_path):
+    from megarl.utils.launch import free_port
+
+    procs, seen = _launch(torchrun_assets, tmp_path, 2, free_port(), **NO_RAY), set()
+    codes = _wait(procs, 180, seen)
+    node0, node1 = _logs(tmp_path)
+    # Both torchrun trees ended on their own: no agent or worker left behind.
+    lingering = _alive(seen)
+    _kill(lingering)
+    assert codes == [0, 0], f"exit codes {codes}\n--- node 0\n{node0[-4000:]}\n" \
+                            f"--- node 1\n{node1[-4000:]}"
+    assert len(seen) >= 4, seen  # two agents and two workers were watched
+    assert not lingering, f"{lingering} outlived their torchrun"
+    # Ranks map to task groups in device order: rank 0 = node 0 = actor+ref, rank 1 = engine.
+    assert "actor model: ranks [0]" in node0 and "ref model: ranks [0]" in node0
+    assert "rank 1/2 serving" in node1 and "embedded engine" in node1
+    assert "embedded engine" not in node0
+    assert _trained_steps(tmp_path) == [0, 1]
+    # The engine on node 1 received both trained versions over the weight-sync group, and
+    # step 2 trained on samples generated under version 1 (one-step-off), not version 0.
+    assert "weights updated in place: version 1" in node1
+    assert "weights updated in place: version 2" in node1
+    assert sorted(_scalars(tmp_path, "weight_sync/time_s")) == [1, 2]
+    assert _scalars(tmp_path, "rollout/staleness_max") == {1: 0.0, 2: 1.0}
+
+
+def test_a_lost_node_ends_the_run_instead_of_hanging(torchrun_assets, tmp_path):
+    """Kill node 1 (agent and engine) mid-run: node 0's driver must fail and exit, not wait
+    for ever on a rank that is gone (the heartbeat notices within seconds here)."""
+    from megarl.utils.launch import free_port
+
+    procs = _launch(torchrun_assets, tmp_path, 200, free_port(),
+                    MEGARL_TORCHRUN_HEARTBEAT_S="3", **NO_RAY)
+    log0, seen = tmp_path / "node0.log", set()
+    deadline = time.time() + 120
+    while "step 1/200" not in log0.read_text() and time.time() < deadline \
+            and procs[0].poll() is None:
+        seen |= _tree(procs[0]) | _tree(procs[1])
+        time.sleep(0.1)
+    assert "step 1/200" in log0.read_text(), log0.read_text()[-4000:]
+    _kill(_tree(procs[1]))
+    codes = _wait(procs[:1], 90, seen)
+    node0 = log0.read_text()
+    lingering = _alive(seen)
+    _kill(lingering)
+    assert codes[0] not in (None, 0), f"node 0 exit code {codes[0]}\n{node0[-4000:]}"
+    assert "step 200/200" not in node0
+    assert not lingering, f"{lingering} outlived their torchrun"
+
+
+def test_bad_launch_settings_fail_before_any_work(tmp_path, monkeypatch):
+    from megarl.cluster.torchrun import Control
+    from megarl.config import ConfigError, load_config
+
+    cfg = load_config(str(ROOT / "configs" / "quickstart.yaml"), ["trainer.launcher=torchrun"])
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+              "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    with pytest.raises(ConfigError, match="MASTER_ADDR.*launch/torchrun.sh"):
+        Control(cfg)  # not started by torchrun
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "9")
+    with pytest.raises(ConfigError, match=r"trainer.nnodes × trainer.n_gpus_per_node = 1 × 2 "
+                                          r"but torchrun started WORLD_SIZE=3"):
+        Control(cfg)
+    # The script checks its own arguments before starting torchrun.
+    env = dict(os.environ, NNODES="2", NODE_RANK="2", PYTHON=sys.executable)
+    p = subprocess.run(["bash", str(SCRIPT), str(ROOT / "configs" / "quickstart.yaml")],
+                       env=env, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "NODE_RANK=2 but NNODES=2" in p.stderr
+    p = subprocess.run(["bash", str(SCRIPT), str(tmp_path / "missing.yaml")],
+                       env=env, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "missing.yaml not found" in p.stderr

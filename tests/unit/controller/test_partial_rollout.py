@@ -1,0 +1,175 @@
+"""Partial rollout against a real embedded engine: interrupt, cache, resume, checkpoint state.
+
+Response lengths are long-tailed: a random tiny model samples near-uniformly, and a tenth of
+the vocabulary is made a stop token, so lengths are roughly geometric (mean ~10) under a
+budget of 48 tokens.
+"""
+import asyncio
+import json
+
+import pytest
+
+from megarl.controller.generation import Scorer
+from megarl.controller.partial import PartialRollout
+from megarl.data.dataset import Prompt
+from megarl.data.loader import PromptLoader
+from megarl.rollout.engine import EmbeddedEngine
+from megarl.rollout.manager import RolloutManager
+from megarl.rollout.protocol import SamplingParams
+
+N = 2
+
+
+def _prompts(count):
+    return [Prompt(index=i, uid=f"p{i}", prompt_ids=[5 + i % 50, 7, 11 + i % 13],
+                   raw_prompt="", data_source="t", ground_truth=str(i)) for i in range(count)]
+
+
+def _sp(seed=1):
+    return SamplingParams(max_new_tokens=48, temperature=1.0, stop_token_ids=list(range(0, 300,
+                                                                                      10)),
+                          sampling_seed=seed)
+
+
+def _reward(data_source, text, gt):
+    return float(len(text) % 3)
+
+
+@pytest.fixture
+def engine(qwen_dir):
+    eng = EmbeddedEngine(qwen_dir, weight_version="0", seed=3)
+    yield eng
+    asyncio.run(eng.close())
+
+
+def _new(engine, loader, **kw):
+    mgr = RolloutManager([engine])
+    return PartialRollout(mgr, engine.tokenizer, loader, n=N, need=kw.pop("need", 2),
+                          over=kw.pop("over", 4), scorer=Scorer(_reward, 2), **kw)
+
+
+async def _bump(engine, version: int):
+    """A weight "update" that only moves the version (the weights stay), like a sync."""
+    await engine.begin_weight_update()
+    await engine.end_weight_update(weight_version=str(version))
+
+
+def _drawn(loader_state_offset, prompts):
+    return {p.uid for p in prompts[:loader_state_offset]}
+
+
+def test_steps_train_whole_groups_once_and_resume_partials(engine):
+    prompts = _prompts(64)
+    loader = PromptLoader(prompts, 4, shuffle=False)
+    pr = _new(engine, loader)
+
+    async def go():
+        trained, spanned, ratios = [], [], []
+        for k in range(5):
+            samples, futs, m, dropped = await pr.run_step(k, _sp(k + 1), k)
+            rewards = await asyncio.gather(*futs)
+            assert not dropped
+            # exactly `need` whole groups, every sample finished and scored
+            uids = [s.uid for s in samples]
+            assert len(samples) == 2 * N and sorted(set(uids)) == sorted(uids)[::N]
+            assert all(s.finish in ("stop", "length") for s in samples)
+            assert [s.reward for s in samples] == rewards
+            for s in samples:
+                assert len(s.response_ids) == len(s.rollout_logprobs) == len(s.token_versions)
+                assert s.response_text == engine.tokenizer.decode(s.response_ids,
+                                                                  skip_special_tokens=True)
+            trained += sorted(set(uids))
+            spanned.append(m["rollout/partial/versions_spanned_max"])
+            ratios.append(m["rollout/partial/ratio"])
+            # keeps need + over groups going: what did not finish is cached
+            assert m["rollout/partial/cached_groups"] >= 4
+            await _bump(engine, k + 1)
+        return trained, spanned, ratios
+
+    trained, spanned, ratios = asyncio.run(go())
+    assert len(trained) == len(set(trained)), "a prompt was trained twice"
+    cached = {g.prompt.uid for g in pr.cache}
+    assert not cached & set(trained)
+    # nothing lost: trained + cached is exactly what was drawn, in loader order
+    assert set(trained) | cached == _drawn(loader.state_dict()["offset"], prompts)
+    # the long tail was cut and resumed under newer weights
+    assert max(ratios) > 0
+    assert max(spanned) >= 2
+
+
+def test_cache_survives_a_checkpoint_round_trip(engine):
+    prompts = _prompts(64)
+    loader = PromptLoader(prompts, 4, shuffle=False)
+    pr = _new(engine, loader)
+
+    async def go():
+        await pr.run_step(0, _sp(), 0)
+        state = json.loads(json.dumps(pr.state_dict()))
+        pos = loader.state_dict()
+        started = [g for g in pr.cache if g.started]
+        # a second process picks up where the first stopped
+        loader2 = PromptLoader(prompts, 4, shuffle=False)
+        loader2.load_state_dict(pos)
+        pr2 = _new(engine, loader2)
+        pr2.load_state_dict(state)
+        assert [g.prompt.uid for g in pr2.cache] == [g.prompt.uid for g in pr.cache]
+        for a, b in zip(pr.cache, pr2.cache):
+            assert [t.ids for t in a.samples] == [t.ids for t in b.samples]
+            assert [t.versions for t in a.samples] == [t.versions for t in b.samples]
+        samples, futs, m, _ = await pr2.run_step(1, _sp(2), 1)
+        await asyncio.gather(*futs)
+        # resumed trajectories keep the tokens they had: they start with the cached prefix
+        prefixes = {(g.prompt.uid, i): t.ids for g in started for i, t in enumerate(g.samples)}
+        by_uid = {}
+        for s in samples:
+            by_uid.setdefault(s.uid, []).append(s)
+        for uid, ss in by_uid.items():
+            for i, s in enumerate(ss):
+                pre = prefixes.get((uid, i))
+                if pre:
+                    assert s.response_ids[:len(pre)] == pre
+        return state
+
+    asyncio.run(go())
+
+
+def test_a_changed_data_set_is_refused(engine):
+    prompts = _prompts(32)
+    loader = PromptLoader(prompts, 4, shuffle=False)
+    pr = _new(engine, loader)
+    asyncio.run(pr.run_step(0, _sp(), 0))
+    state = pr.state_dict()
+    other = [Prompt(index=p.index, uid=f"x{p.index}", prompt_ids=p.prompt_ids, raw_prompt="",
+                    data_source="t", ground_truth="") for p in prompts]
+    pr2 = _new(engine, PromptLoader(other, 4, shuffle=False))
+    with pytest.raises(ValueError, match="data changed"):
+        pr2.load_state_dict(state)
+
+
+@pytest.mark.parametrize("policy", ["drop", "regenerate"])
+def test_stale_cached_groups_are_dropped_or_regenerated(engine, policy):
+    prompts = _prompts(64)
+    loader = PromptLoader(prompts, 4, shuffle=False)
+    pr = _new(engine, loader, max_staleness=0, stale_policy=policy)
+
+    async def go():
+        await pr.run_step(0, _sp(), 0)
+        started = {g.prompt.uid for g in pr.cache if g.started}
+        assert started, "the first step left no partial trajectory to test with"
+        await _bump(engine, 1)
+        samples, futs, m, dropped = await pr.run_step(1, _sp(2), 1)
+        await asyncio.gather(*futs)
+        return started, samples, m, dropped
+
+    started, samples, m, dropped = asyncio.run(go())
+    # staleness is judged on the oldest token: v0 tokens trained at v1 are 1 behind
+    for s in samples:
+        assert 1 - min(s.token_versions) <= 0
+    if policy == "drop":
+        assert set(dropped) == started
+        assert m["rollout/stale_dropped"] == len(started)
+        assert not {s.uid for s in samples} & started
+        assert not {g.prompt.uid for g in pr.cache} & started
+    else:
+        assert not dropped
+        assert m["rollout/stale_regenerated"] == len(started)
