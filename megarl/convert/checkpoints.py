@@ -1,12 +1,15 @@
-"""Checkpoint conversion: HF safetensors <-> Megatron dist-checkpoint, any TP/PP on either side.
+"""Checkpoint conversion: HF safetensors <-> Megatron dist-checkpoint, and resharding.
 
-Both directions run inside a torch.distributed world of TP×PP ranks (tools/ and the CLI set
-it up). A Megatron checkpoint stores global tensors with their shard layout, so the TP/PP used
-to write it need not match the one used to read it: converting back at TP=1 reshards.
+All three run inside a torch.distributed world of TP×PP ranks (tools/ and the CLI set it up).
+A Megatron checkpoint stores global tensors with their shard layout, so the TP/PP used to
+write it need not match the one used to read it: `reshard` reads at the new layout and writes
+again; converting back to HF at TP=1 reshards on the fly. Every output is written into a temp
+directory beside the destination and renamed into place when complete.
 """
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 
 import torch.distributed as dist
@@ -15,47 +18,107 @@ from megarl.backends.megatron.checkpoint import hf_side_dir, read_meta
 from megarl.backends.megatron.model import DTYPES
 from megarl.backends.megatron.worker import MegatronWorker
 
-from .hf_io import save_hf
+from . import live
+from .hf_io import HFReader, save_hf
+from .plan import hf_shapes, numel
+from .progress import Progress
 
 logger = logging.getLogger(__name__)
 
+# Keys of megarl_meta.json that describe the layout a checkpoint was written at; save sets them.
+_LAYOUT_KEYS = ("format", "tp", "pp", "world")
+
+
+def _rank_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
 
 def hf_to_mcore(hf_dir, out_dir, tp: int = 1, pp: int = 1, params_dtype: str = "float32",
-                make_vocab_size_divisible_by: int = 128) -> Path:
+                make_vocab_size_divisible_by: int = 128, progress: bool | None = None) -> Path:
     if not (Path(hf_dir) / "config.json").is_file():
         raise FileNotFoundError(f"--hf-dir {hf_dir}: no config.json")
     w = MegatronWorker(str(hf_dir), tp, pp, params_dtype=params_dtype, trainable=False,
-                       make_vocab_size_divisible_by=make_vocab_size_divisible_by)
+                       load_hf=False, make_vocab_size_divisible_by=make_vocab_size_divisible_by)
+    # Rank 0's own shard: every rank reads and slices the same number of tensors.
+    n = sum(1 for _ in w.model.parameters())
+    with Progress("hf2mcore load", n, _rank_bytes(w.model), progress) as bar:
+        live.load_hf_into(w.model, w.args, HFReader(hf_dir).get, progress=bar.update)
+    t0 = time.monotonic()
     w.save(out_dir, source=str(hf_dir), params_dtype=params_dtype,
            make_vocab_size_divisible_by=make_vocab_size_divisible_by)
+    if dist.get_rank() == 0:
+        logger.info("hf2mcore: dist-checkpoint written in %.1fs", time.monotonic() - t0)
     return Path(out_dir)
 
 
-def mcore_to_hf(ckpt_dir, out_dir, tp: int = 1, pp: int = 1, dtype: str | None = None) -> Path:
-    """Write an HF model directory from a Megatron checkpoint (rank 0 writes).
-
-    With PP=1 the tensors stream (one full tensor in memory at a time); with PP>1 each stage's
-    tensors are gathered to every rank first, so that path is for models that fit in memory.
-    """
+def _load_for_export(ckpt_dir, tp: int, pp: int) -> tuple[MegatronWorker, dict, str]:
     meta = read_meta(ckpt_dir)
     side = hf_side_dir(ckpt_dir)
     w = MegatronWorker(side, tp, pp, params_dtype=meta.get("params_dtype", "float32"),
                        trainable=False, load_hf=False,
                        make_vocab_size_divisible_by=meta.get("make_vocab_size_divisible_by", 128))
+    t0 = time.monotonic()
     w.load(ckpt_dir)
-    out_dtype = DTYPES[dtype] if dtype else None
+    if dist.get_rank() == 0:
+        logger.info("read %s at TP=%d PP=%d in %.1fs", ckpt_dir, tp, pp, time.monotonic() - t0)
+    return w, meta, side
+
+
+def mcore_to_hf(ckpt_dir, out_dir, tp: int = 1, pp: int = 1, dtype: str | None = None,
+                progress: bool | None = None) -> Path:
+    """Write an HF model directory from a Megatron checkpoint (rank 0 writes).
+
+    With PP=1 the tensors stream (one full tensor in memory at a time); with PP>1 each stage's
+    tensors are gathered to every rank first, so that path is for models that fit in memory.
+    Optimizer state in the checkpoint is ignored: an HF directory holds weights only.
+    """
+    w, meta, side = _load_for_export(ckpt_dir, tp, pp)
+    out_dtype = DTYPES[dtype or meta.get("params_dtype", "float32")]
     if pp == 1:
         tensors = w.export_hf(out_dtype)
     else:
         state = w.full_hf_state()
-        tensors = ((k, v if out_dtype is None else v.to(out_dtype)) for k, v in state.items())
+        tensors = ((k, v.to(out_dtype)) for k, v in state.items())
     if dist.get_rank() == 0:
-        save_hf(out_dir, tensors, side_files_from=side)
+        shapes = hf_shapes(w.args)
+        total = sum(numel(s) for s in shapes.values()) * out_dtype.itemsize
+        with Progress("mcore2hf export", len(shapes), total, progress) as bar:
+            def counted():
+                for k, v in tensors:
+                    bar.update(v.numel() * v.element_size())
+                    yield k, v
+            save_hf(out_dir, counted(), side_files_from=side)
         logger.info("wrote HF model to %s", out_dir)
     else:
         for _ in tensors:  # take part in every TP gather rank 0's writer asks for
             pass
     dist.barrier()
+    return Path(out_dir)
+
+
+def reshard(ckpt_dir, out_dir, tp: int = 1, pp: int = 1, progress: bool | None = None) -> Path:
+    """Rewrite a Megatron checkpoint for another TP/PP layout (model weights only).
+
+    Reads at the new layout (dist-checkpointing reshards on load) and saves again. Optimizer
+    state is dropped with a warning: it is stored per rank of the old layout and cannot be
+    split or merged without the optimizer's own sharding logic; training resumed from the
+    resharded checkpoint starts the optimizer fresh. `progress` only matters for symmetry
+    with the other converters: the load and save are single collective calls, logged as
+    phases.
+    """
+    del progress
+    w, meta, _ = _load_for_export(ckpt_dir, tp, pp)
+    if (Path(ckpt_dir) / "optim").is_dir() and dist.get_rank() == 0:
+        logger.warning("reshard: dropping the optimizer state in %s (per rank of the old "
+                       "layout); a run resumed from %s starts its optimizer fresh",
+                       Path(ckpt_dir) / "optim", out_dir)
+    keep = {k: v for k, v in meta.items() if k not in _LAYOUT_KEYS}
+    t0 = time.monotonic()
+    w.save(out_dir, **keep, resharded_from=str(Path(ckpt_dir).resolve()),
+           resharded_from_layout={"tp": meta.get("tp"), "pp": meta.get("pp")})
+    if dist.get_rank() == 0:
+        logger.info("reshard: wrote %s at TP=%d PP=%d in %.1fs", out_dir, tp, pp,
+                    time.monotonic() - t0)
     return Path(out_dir)
 
 

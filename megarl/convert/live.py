@@ -38,8 +38,10 @@ def _padded_vocab(model) -> int:
 
 
 @torch.no_grad()
-def load_hf_into(model, args: ModelArgs, get_hf: Callable[[str], torch.Tensor]) -> None:
-    """Copy HF weights into this rank's shard of `model` (every parameter must be covered)."""
+def load_hf_into(model, args: ModelArgs, get_hf: Callable[[str], torch.Tensor],
+                 progress: Callable[[int], None] | None = None) -> None:
+    """Copy HF weights into this rank's shard of `model` (every parameter must be covered);
+    `progress(nbytes)` is called after each parameter with the bytes of this rank's shard."""
     from megatron.core import parallel_state as ps
 
     tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
@@ -52,6 +54,8 @@ def load_hf_into(model, args: ModelArgs, get_hf: Callable[[str], torch.Tensor]) 
             raise ValueError(f"{name}: HF gives shard {tuple(piece.shape)}, model has "
                              f"{tuple(p.shape)} (TP={tp})")
         p.copy_(piece.to(p.dtype))
+        if progress is not None:
+            progress(p.numel() * p.element_size())
 
 
 @torch.no_grad()

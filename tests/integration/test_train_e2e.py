@@ -206,6 +206,17 @@ def test_kl_in_reward_with_adaptive_coefficient(assets, tmp_path):
     assert state["kl_coef"] > 0.001
 
 
+def test_dual_buffer_synchronous_run_stays_on_policy(assets, tmp_path):
+    """With the dual buffer a SYNC ends before its transfer lands; GENERATE(k) must still
+    start on version k when generate_ahead_steps=1 (it waits for the engines)."""
+    extra = ["trainer.total_training_steps=5", "trainer.save_freq=-1", "trainer.test_freq=-1",
+             "trainer.val_before_train=False", "trainer.generate_ahead_steps=1",
+             "actor_rollout_ref.rollout.enable_dual_buffer=True"]
+    megarl("train", _args(assets, tmp_path, *extra))
+    assert scalars(tmp_path, "rollout/staleness_max") == {k: 0.0 for k in range(1, 6)}
+    assert len(scalars(tmp_path, "timing/wait_for_weights_s")) == 5
+
+
 def test_validation_only_mode(assets, tmp_path):
     out = megarl("validate", _args(assets, tmp_path))
     assert "val/reward_mean=" in out

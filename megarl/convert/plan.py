@@ -1,0 +1,349 @@
+"""Validate a conversion and predict its sizes without a torch.distributed world (the dry run).
+
+Everything here reads only metadata: config.json, safetensors headers, megarl_meta.json and the
+dist-checkpoint's `.metadata`. The shapes of every tensor on both sides follow from `ModelArgs`
+(see mapping.py for the names), so the sizes are exact, not estimates:
+
+- tensors / parameters: HF-named tensors and their element count (vocab unpadded);
+- source bytes: the weight files on disk, and the tensor payload inside them;
+- output tensor bytes: the payload the conversion writes, in the output dtype (a Megatron
+  checkpoint stores the padded vocabulary, an HF one the real one). File sizes add a small
+  header/metadata overhead on top;
+- per-rank bytes: the parameters one rank of the TP×PP layout holds (every TP rank of a stage
+  holds the same amount; with tied embeddings and PP>1 the last stage keeps its own copy of the
+  output layer).
+
+The same checks run before a real conversion, so a bad TP/PP or a missing tensor fails before
+any rank starts, with an error naming the field, file or tensor.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+from megarl.backends.megatron.model import DTYPES, ModelArgs, padded_vocab_size
+
+from . import mapping
+
+logger = logging.getLogger(__name__)
+
+META = "megarl_meta.json"  # same name as megarl.backends.megatron.checkpoint.META
+
+
+class ConvertError(ValueError):
+    """Bad input to a conversion (message names the flag, file, field or tensor)."""
+
+
+def itemsize(dtype: str) -> int:
+    return torch.empty((), dtype=DTYPES[dtype]).element_size()
+
+
+# ------------------------------------------------------------------------- shapes from args
+def hf_shapes(a: ModelArgs) -> dict[str, tuple[int, ...]]:
+    """Shape of every HF tensor, in mapping.hf_names order."""
+    q, kv, h, f = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.hidden_size, \
+        a.ffn_hidden_size
+    per_layer = {"input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
+                 "self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h),
+                 "self_attn.v_proj.weight": (kv, h), "self_attn.q_proj.bias": (q,),
+                 "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,),
+                 "self_attn.o_proj.weight": (h, q), "mlp.gate_proj.weight": (f, h),
+                 "mlp.up_proj.weight": (f, h), "mlp.down_proj.weight": (h, f)}
+    out = {}
+    for name in mapping.hf_names(a):
+        layer = name.split(".", 3)
+        if name.startswith("model.layers."):
+            out[name] = per_layer[layer[3]]
+        elif name == "model.norm.weight":
+            out[name] = (h,)
+        else:  # embed_tokens, lm_head
+            out[name] = (a.vocab_size, h)
+    return out
+
+
+def mcore_params(a: ModelArgs, pp: int, padded_vocab: int) -> list[tuple[str, tuple, int]]:
+    """(global Megatron name, full shape, PP stage) of every model parameter on some rank.
+
+    With tied embeddings and PP>1 the last stage holds its own `output_layer.weight` (a copy
+    kept in sync with the embedding); with PP=1 the output layer reuses the embedding.
+    """
+    h, qkv = a.hidden_size, (a.num_heads + 2 * a.num_kv_heads) * a.head_dim
+    per_stage = a.num_layers // pp
+    out = [("embedding.word_embeddings.weight", (padded_vocab, h), 0)]
+    for i in range(a.num_layers):
+        s, p = i // per_stage, f"decoder.layers.{i}."
+        out += [(p + "input_layernorm.weight", (h,), s),
+                (p + "self_attention.linear_qkv.weight", (qkv, h), s)]
+        if a.qkv_bias:
+            out.append((p + "self_attention.linear_qkv.bias", (qkv,), s))
+        out += [(p + "self_attention.linear_proj.weight", (h, a.num_heads * a.head_dim), s),
+                (p + "pre_mlp_layernorm.weight", (h,), s),
+                (p + "mlp.linear_fc1.weight", (2 * a.ffn_hidden_size, h), s),
+                (p + "mlp.linear_fc2.weight", (h, a.ffn_hidden_size), s)]
+    out.append(("decoder.final_layernorm.weight", (h,), pp - 1))
+    if not a.tie_word_embeddings or pp > 1:
+        out.append(("output_layer.weight", (padded_vocab, h), pp - 1))
+    return out
+
+
+def numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def stage_param_bytes(a: ModelArgs, tp: int, pp: int, padded_vocab: int,
+                      dtype: str) -> list[int]:
+    """Parameter bytes one rank of each PP stage holds (TP shards are equal by validation)."""
+    out = [0] * pp
+    for name, shape, stage in mcore_params(a, pp, padded_vocab):
+        n = numel(shape)
+        out[stage] += (n // tp if mapping.partition_dim(name) is not None else n) * itemsize(dtype)
+    return out
+
+
+def mcore_checkpoint_bytes(a: ModelArgs, padded_vocab: int, dtype: str) -> int:
+    """Tensor payload of a Megatron checkpoint: unique tensors (a tied output layer is the
+    embedding's replica and is stored once)."""
+    names = mcore_params(a, 1, padded_vocab)
+    return sum(numel(s) for _, s, _ in names) * itemsize(dtype)
+
+
+# ------------------------------------------------------------------------- validation
+def check_layout(a: ModelArgs, tp: int, pp: int, divisible_by: int) -> int:
+    """Raise ConvertError unless the model splits over TP×PP; returns the padded vocab."""
+    if tp < 1 or pp < 1:
+        raise ConvertError(f"--tp {tp} --pp {pp}: both must be at least 1")
+    if divisible_by < 1:
+        raise ConvertError(f"--make-vocab-size-divisible-by {divisible_by}: must be at least 1")
+    rules = [("num_attention_heads", a.num_heads, tp, "--tp"),
+             ("num_key_value_heads", a.num_kv_heads, tp, "--tp"),
+             ("intermediate_size", a.ffn_hidden_size, tp, "--tp"),
+             ("num_hidden_layers", a.num_layers, pp, "--pp")]
+    for field, value, by, flag in rules:
+        if value % by:
+            raise ConvertError(f"config.json {field}={value} is not divisible by {flag} {by}")
+    # The vocabulary never blocks a split: Megatron pads it to a multiple of divisible_by×TP.
+    return padded_vocab_size(a.vocab_size, divisible_by, tp)
+
+
+def _read_args(model_dir: Path, what: str) -> ModelArgs:
+    cfg = model_dir / "config.json"
+    if not cfg.is_file():
+        raise ConvertError(f"{what} {model_dir}: no config.json")
+    try:
+        with open(cfg) as f:
+            hf = json.load(f)
+        return ModelArgs.from_hf(hf)
+    except json.JSONDecodeError as err:
+        raise ConvertError(f"{cfg}: not valid JSON ({err})") from None
+    except KeyError as err:
+        raise ConvertError(f"{cfg}: missing field {err.args[0]!r}") from None
+    except ValueError as err:
+        raise ConvertError(f"{cfg}: {err}") from None
+
+
+def _check_out(out: Path, source: Path) -> None:
+    if out.resolve() == source.resolve():
+        raise ConvertError(f"--out {out}: must differ from the source directory")
+    if out.exists() and not out.is_dir():
+        raise ConvertError(f"--out {out}: exists and is not a directory")
+
+
+# ------------------------------------------------------------------------- the report
+@dataclasses.dataclass
+class Plan:
+    command: str
+    source: str
+    out: str
+    arch: str
+    tp: int
+    pp: int
+    out_dtype: str
+    vocab_size: int
+    padded_vocab: int
+    hf_tensors: int
+    mcore_tensors: int
+    parameters: int
+    source_file_bytes: int
+    source_tensor_bytes: int
+    output_tensor_bytes: int
+    stage_rank_bytes: list[int]
+    notes: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def max_rank_bytes(self) -> int:
+        return max(self.stage_rank_bytes)
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["ranks"] = self.tp * self.pp
+        d["max_rank_bytes"] = self.max_rank_bytes
+        return d
+
+    def table(self) -> str:
+        rows = [
+            ("source", self.source),
+            ("output", f"{self.out} (not written: dry run)"),
+            ("architecture", (f"{self.arch}, vocab {self.vocab_size} "
+                              f"(padded to {self.padded_vocab} on the Megatron side)")),
+            ("tensors", f"{self.hf_tensors} HF / {self.mcore_tensors} Megatron"),
+            ("parameters", f"{self.parameters:,}"),
+            ("source bytes", (f"{human(self.source_file_bytes)} on disk, "
+                              f"{human(self.source_tensor_bytes)} of tensors")),
+            ("output bytes", f"{human(self.output_tensor_bytes)} of tensors in {self.out_dtype}"),
+            ("layout", f"TP={self.tp} PP={self.pp} ({self.tp * self.pp} ranks)"),
+            ("largest rank", f"{human(self.max_rank_bytes)} of parameters"),
+        ]
+        if self.pp > 1:
+            rows += [(f"  stage {s}", f"{human(b)} per rank")
+                     for s, b in enumerate(self.stage_rank_bytes)]
+        rows += [("note", n) for n in self.notes]
+        width = max(len(k) for k, _ in rows)
+        head = f"megarl convert {self.command} --dry-run"
+        return "\n".join([head] + [f"  {k:<{width}}  {v}" for k, v in rows])
+
+
+def human(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def _hf_source(hf_dir: Path, a: ModelArgs) -> tuple[int, int]:
+    """Check every expected tensor is present with its shape; (file bytes, tensor bytes)."""
+    from safetensors import safe_open
+
+    from .hf_io import HFReader
+
+    try:
+        reader = HFReader(hf_dir)
+    except FileNotFoundError as err:
+        raise ConvertError(f"--hf-dir {err}") from None
+    want = hf_shapes(a)
+    tensor_bytes = 0
+    for path in sorted(set(reader.where.values())):
+        with safe_open(path, "pt") as f:
+            for name in f.keys():  # safe_open handle, not a dict
+                sl = f.get_slice(name)
+                shape = tuple(sl.get_shape())
+                if name in want and shape != want[name]:
+                    raise ConvertError(f"{path.name}: tensor {name} has shape {shape}, "
+                                       f"config.json implies {want[name]}")
+                tensor_bytes += numel(shape) * _safetensors_itemsize(sl.get_dtype())
+    missing = [n for n in want if n not in reader.where]
+    if missing:
+        raise ConvertError(f"--hf-dir {hf_dir}: {len(missing)} tensor(s) that config.json "
+                           f"implies are missing, e.g. {missing[:3]}")
+    files = sum(p.stat().st_size for p in set(reader.where.values()))
+    return files, tensor_bytes
+
+
+def _safetensors_itemsize(code: str) -> int:
+    sizes = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2,
+             "I16": 2, "U16": 2, "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+    return sizes[code]
+
+
+def read_meta(ckpt: Path) -> dict:
+    f = ckpt / META
+    if not ckpt.is_dir():
+        raise ConvertError(f"--ckpt {ckpt}: no such directory (a megarl checkpoint with "
+                           f"{META} expected)")
+    if not f.is_file():
+        raise ConvertError(f"--ckpt {ckpt}: not a megarl Megatron checkpoint (no {META})")
+    with open(f) as fh:
+        return json.load(fh)
+
+
+def mcore_tensor_bytes(ckpt: Path) -> int:
+    """Tensor payload recorded in a dist-checkpoint's metadata (no tensor is read)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    try:
+        md = FileSystemReader(os.fspath(ckpt)).read_metadata()
+    except (OSError, EOFError) as err:
+        raise ConvertError(f"--ckpt {ckpt}: cannot read the dist-checkpoint .metadata "
+                           f"({err})") from None
+    return sum(numel(v.size) * v.properties.dtype.itemsize
+               for v in md.state_dict_metadata.values()
+               if isinstance(v, TensorStorageMetadata))
+
+
+def _mcore_source(ckpt: Path, tp: int, pp: int) -> tuple[dict, ModelArgs, int, int, int]:
+    """(meta, args, padded vocab at tp, weight file bytes, tensor bytes), layout checked first."""
+    meta = read_meta(ckpt)
+    a = _read_args(ckpt / "hf", "--ckpt")
+    padded = check_layout(a, tp, pp, int(meta.get("make_vocab_size_divisible_by", 128)))
+    # Weights only: the optimizer state and the hf/ side copy are not model tensors.
+    files = sum(p.stat().st_size for p in ckpt.iterdir() if p.is_file() and p.name != META)
+    return meta, a, padded, files, mcore_tensor_bytes(ckpt)
+
+
+def _ckpt_dtype(meta: dict, ckpt: Path) -> str:
+    dtype = meta.get("params_dtype", "float32")
+    if dtype not in DTYPES:
+        raise ConvertError(f"{ckpt / META}: params_dtype={dtype!r} is not one of "
+                           f"{sorted(DTYPES)}")
+    return dtype
+
+
+def _counts(a: ModelArgs) -> tuple[int, int, int]:
+    shapes = hf_shapes(a)
+    return len(shapes), len(mcore_params(a, 1, a.vocab_size)), \
+        sum(numel(s) for s in shapes.values())
+
+
+def plan_hf2mcore(hf_dir, out, tp: int = 1, pp: int = 1, params_dtype: str = "float32",
+                  make_vocab_size_divisible_by: int = 128) -> Plan:
+    hf_dir, out = Path(hf_dir), Path(out)
+    if not hf_dir.is_dir():
+        raise ConvertError(f"--hf-dir {hf_dir}: no such directory (config.json expected)")
+    a = _read_args(hf_dir, "--hf-dir")
+    padded = check_layout(a, tp, pp, make_vocab_size_divisible_by)
+    _check_out(out, hf_dir)
+    files, tensors = _hf_source(hf_dir, a)
+    n_hf, n_mc, params = _counts(a)
+    return Plan("hf2mcore", str(hf_dir), str(out), a.arch, tp, pp, params_dtype, a.vocab_size,
+                padded, n_hf, n_mc, params, files, tensors,
+                mcore_checkpoint_bytes(a, padded, params_dtype),
+                stage_param_bytes(a, tp, pp, padded, params_dtype))
+
+
+def plan_mcore2hf(ckpt, out, tp: int = 1, pp: int = 1, dtype: str | None = None) -> Plan:
+    ckpt, out = Path(ckpt), Path(out)
+    meta, a, padded, files, tensors = _mcore_source(ckpt, tp, pp)
+    src_dtype = _ckpt_dtype(meta, ckpt)
+    _check_out(out, ckpt)
+    n_hf, n_mc, params = _counts(a)
+    out_dtype = dtype or src_dtype
+    notes = []
+    if (ckpt / "optim").is_dir():
+        notes.append("optimizer state in the checkpoint is not exported (HF holds weights only)")
+    return Plan("mcore2hf", str(ckpt), str(out), a.arch, tp, pp, out_dtype, a.vocab_size, padded,
+                n_hf, n_mc, params, files, tensors, params * itemsize(out_dtype),
+                stage_param_bytes(a, tp, pp, padded, src_dtype), notes)
+
+
+def plan_reshard(ckpt, out, tp: int = 1, pp: int = 1) -> Plan:
+    ckpt, out = Path(ckpt), Path(out)
+    meta, a, padded, files, tensors = _mcore_source(ckpt, tp, pp)
+    dtype = _ckpt_dtype(meta, ckpt)
+    _check_out(out, ckpt)
+    n_hf, n_mc, params = _counts(a)
+    notes = []
+    if (ckpt / "optim").is_dir():
+        notes.append(f"optimizer state ({ckpt / 'optim'}) is dropped: it is per rank of the "
+                     f"old layout (TP={meta.get('tp')} PP={meta.get('pp')})")
+    return Plan("reshard", str(ckpt), str(out), a.arch, tp, pp, dtype, a.vocab_size, padded,
+                n_hf, n_mc, params, files, tensors, mcore_checkpoint_bytes(a, padded, dtype),
+                stage_param_bytes(a, tp, pp, padded, dtype), notes)
