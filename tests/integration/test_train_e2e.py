@@ -90,6 +90,16 @@ def test_reward_rises(assets, tmp_path, mode):
     assert max(stale.values()) <= ahead - 1
     if ahead > 1:
         assert max(stale.values()) >= 1
+    # importance weights: maxima reduce with max (never below the mean, as a sum could be)
+    w_mean, w_max = scalars(tmp_path, "actor/tis_weight_mean"), scalars(tmp_path,
+                                                                          "actor/tis_weight_max")
+    assert sorted(w_max) == list(range(1, 41))
+    assert all(w_max[s] >= w_mean[s] - 1e-6 for s in w_max)
+    assert max(scalars(tmp_path, "actor/ratio_max").values()) < 50
+    # scored by the streaming reward pool: every response once, none failed
+    calls = scalars(tmp_path, "reward/calls")
+    assert sum(calls.values()) >= 40 * 32 and not any(scalars(tmp_path,
+                                                               "reward/failures").values())
 
 
 def test_design_usage_keys_run_a_short_training(assets, tmp_path):
