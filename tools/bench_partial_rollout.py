@@ -10,9 +10,12 @@ of `--n` samples:
 - `partial`: `megarl.controller.partial.PartialRollout` keeps batch + `--over` groups in flight,
   stops once `--batch` are complete, caches the rest and resumes them next step.
 
-Response lengths are long-tailed: the tiny random model samples near-uniformly and one token
-id in `--stop-every` is a stop token, so lengths are roughly geometric (mean ~ stop_every)
-up to `--max-new-tokens`. The first step of each side (empty cache) is not counted.
+Response lengths are long-tailed the way RL's are: mostly set by the prompt (a hard problem
+gets a long answer) plus per-sample noise. Each prompt gets a difficulty drawn log-normally
+(median `--median-len` tokens, `--sigma`), each sample that times a log-normal noise
+(`--noise`), capped at `--max-new-tokens`; the engine is told that exact budget with
+`ignore_eos`, so both sides produce identical lengths for identical prompts. The first step
+of each side (empty cache) is not counted.
 
     python tools/bench_partial_rollout.py [--steps 6 --batch 8 --n 4 --over 4 ...]
 """
@@ -20,7 +23,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
+import math
+import random
 import statistics
 import sys
 import tempfile
@@ -29,13 +35,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megarl.controller.generation import rollout  # noqa: E402
 from megarl.controller.partial import PartialRollout  # noqa: E402
 from megarl.data.dataset import Prompt  # noqa: E402
 from megarl.data.loader import PromptLoader  # noqa: E402
 from megarl.rollout.engine import EmbeddedEngine  # noqa: E402
 from megarl.rollout.manager import RolloutManager  # noqa: E402
-from megarl.rollout.protocol import SamplingParams  # noqa: E402
+from megarl.rollout.protocol import GenerateRequest, SamplingParams  # noqa: E402
 from megarl.utils.tiny_model import make_tiny_model  # noqa: E402
 
 
@@ -49,6 +54,14 @@ async def bump(engine, version: int) -> None:
     await engine.end_weight_update(weight_version=str(version))
 
 
+def length_of(args, prompt_index: int, sample: int) -> int:
+    """The budget of one sample: prompt difficulty x sample noise (seeded, heavy-tailed)."""
+    rp = random.Random(args.seed * 7919 + prompt_index)
+    difficulty = math.exp(rp.gauss(math.log(args.median_len), args.sigma))
+    rs = random.Random(args.seed * 104_729 + prompt_index * 131 + sample)
+    return max(1, min(args.max_new_tokens, round(difficulty * math.exp(rs.gauss(0, args.noise)))))
+
+
 class Side:
     """One way of generating a step's batch, with its own loader (same prompts, same order)."""
 
@@ -57,30 +70,41 @@ class Side:
         self.loader = PromptLoader(prompts(args.batch * (args.steps + 4) * 2), args.batch,
                                    shuffle=False)
         self.mgr = RolloutManager([engine])
-        self.pr = PartialRollout(self.mgr, engine.tokenizer, self.loader, n=args.n,
-                                 need=args.batch, over=args.over) if partial else None
+        self.pr = PartialRollout(
+            self.mgr, engine.tokenizer, self.loader, n=args.n, need=args.batch, over=args.over,
+            sampling_for=lambda p, i, sp: dataclasses.replace(
+                sp, max_new_tokens=length_of(args, p.index, i))) if partial else None
         self.times, self.model_steps, self.tokens, self.spans, self.ratio = [], [], 0, [], []
+
+    async def full_step(self, k: int, sp: SamplingParams) -> list:
+        """Today's GENERATE: every sample of the batch, to the end (same budgets)."""
+        async def one(p, i):
+            req = GenerateRequest(list(p.prompt_ids), dataclasses.replace(
+                sp, n=1, max_new_tokens=length_of(self.args, p.index, i),
+                sampling_seed=sp.sampling_seed * 1_000_003 + i), True, f"s{k}-{p.uid}-{i}")
+            return await self.mgr.generate(req)
+        batch = self.loader.next_batch()
+        return await asyncio.gather(*[one(p, i) for p in batch for i in range(self.args.n)])
 
     async def step(self, k: int, version: int) -> None:
         a, eng = self.args, self.engine
         sp = SamplingParams(max_new_tokens=a.max_new_tokens, temperature=1.0, n=a.n,
-                            stop_token_ids=list(range(0, eng.vocab_size, a.stop_every)),
-                            sampling_seed=a.seed + k)
+                            ignore_eos=True, sampling_seed=a.seed + k)
         steps0 = eng.model_steps
         t0 = time.perf_counter()
         if self.pr is not None:
             samples, _, m, _ = await self.pr.run_step(k, sp, version)
             self.spans.append(m["rollout/partial/versions_spanned_max"])
             self.ratio.append(m["rollout/partial/ratio"])
+            lengths = [len(s.response_ids) for s in samples]
         else:
-            samples, _ = await rollout(self.mgr, self.loader.next_batch(), sp, eng.tokenizer,
-                                       None, f"s{k}")
+            lengths = [len(o.output_ids) for o in await self.full_step(k, sp)]
         dt = time.perf_counter() - t0
-        assert len(samples) == a.batch * a.n
+        assert len(lengths) == a.batch * a.n
         if k > 0:  # the first step of partial rollout starts from an empty cache
             self.times.append(dt)
             self.model_steps.append(eng.model_steps - steps0)
-            self.tokens += sum(len(s.response_ids) for s in samples)
+            self.tokens += sum(lengths)
 
     def summary(self) -> dict:
         return {"step_s": statistics.mean(self.times),
@@ -110,9 +134,11 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--batch", type=int, default=8, help="prompt groups a step trains")
     p.add_argument("--n", type=int, default=4)
-    p.add_argument("--over", type=int, default=4, help="extra groups in flight (partial)")
-    p.add_argument("--max-new-tokens", type=int, default=384)
-    p.add_argument("--stop-every", type=int, default=64)
+    p.add_argument("--over", type=int, default=8, help="extra groups in flight (partial)")
+    p.add_argument("--max-new-tokens", type=int, default=512)
+    p.add_argument("--median-len", type=float, default=48.0)
+    p.add_argument("--sigma", type=float, default=0.9, help="log-normal spread over prompts")
+    p.add_argument("--noise", type=float, default=0.3, help="log-normal spread per sample")
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--seed", type=int, default=7)
@@ -130,8 +156,9 @@ def main(argv=None) -> int:
                 await engine.close()
 
         full, part = asyncio.run(go())
-    print(f"workload: {args.steps - 1} counted steps x {args.batch} groups x n={args.n}, "
-          f"max_new_tokens={args.max_new_tokens}, stop 1/{args.stop_every} (long tail)")
+    print(f"workload: {args.steps - 1} counted steps x {args.batch} groups x n={args.n}; "
+          f"lengths: median {args.median_len:.0f}, prompt sigma {args.sigma}, sample noise "
+          f"{args.noise}, cap {args.max_new_tokens}")
     print(f"{'':10s}{'step s':>10s}{'median':>10s}{'fwd/step':>10s}{'tok/step':>10s}")
     for name, r in (("full", full), ("partial", part)):
         print(f"{name:10s}{r['step_s']:10.3f}{r['step_s_median']:10.3f}"

@@ -116,7 +116,7 @@ class PartialRollout:
 
     def __init__(self, manager, tokenizer, loader, *, n: int, need: int, over: int,
                  scorer=None, max_staleness: int | None = None, stale_policy: str = "drop",
-                 max_resumes: int = 100):
+                 max_resumes: int = 100, sampling_for: Callable | None = None):
         if need <= 0 or n <= 0 or over < 0:
             raise ValueError(f"partial rollout: need={need}, n={n}, over={over}")
         self.manager, self.tokenizer, self.loader = manager, tokenizer, loader
@@ -124,6 +124,9 @@ class PartialRollout:
         self.scorer = scorer
         self.max_staleness, self.stale_policy = max_staleness, stale_policy
         self.max_resumes = max_resumes
+        # optional (prompt, sample index, step params) -> params of that one sample, e.g. a
+        # per-prompt length budget from the data
+        self.sampling_for = sampling_for
         self.cache: list[PromptGroup] = []
         self._stopping = False
         self._running: dict[str, None] = {}   # rids in flight (insertion-ordered set)
@@ -229,6 +232,8 @@ class PartialRollout:
 
     async def _run_sample(self, g: PromptGroup, i: int, step: int, sp: SamplingParams) -> None:
         t = g.samples[i]
+        if self.sampling_for is not None:
+            sp = self.sampling_for(g.prompt, i, sp)
         attempts = 0
         while t.finish is None:
             budget = sp.max_new_tokens - len(t.ids)

@@ -158,9 +158,23 @@ class DecodeBatch:
             s.append(t, lp, version)
         return tokens
 
-    @torch.inference_mode()
     def admit(self, seqs: list[Sequence], version: str) -> None:
-        """Prefill `seqs` together, sample each one's next token, merge them into the batch."""
+        """Prefill `seqs`, sample each one's next token, merge them into the batch.
+
+        Prefill runs in chunks of similar length: a resumed request (prompt + hundreds of
+        tokens generated before an abort) padded together with fresh short prompts would
+        spend most of the prefill's compute on padding."""
+        chunk: list[Sequence] = []
+        for s in sorted(seqs, key=lambda q: len(q.prefill_ids())):
+            if chunk and len(s.prefill_ids()) > 1.5 * len(chunk[0].prefill_ids()) + 16:
+                self._admit_chunk(chunk, version)
+                chunk = []
+            chunk.append(s)
+        if chunk:
+            self._admit_chunk(chunk, version)
+
+    @torch.inference_mode()
+    def _admit_chunk(self, seqs: list[Sequence], version: str) -> None:
         prompts = [s.prefill_ids() for s in seqs]
         length = max(len(p) for p in prompts)
         ids = torch.zeros(len(seqs), length, dtype=torch.long)
