@@ -139,6 +139,16 @@ def _check_trainer(t: DictConfig, data: DictConfig) -> None:
     if t.resume_mode == "resume_path" and not t.resume_from_path:
         raise ConfigError("trainer.resume_from_path: required when trainer.resume_mode="
                           "resume_path")
+    from megarl.observability.loggers import KNOWN
+
+    # checked here so a typo fails before Ray and the workers start, not after
+    names = [t.logger] if isinstance(t.logger, str) else list(t.logger)
+    for name in names:
+        if name not in KNOWN:
+            close = difflib.get_close_matches(str(name), KNOWN, n=1)
+            hint = f"; did you mean `{close[0]}`?" if close else ""
+            raise ConfigError(f"trainer.logger: unknown logger {name!r} (known: "
+                              f"{', '.join(KNOWN)}){hint}")
 
 
 def _check_reward(reward: DictConfig) -> None:

@@ -196,3 +196,8 @@ def test_stale_policy_and_over_sample_are_checked():
     assert error_of("algorithm.stale_policy=discard").startswith("algorithm.stale_policy")
     assert error_of(f"{ARR}.rollout.over_sample_prompts=-1").startswith(
         f"{ARR}.rollout.over_sample_prompts")
+
+
+def test_unknown_logger_fails_at_load():
+    msg = error_of("trainer.logger=[console,tensorbord]")
+    assert msg.startswith("trainer.logger") and "did you mean `tensorboard`" in msg
