@@ -144,4 +144,8 @@ class RolloutRank:
 
 @ray.remote
 class RolloutActor(RolloutRank):
-    """The Ray shell of `RolloutRank`."""
+    """The Ray shell of `RolloutRank`; `host=None` binds and advertises this Ray node's own
+    address, which a multi-node run needs (the driver and trainers reach it from elsewhere)."""
+
+    def __init__(self, *args, host: str | None = "127.0.0.1", **kwargs):
+        super().__init__(*args, host=host or ray.util.get_node_ip_address(), **kwargs)

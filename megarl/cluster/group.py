@@ -124,8 +124,11 @@ class RolloutGroup:
         model = cfg.actor_rollout_ref.model.path
         ctx = cfg.data.max_prompt_length + cfg.data.max_response_length
         threads = thread_budget(cfg, processes_per_device)
+        # One machine keeps the servers on loopback; across nodes they bind the node address.
+        host = "127.0.0.1" if cfg.trainer.nnodes == 1 else None
         self.actors = [RolloutActor.options(**devices.options(i, share)).remote(
-            model, threads, cfg.trainer.seed + i, ctx) for i in range(devices.num_devices)]
+            model, threads, cfg.trainer.seed + i, ctx, host=host)
+            for i in range(devices.num_devices)]
         self.urls = ray.get([a.url.remote() for a in self.actors])
         logger.info("rollout servers: %s", ", ".join(self.urls))
 

@@ -227,6 +227,17 @@ def test_dual_buffer_synchronous_run_stays_on_policy(assets, tmp_path):
     assert len(scalars(tmp_path, "timing/wait_for_weights_s")) == 5
 
 
+def test_two_node_layout_serves_rollouts_on_the_node_address(assets, tmp_path):
+    """trainer.nnodes=2 (one Ray node standing in for both): servers bind the node's address,
+    not loopback, so trainers on another node could reach them; the run still trains."""
+    extra = ["trainer.nnodes=2", "trainer.n_gpus_per_node=1", "trainer.total_training_steps=2",
+             "trainer.save_freq=-1", "trainer.test_freq=-1", "trainer.val_before_train=False"]
+    out = megarl("train", _args(assets, tmp_path, *extra))
+    line = next(x for x in out.splitlines() if "rollout servers:" in x)
+    assert "http://" in line and "127.0.0.1" not in line, line
+    assert sorted(trained(tmp_path)) == [0, 1]
+
+
 def test_validation_only_mode(assets, tmp_path):
     out = megarl("validate", _args(assets, tmp_path))
     assert "val/reward_mean=" in out
