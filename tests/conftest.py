@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny HF models made locally (launch helpers live in integration/launch_helpers.py)."""
+"""Shared fixtures: tiny HF models and the quickstart task, made locally (launch helpers live in
+integration/launch_helpers.py)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -43,3 +44,15 @@ def llama_dir(tmp_path_factory):
 def qwen_dir_b(tmp_path_factory):
     """Same shapes as qwen_dir, other weights: the "trainer's" next version."""
     return make_tiny_model(tmp_path_factory.mktemp("rollout") / "qwen2_b", arch="qwen2", seed=1)
+
+
+@pytest.fixture(scope="session")
+def quickstart_assets(tmp_path_factory) -> Path:
+    """A run's inputs, as `megarl train` subprocesses take them: `tiny/` (default-sized tiny
+    Qwen2) and `data/` (the synthetic quickstart task's train/val jsonl)."""
+    from megarl.data.synthetic import make_quickstart_task
+
+    d = tmp_path_factory.mktemp("quickstart")
+    make_tiny_model(d / "tiny", "qwen2")
+    make_quickstart_task(d / "data")
+    return d

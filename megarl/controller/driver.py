@@ -16,7 +16,6 @@ import time
 
 from megarl.algo.advantages import compute_advantages
 from megarl.algo.kl import adaptive_kl_coef, apply_kl_in_reward
-from megarl.reward.pool import RewardPool
 from megarl.observability.metrics import (MetricsTracker, pipeline_step_metrics,
                                           staleness_metrics, throughput)
 
@@ -39,7 +38,7 @@ class Driver:
         self.metrics = MetricsTracker()
         self.val: dict[int, dict] = {}
         # Scores each response in a worker process as soon as it finishes (streaming).
-        self.scorer = RewardPool.from_config(self.cfg.reward)
+        self.scorer = run.reward_pool
         self.val_results: list[dict] = []
         saved = run.driver_state or {}
         # In-reward KL coefficient: the adaptive controller's value survives a resume.
@@ -79,7 +78,6 @@ class Driver:
         finally:
             for t in running:
                 t.cancel()
-            self.scorer.close()
 
     async def execute(self, a) -> None:
         k = a.step

@@ -4,12 +4,12 @@ Owns turning prompts into engine requests (n samples each, seeded per step) and 
 into `Sample`s. A response aborted by a weight update (engines pause in `abort` mode without the
 dual buffer) is resumed from where it stopped — its tokens, log-probs and versions are kept and
 the tail continues under the new weights — so no sample is lost to a sync. Each response is
-scored as soon as it is complete, in a thread pool, while the rest are still generating.
+handed to the scorer (the streaming `megarl.reward.pool.RewardPool`) as soon as it is complete,
+while the rest are still generating.
 """
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import dataclasses
 import logging
 
@@ -50,36 +50,14 @@ async def generate_one(manager, request: GenerateRequest, max_resumes: int = 100
     raise RuntimeError(f"request {request.rid}: aborted {max_resumes} times in a row")
 
 
-class Scorer:
-    """Scores finished responses in a thread pool (the reward state's workers)."""
-
-    def __init__(self, reward_fn, num_workers: int):
-        self.fn = reward_fn
-        self.pool = concurrent.futures.ThreadPoolExecutor(max(1, num_workers),
-                                                          thread_name_prefix="megarl-reward")
-
-    def submit(self, sample: Sample) -> asyncio.Future:
-        loop = asyncio.get_running_loop()
-        return loop.run_in_executor(self.pool, self._score, sample)
-
-    def _score(self, s: Sample) -> float:
-        r = self.fn(s.data_source, s.response_text, s.ground_truth)
-        if isinstance(r, dict):
-            r = r.get("score", 0.0)
-        s.reward = float(r)
-        return s.reward
-
-    def close(self):
-        self.pool.shutdown(wait=False, cancel_futures=True)
-
-
 def extra_info_of(prompt) -> dict:
     return dict(getattr(prompt, "extra_info", None) or {})
 
 
-async def rollout(manager, prompts, sp: SamplingParams, tokenizer, scorer: Scorer | None,
+async def rollout(manager, prompts, sp: SamplingParams, tokenizer, scorer,
                   rid_prefix: str) -> tuple[list[Sample], list[asyncio.Future]]:
-    """Generate n samples for every prompt; start scoring each as soon as it finishes."""
+    """Generate n samples for every prompt; start scoring each as soon as it finishes
+    (`scorer.submit(sample)` returns an awaitable of the reward; None skips scoring)."""
     scores: list[asyncio.Future] = []
 
     async def one(prompt, req):

@@ -198,12 +198,12 @@ class PartialRollout:
             if self._running:
                 metrics["rollout/partial/aborted_requests"] += len(self._running)
                 await self.manager.abort(list(self._running))
-            late = await asyncio.gather(*active)  # noqa: F841 - results are in the groups
+            await asyncio.gather(*active)  # each aborted sample has stored its partial output
         finally:
             self._stopping = False
             for t in active:
                 t.cancel()
-        leftovers = [g for g in active.values()]
+        leftovers = list(active.values())
         # Complete groups beyond the batch (several can finish in one wait) are trained next.
         extra, complete = complete[self.need:], complete[:self.need]
         self.cache = extra + leftovers + list(queue)

@@ -28,7 +28,7 @@ class Run:
     pad_id: int
     loader: Any
     val_dataset: Any
-    reward_fn: Any
+    reward_pool: Any                   # the streaming scorer (megarl.reward.pool.RewardPool)
     actor: Any
     ref: Any
     rollout: Any
@@ -59,6 +59,7 @@ class Run:
         for dg in self.device_groups:
             dg.remove()
         self.loggers.close()
+        self.reward_pool.close()
         ray.shutdown()
 
 
@@ -100,7 +101,7 @@ async def setup_run(cfg, val_only: bool) -> Run:
     from megarl.data.dataset import load_split
     from megarl.data.loader import PromptLoader
     from megarl.observability.loggers import make_loggers
-    from megarl.reward import load_reward_fn
+    from megarl.reward.pool import RewardPool
     from megarl.rollout.manager import RolloutManager
 
     if cfg.trainer.launcher == "torchrun":
@@ -128,7 +129,8 @@ async def setup_run(cfg, val_only: bool) -> Run:
     val = load_split(cfg.data, tok, "val")
     loader = PromptLoader(train, cfg.data.train_batch_size, shuffle=cfg.data.shuffle,
                           seed=cfg.data.seed)
-    reward_fn = load_reward_fn(cfg.reward.reward_fn)
+    # Loads the reward function once here, so a bad reward.reward_fn fails before Ray starts.
+    reward_pool = RewardPool.from_config(cfg.reward)
     ahead = t.generate_ahead_steps if arr.async_pipeline else 1
     if t.generate_ahead_steps > 1 and not arr.async_pipeline:
         logger.warning("trainer.generate_ahead_steps=%d ignored: "
@@ -185,7 +187,7 @@ async def setup_run(cfg, val_only: bool) -> Run:
     if val is None and (t.val_before_train or t.test_freq > 0 or val_only):
         logger.warning("no data.val_files: validation is skipped")
     return Run(cfg=cfg, tokenizer=tok, eos_ids=eos_ids, pad_id=pad_id, loader=loader,
-               val_dataset=val, reward_fn=reward_fn, actor=actor, ref=ref, rollout=rollout,
+               val_dataset=val, reward_pool=reward_pool, actor=actor, ref=ref, rollout=rollout,
                manager=manager, loggers=loggers, groups=groups, ahead=ahead, total_steps=total,
                start_step=start_step, max_new_tokens=max_new,
                temperature=float(arr.rollout.temperature), ckpt_root=root,

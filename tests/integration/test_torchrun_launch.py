@@ -17,17 +17,6 @@ from launch_helpers import ROOT
 SCRIPT = ROOT / "launch" / "torchrun.sh"
 
 
-@pytest.fixture(scope="module")
-def torchrun_assets(tmp_path_factory):
-    from megarl.data.synthetic import make_quickstart_task
-    from megarl.utils.tiny_model import make_tiny_model
-
-    d = tmp_path_factory.mktemp("torchrun_assets")
-    make_tiny_model(d / "tiny", "qwen2")
-    make_quickstart_task(d / "data")
-    return d
-
-
 def _overrides(assets, run_dir, steps):
     return [f"actor_rollout_ref.model.path={assets / 'tiny'}",
             f"data.train_files={assets / 'data' / 'train.jsonl'}",
@@ -119,10 +108,10 @@ def _trained_steps(run_dir):
 NO_RAY = {"RAY_ADDRESS": "127.0.0.1:9"}
 
 
-def test_two_nodes_on_loopback_train_two_steps(torchrun_assets, tmp_path):
+def test_two_nodes_on_loopback_train_two_steps(quickstart_assets, tmp_path):
     from megarl.utils.launch import free_port
 
-    procs, seen = _launch(torchrun_assets, tmp_path, 2, free_port(), **NO_RAY), set()
+    procs, seen = _launch(quickstart_assets, tmp_path, 2, free_port(), **NO_RAY), set()
     codes = _wait(procs, 180, seen)
     node0, node1 = _logs(tmp_path)
     # Both torchrun trees ended on their own: no agent or worker left behind.
@@ -145,12 +134,12 @@ def test_two_nodes_on_loopback_train_two_steps(torchrun_assets, tmp_path):
     assert _scalars(tmp_path, "rollout/staleness_max") == {1: 0.0, 2: 1.0}
 
 
-def test_a_lost_node_ends_the_run_instead_of_hanging(torchrun_assets, tmp_path):
+def test_a_lost_node_ends_the_run_instead_of_hanging(quickstart_assets, tmp_path):
     """Kill node 1 (agent and engine) mid-run: node 0's driver must fail and exit, not wait
     for ever on a rank that is gone (the heartbeat notices within seconds here)."""
     from megarl.utils.launch import free_port
 
-    procs = _launch(torchrun_assets, tmp_path, 200, free_port(),
+    procs = _launch(quickstart_assets, tmp_path, 200, free_port(),
                     MEGARL_TORCHRUN_HEARTBEAT_S="3", **NO_RAY)
     log0, seen = tmp_path / "node0.log", set()
     deadline = time.time() + 120

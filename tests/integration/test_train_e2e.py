@@ -17,17 +17,6 @@ from launch_helpers import ROOT
 
 
 
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory):
-    from megarl.data.synthetic import make_quickstart_task
-    from megarl.utils.tiny_model import make_tiny_model
-
-    d = tmp_path_factory.mktemp("quickstart")
-    make_tiny_model(d / "tiny", "qwen2")
-    make_quickstart_task(d / "data")
-    return d
-
-
 def _args(assets, run_dir, *extra):
     return ["--config", str(ROOT / "configs" / "quickstart.yaml"),
             f"actor_rollout_ref.model.path={assets / 'tiny'}",
@@ -66,6 +55,32 @@ def trained(run_dir):
     return out
 
 
+def kill_after_first_checkpoint(assets, run_dir, extra) -> int:
+    """Start a training run, SIGKILL it once a checkpoint exists; the step it saved."""
+    proc = megarl("train", _args(assets, run_dir, *extra), start_new_session=True)
+    latest = run_dir / "megarl" / "t" / "latest_checkpointed_iteration.txt"
+    deadline = time.time() + 300
+    while not latest.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    return int(latest.read_text())
+
+
+def fresh_loader(assets):
+    """The quickstart's prompt loader as a new run builds it: the seeded order of draws."""
+    from megarl.config import load_config
+    from megarl.data.dataset import load_split
+    from megarl.data.loader import PromptLoader
+    from transformers import AutoTokenizer
+
+    cfg = load_config(None, [f"data.train_files={assets / 'data' / 'train.jsonl'}",
+                             "data.train_batch_size=8", "data.max_prompt_length=64"])
+    tok = AutoTokenizer.from_pretrained(assets / "tiny")
+    return PromptLoader(load_split(cfg.data, tok), 8, shuffle=cfg.data.shuffle,
+                        seed=cfg.data.seed)
+
+
 MODES = {
     "colocated-sync": ["trainer.separated_node_tasks=[[logp,actor-train,ref_logp,generate]]",
                        "trainer.separated_node_ratios=[1.0]", "trainer.n_gpus_per_node=1",
@@ -76,9 +91,10 @@ MODES = {
 
 
 @pytest.mark.parametrize("mode", list(MODES))
-def test_reward_rises(assets, tmp_path, mode):
-    out = megarl("train", _args(assets, tmp_path, "trainer.save_freq=-1", "trainer.test_freq=-1",
-                                "trainer.val_before_train=False", *MODES[mode]))
+def test_reward_rises(quickstart_assets, tmp_path, mode):
+    out = megarl("train", _args(quickstart_assets, tmp_path, "trainer.save_freq=-1",
+                                "trainer.test_freq=-1", "trainer.val_before_train=False",
+                                *MODES[mode]))
     reward = scalars(tmp_path, "reward/mean")
     assert sorted(reward) == list(range(1, 41)), out[-2000:]
     first = sum(reward[s] for s in range(1, 9)) / 8
@@ -102,8 +118,9 @@ def test_reward_rises(assets, tmp_path, mode):
                                                                "reward/failures").values())
 
 
-def test_design_usage_keys_run_a_short_training(assets, tmp_path):
-    out = megarl("train", _args(assets, tmp_path, *DESIGN_KEYS, "trainer.n_gpus_per_node=4",
+def test_design_usage_keys_run_a_short_training(quickstart_assets, tmp_path):
+    out = megarl("train", _args(quickstart_assets, tmp_path, *DESIGN_KEYS,
+                                "trainer.n_gpus_per_node=4",
                                 "trainer.total_training_steps=3", "trainer.save_freq=-1",
                                 "trainer.test_freq=-1", "trainer.val_before_train=False"))
     assert sorted(trained(tmp_path)) == [0, 1, 2]
@@ -111,63 +128,37 @@ def test_design_usage_keys_run_a_short_training(assets, tmp_path):
     assert sorted(scalars(tmp_path, "weight_sync/blocking_s")) == [1, 2, 3]
 
 
-def test_kill_after_checkpoint_then_resume(assets, tmp_path):
-    from megarl.data.dataset import load_split
-    from megarl.data.loader import PromptLoader
-
+def test_kill_after_checkpoint_then_resume(quickstart_assets, tmp_path):
     extra = ["trainer.total_training_steps=8", "trainer.save_freq=2", "trainer.test_freq=-1",
              "trainer.val_before_train=False"]
-    proc = megarl("train", _args(assets, tmp_path, *extra), start_new_session=True)
-    latest = tmp_path / "megarl" / "t" / "latest_checkpointed_iteration.txt"
-    deadline = time.time() + 300
-    while not latest.exists() and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.05)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    saved = int(latest.read_text())
+    saved = kill_after_first_checkpoint(quickstart_assets, tmp_path, extra)
     assert saved >= 1 and saved < 7, "the run should have been killed mid-way"
-    out = megarl("train", _args(assets, tmp_path, *extra))
+    out = megarl("train", _args(quickstart_assets, tmp_path, *extra))
     assert f"resuming after step {saved}" in out
     steps = trained(tmp_path)
     assert sorted(steps) == list(range(8))
     # every step trained exactly the batch a never-interrupted run would have drawn
-    from megarl.config import load_config
-    from transformers import AutoTokenizer
-    cfg = load_config(None, [f"data.train_files={assets / 'data' / 'train.jsonl'}",
-                             "data.train_batch_size=8", "data.max_prompt_length=64"])
-    tok = AutoTokenizer.from_pretrained(assets / "tiny")
-    loader = PromptLoader(load_split(cfg.data, tok), 8, shuffle=cfg.data.shuffle,
-                          seed=cfg.data.seed)
+    loader = fresh_loader(quickstart_assets)
     for k in range(8):
         assert steps[k] == sorted(p.uid for p in loader.next_batch()), k
     assert len(scalars(tmp_path, "reward/mean")) >= 8 - saved - 1
     # validation-only on the run's latest checkpoint: the engines serve its weights (v8)
-    out = megarl("validate", _args(assets, tmp_path, *extra))
+    out = megarl("validate", _args(quickstart_assets, tmp_path, *extra))
     assert "validation of weights v8:" in out
 
 
-def test_partial_rollout_kill_resume_trains_every_prompt_once(assets, tmp_path):
+def test_partial_rollout_kill_resume_trains_every_prompt_once(quickstart_assets, tmp_path):
     """Partial rollout caches unfinished groups; a run killed after a checkpoint and resumed
     trains every prompt it drew exactly once (trained + still cached = drawn)."""
-    from megarl.data.dataset import load_split
-    from megarl.data.loader import PromptLoader
-
     extra = ["trainer.total_training_steps=8", "trainer.save_freq=2", "trainer.test_freq=-1",
              "trainer.val_before_train=False", "actor_rollout_ref.rollout.partial_rollout=True",
              "actor_rollout_ref.rollout.over_sample_prompts=6"]
-    proc = megarl("train", _args(assets, tmp_path, *extra), start_new_session=True)
-    latest = tmp_path / "megarl" / "t" / "latest_checkpointed_iteration.txt"
-    deadline = time.time() + 300
-    while not latest.exists() and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.05)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    saved = int(latest.read_text())
+    saved = kill_after_first_checkpoint(quickstart_assets, tmp_path, extra)
     assert 1 <= saved < 7, "the run should have been killed mid-way"
     state = json.loads((tmp_path / "megarl" / "t" / f"global_step_{saved}" /
                         "driver_state.json").read_text())
     assert state["partial"]["groups"], "the checkpoint should hold cached partial groups"
-    out = megarl("train", _args(assets, tmp_path, *extra))
+    out = megarl("train", _args(quickstart_assets, tmp_path, *extra))
     assert f"resuming after step {saved}" in out
     assert "cached prompt group(s) restored" in out
     steps = trained(tmp_path)
@@ -180,13 +171,7 @@ def test_partial_rollout_kill_resume_trains_every_prompt_once(assets, tmp_path):
     cached = {g["uid"] for g in final["partial"]["groups"]}
     assert not cached & set(uids)
     # what the loader handed out, in its seeded order, up to the final position
-    from megarl.config import load_config
-    from transformers import AutoTokenizer
-    cfg = load_config(None, [f"data.train_files={assets / 'data' / 'train.jsonl'}",
-                             "data.train_batch_size=8", "data.max_prompt_length=64"])
-    tok = AutoTokenizer.from_pretrained(assets / "tiny")
-    loader = PromptLoader(load_split(cfg.data, tok), 8, shuffle=cfg.data.shuffle,
-                          seed=cfg.data.seed)
+    loader = fresh_loader(quickstart_assets)
     drawn = set()
     while (loader.state_dict()["epoch"], loader.state_dict()["offset"]) != \
             (final["loader"]["epoch"], final["loader"]["offset"]):
@@ -196,7 +181,7 @@ def test_partial_rollout_kill_resume_trains_every_prompt_once(assets, tmp_path):
     assert max(scalars(tmp_path, "rollout/partial/versions_spanned_max").values()) >= 2
 
 
-def test_kl_in_reward_with_adaptive_coefficient(assets, tmp_path):
+def test_kl_in_reward_with_adaptive_coefficient(quickstart_assets, tmp_path):
     """PPO-style in-reward KL: the reference model runs for it alone (no KL loss), the
     penalty is logged each step and the adaptive coefficient is checkpointed."""
     extra = ["trainer.total_training_steps=3", "trainer.save_freq=3", "trainer.test_freq=-1",
@@ -205,7 +190,7 @@ def test_kl_in_reward_with_adaptive_coefficient(assets, tmp_path):
              "algorithm.kl_ctrl.target_kl=0.001",
              "algorithm.kl_ctrl.horizon=100", "actor_rollout_ref.actor.use_kl_loss=False",
              "algorithm.max_staleness=1"]
-    megarl("train", _args(assets, tmp_path, *extra))
+    megarl("train", _args(quickstart_assets, tmp_path, *extra))
     kl = scalars(tmp_path, "reward/kl_penalty")
     assert sorted(kl) == [1, 2, 3]
     assert all(v >= 0 for v in kl.values()) and max(kl.values()) > 0
@@ -216,30 +201,30 @@ def test_kl_in_reward_with_adaptive_coefficient(assets, tmp_path):
     assert state["kl_coef"] > 0.001
 
 
-def test_dual_buffer_synchronous_run_stays_on_policy(assets, tmp_path):
+def test_dual_buffer_synchronous_run_stays_on_policy(quickstart_assets, tmp_path):
     """With the dual buffer a SYNC ends before its transfer lands; GENERATE(k) must still
     start on version k when generate_ahead_steps=1 (it waits for the engines)."""
     extra = ["trainer.total_training_steps=5", "trainer.save_freq=-1", "trainer.test_freq=-1",
              "trainer.val_before_train=False", "trainer.generate_ahead_steps=1",
              "actor_rollout_ref.rollout.enable_dual_buffer=True"]
-    megarl("train", _args(assets, tmp_path, *extra))
+    megarl("train", _args(quickstart_assets, tmp_path, *extra))
     assert scalars(tmp_path, "rollout/staleness_max") == {k: 0.0 for k in range(1, 6)}
     assert len(scalars(tmp_path, "timing/wait_for_weights_s")) == 5
 
 
-def test_two_node_layout_serves_rollouts_on_the_node_address(assets, tmp_path):
+def test_two_node_layout_serves_rollouts_on_the_node_address(quickstart_assets, tmp_path):
     """trainer.nnodes=2 (one Ray node standing in for both): servers bind the node's address,
     not loopback, so trainers on another node could reach them; the run still trains."""
     extra = ["trainer.nnodes=2", "trainer.n_gpus_per_node=1", "trainer.total_training_steps=2",
              "trainer.save_freq=-1", "trainer.test_freq=-1", "trainer.val_before_train=False"]
-    out = megarl("train", _args(assets, tmp_path, *extra))
+    out = megarl("train", _args(quickstart_assets, tmp_path, *extra))
     line = next(x for x in out.splitlines() if "rollout servers:" in x)
     assert "http://" in line and "127.0.0.1" not in line, line
     assert sorted(trained(tmp_path)) == [0, 1]
 
 
-def test_validation_only_mode(assets, tmp_path):
-    out = megarl("validate", _args(assets, tmp_path))
+def test_validation_only_mode(quickstart_assets, tmp_path):
+    out = megarl("validate", _args(quickstart_assets, tmp_path))
     assert "val/reward_mean=" in out
     assert 0 in scalars(tmp_path, "val/reward_mean")
     assert not (tmp_path / "megarl" / "t" / "trained_prompts.jsonl").exists()

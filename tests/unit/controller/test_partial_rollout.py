@@ -9,12 +9,12 @@ import json
 
 import pytest
 
-from megarl.controller.generation import Scorer
 from megarl.controller.partial import PartialRollout
 from megarl.data.dataset import Prompt
 from megarl.data.loader import PromptLoader
 from megarl.rollout.engine import EmbeddedEngine
 from megarl.rollout.manager import RolloutManager
+from megarl.reward.pool import RewardPool
 from megarl.rollout.protocol import SamplingParams
 
 N = 2
@@ -31,8 +31,11 @@ def _sp(seed=1):
                           sampling_seed=seed)
 
 
-def _reward(data_source, text, gt):
-    return float(len(text) % 3)
+@pytest.fixture(scope="module")
+def scorer():
+    pool = RewardPool("megarl.reward.testing:length_score", 2, 30.0)
+    yield pool
+    pool.close()
 
 
 @pytest.fixture
@@ -42,10 +45,10 @@ def engine(qwen_dir):
     asyncio.run(eng.close())
 
 
-def _new(engine, loader, **kw):
+def _new(engine, loader, scorer, **kw):
     mgr = RolloutManager([engine])
     return PartialRollout(mgr, engine.tokenizer, loader, n=N, need=kw.pop("need", 2),
-                          over=kw.pop("over", 4), scorer=Scorer(_reward, 2), **kw)
+                          over=kw.pop("over", 4), scorer=scorer, **kw)
 
 
 async def _bump(engine, version: int):
@@ -58,10 +61,10 @@ def _drawn(loader_state_offset, prompts):
     return {p.uid for p in prompts[:loader_state_offset]}
 
 
-def test_steps_train_whole_groups_once_and_resume_partials(engine):
+def test_steps_train_whole_groups_once_and_resume_partials(engine, scorer):
     prompts = _prompts(64)
     loader = PromptLoader(prompts, 4, shuffle=False)
-    pr = _new(engine, loader)
+    pr = _new(engine, loader, scorer)
 
     async def go():
         trained, spanned, ratios = [], [], []
@@ -97,10 +100,10 @@ def test_steps_train_whole_groups_once_and_resume_partials(engine):
     assert max(spanned) >= 2
 
 
-def test_cache_survives_a_checkpoint_round_trip(engine):
+def test_cache_survives_a_checkpoint_round_trip(engine, scorer):
     prompts = _prompts(64)
     loader = PromptLoader(prompts, 4, shuffle=False)
-    pr = _new(engine, loader)
+    pr = _new(engine, loader, scorer)
 
     async def go():
         await pr.run_step(0, _sp(), 0)
@@ -110,7 +113,7 @@ def test_cache_survives_a_checkpoint_round_trip(engine):
         # a second process picks up where the first stopped
         loader2 = PromptLoader(prompts, 4, shuffle=False)
         loader2.load_state_dict(pos)
-        pr2 = _new(engine, loader2)
+        pr2 = _new(engine, loader2, scorer)
         pr2.load_state_dict(state)
         assert [g.prompt.uid for g in pr2.cache] == [g.prompt.uid for g in pr.cache]
         for a, b in zip(pr.cache, pr2.cache):
@@ -133,24 +136,24 @@ def test_cache_survives_a_checkpoint_round_trip(engine):
     asyncio.run(go())
 
 
-def test_a_changed_data_set_is_refused(engine):
+def test_a_changed_data_set_is_refused(engine, scorer):
     prompts = _prompts(32)
     loader = PromptLoader(prompts, 4, shuffle=False)
-    pr = _new(engine, loader)
+    pr = _new(engine, loader, scorer)
     asyncio.run(pr.run_step(0, _sp(), 0))
     state = pr.state_dict()
     other = [Prompt(index=p.index, uid=f"x{p.index}", prompt_ids=p.prompt_ids, raw_prompt="",
                     data_source="t", ground_truth="") for p in prompts]
-    pr2 = _new(engine, PromptLoader(other, 4, shuffle=False))
+    pr2 = _new(engine, PromptLoader(other, 4, shuffle=False), scorer)
     with pytest.raises(ValueError, match="data changed"):
         pr2.load_state_dict(state)
 
 
 @pytest.mark.parametrize("policy", ["drop", "regenerate"])
-def test_stale_cached_groups_are_dropped_or_regenerated(engine, policy):
+def test_stale_cached_groups_are_dropped_or_regenerated(engine, scorer, policy):
     prompts = _prompts(64)
     loader = PromptLoader(prompts, 4, shuffle=False)
-    pr = _new(engine, loader, max_staleness=0, stale_policy=policy)
+    pr = _new(engine, loader, scorer, max_staleness=0, stale_policy=policy)
 
     async def go():
         await pr.run_step(0, _sp(), 0)
