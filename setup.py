@@ -8,8 +8,10 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["megarl", "megarl.*"]),
     install_requires=[
-        # 2.13.0 is the local CPU wheel; an upper bound keeps pip from pulling a CUDA build.
-        "torch>=2.6,<2.14",
+        # CPU setups (tools/setup_env.sh) install the local CPU wheel torch==2.13.0 first, which
+        # this admits, so pip keeps it. The bound admits 2.14.1, the torch the `gpu` extra pins,
+        # and stops there so pip never drifts to a newer (CUDA) build on its own.
+        "torch>=2.6,<2.15",
         "megatron-core>=0.16.1,<0.17",
         "ray[default]>=2.40",
         "omegaconf>=2.3",
@@ -25,8 +27,21 @@ setup(
         "aiohttp>=3.9",  # rollout HTTP server and SGLang client
     ],
     extras_require={
-        "gpu": ["sglang>=0.5", "transformer-engine[pytorch]>=2.0"],
-        "test": ["pytest>=8", "pytest-timeout>=2.3"],
+        # One consistent GPU set (docs/install_gpu.md; tests/contract checks the pins):
+        "gpu": [
+            # The stock release megarl's wire contract is checked against
+            # (megarl.backends.sglang.SGLANG_VERSION, tests/contract): bump the two together.
+            "sglang==0.5.23",
+            # sglang 0.5.23 itself requires torch==2.14.1 (a CUDA 13 build on PyPI); pinned
+            # here so the whole set names one torch.
+            "torch==2.14.1",
+            # megatron-core 0.16.1 is tested with transformer-engine>=2.9.0a0,<2.12.0 (its own
+            # `dev` extra); TE's torch part asks only torch>=2.1 and is built against the
+            # installed torch, so it does not contradict the pin above.
+            "transformer-engine[pytorch]>=2.9,<2.12",
+        ],
+        # msgspec: loads stock SGLang's generated API types in tests/contract.
+        "test": ["pytest>=8", "pytest-timeout>=2.3", "msgspec>=0.18"],
     },
     entry_points={"console_scripts": ["megarl=megarl.cli:main"]},
 )

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 from typing import Callable, Optional, Sequence
 
@@ -18,17 +19,20 @@ from megarl.config import ConfigError, load_config, to_yaml
 EXIT_USAGE = 2
 
 _Handler = Callable[[argparse.Namespace], int]
-_SUBCOMMANDS: list[tuple[str, str, bool, _Handler]] = []
+_Flags = Callable[[argparse.ArgumentParser], None]
+_SUBCOMMANDS: list[tuple[str, str, bool, _Handler, Optional[_Flags]]] = []
 
 
 class _Abort(Exception):
     """A user-facing failure: message to stderr, exit status 2."""
 
 
-def subcommand(name: str, help: str, config: bool = True) -> Callable[[_Handler], _Handler]:
-    """Register ``fn(args) -> exit status`` as ``megarl <name>``."""
+def subcommand(name: str, help: str, config: bool = True,
+               flags: Optional[_Flags] = None) -> Callable[[_Handler], _Handler]:
+    """Register ``fn(args) -> exit status`` as ``megarl <name>``; ``flags(parser)`` adds the
+    subcommand's own options."""
     def register(fn: _Handler) -> _Handler:
-        _SUBCOMMANDS.append((name, help, config, fn))
+        _SUBCOMMANDS.append((name, help, config, fn, flags))
         return fn
     return register
 
@@ -40,9 +44,20 @@ def _config(args: argparse.Namespace) -> int:
     return 0
 
 
-@subcommand("train", "train (trainer.val_only=True only validates)")
+def _train_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print the run's plan (placement, server commands, weight-update "
+                             "ranks, buckets, memory per GPU) and exit; starts nothing")
+    parser.add_argument("--gpu-memory-gib", type=float, default=80.0, metavar="GIB",
+                        help="memory of one device for the dry run's fit check (default 80); "
+                             "a plan over it exits 2")
+
+
+@subcommand("train", "train (trainer.val_only=True only validates)", flags=_train_flags)
 def _train(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
+    if args.dry_run:
+        return _dry_run(cfg, args.gpu_memory_gib)
     if cfg.trainer.launcher == "torchrun":
         # Every process of the torchrun world lands here; rank 0 drives, the others serve it.
         from megarl.cluster import torchrun
@@ -61,6 +76,16 @@ def _validate(args: argparse.Namespace) -> int:
 
         return torchrun.main(cfg, lambda: _driver("validate").run(cfg, val_only=True))
     _driver("validate").run(cfg, val_only=True)
+    return 0
+
+
+def _dry_run(cfg, gpu_memory_gib: float) -> int:
+    """Plan without starting anything; under torchrun every rank plans, rank 0 prints."""
+    from megarl.controller.dryrun import format_plan, plan_run
+
+    text = format_plan(plan_run(cfg, gpu_memory_gib=gpu_memory_gib))
+    if os.environ.get("RANK", "0") == "0":
+        print(text, end="")
     return 0
 
 
@@ -100,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="megarl", description="Asynchronous RL post-training on Megatron-core + SGLang.")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name, help_text, takes_config, handler in _SUBCOMMANDS:
+    for name, help_text, takes_config, handler, flags in _SUBCOMMANDS:
         sub = subparsers.add_parser(name, help=help_text, description=help_text)
         if takes_config:
             sub.add_argument("--config", "-c", metavar="FILE",
@@ -109,6 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
                              help="overrides, e.g. trainer.nnodes=2 +trainer.val_only=True")
         else:
             sub.add_argument("rest", nargs=argparse.REMAINDER, metavar="ARGS")
+        if flags is not None:
+            flags(sub)
         sub.set_defaults(handler=handler)
     return parser
 

@@ -79,24 +79,22 @@ class MegatronRank:
                                               with_entropy=True, max_metrics=MAX_METRICS))
         return out
 
-    def init_weight_sync(self, urls: list[str], address: str, base_port: int) -> None:
+    def init_weight_sync(self, engines: list[dict], address: str) -> None:
+        """`engines`: {"url", "tp", "pause"} per rollout engine (see RolloutGroup.engines)."""
         from megarl.weight_sync.protocol import SyncConfig
         from megarl.weight_sync.trainer import TrainerWeightSync
-        from megarl.weight_sync.transports import HTTPLink
+        from megarl.weight_sync.transports import EngineLink
 
         cfg = SyncConfig.from_rollout_config(self.cfg.actor_rollout_ref.rollout)
-        self.sync = TrainerWeightSync(self.worker, [HTTPLink(u) for u in urls], cfg,
-                                      address=address, base_port=base_port)
+        links = [EngineLink(e["url"], e["tp"], e["pause"]) for e in engines]
+        self.sync = TrainerWeightSync(self.worker, links, cfg, address=address)
         self.sync.connect()
 
     def sync_weights(self, version: int) -> dict:
-        stats = self.sync.sync(str(version))
-        return {} if stats is None else {"blocking_s": stats.blocking_s,
-                                         "transfer_s": getattr(stats, "transfer_s", 0.0) or 0.0}
+        return _sync_metrics(self.sync.sync(version))
 
     def wait_weight_sync(self) -> dict:
-        stats = self.sync.wait() if self.sync is not None else None
-        return {} if stats is None else {"transfer_s": stats.transfer_s}
+        return _sync_metrics(self.sync.wait() if self.sync is not None else None)
 
     def save(self, path: str, **meta) -> None:
         self.worker.save(path, **meta)
@@ -110,6 +108,17 @@ class MegatronRank:
         if self.sync is not None:
             self.sync.close()
         destroy_distributed()
+
+
+def _sync_metrics(stats) -> dict:
+    """`weight_sync/*` metrics of one sync (the coordinator's: it sees the whole version)."""
+    if stats is None:
+        return {}
+    out = {"blocking_s": stats.blocking_s}
+    if stats.transfer_s:
+        out.update(transfer_s=stats.transfer_s, bytes=stats.bytes, buckets=stats.buckets,
+                   engine_pause_s=stats.pause_s, stale_engines=len(stats.stale))
+    return out
 
 
 @ray.remote
@@ -140,6 +149,53 @@ class RolloutRank:
 
     def shutdown(self) -> None:
         self.server.__exit__(None, None, None)
+
+
+class ServerRank:
+    """A launched rollout server process for one rollout replica (`python -m
+    sglang.launch_server`, or a module serving the same contract), started from the replica's
+    first device, which the other devices of the replica serve too (`--tp-size`)."""
+
+    def __init__(self, cfg_yaml: str, index: int, host: str, base_gpu_id: int | None,
+                 log_dir: str, log_level: str = "INFO"):
+        logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: "
+                            "%(message)s")
+        from pathlib import Path
+
+        from omegaconf import OmegaConf
+
+        from megarl.backends.sglang.launcher import (launch_server, module_for,
+                                                     replica_server_args)
+        from megarl.utils.launch import free_port
+
+        cfg = OmegaConf.create(cfg_yaml)
+        rollout = cfg.actor_rollout_ref.rollout
+        args = replica_server_args(cfg, index, host=host, port=free_port(host),
+                                   base_gpu_id=base_gpu_id)
+        Path(log_dir).mkdir(parents=True, exist_ok=True)
+        env = {"CUDA_VISIBLE_DEVICES": ""} if base_gpu_id is None else {}
+        if base_gpu_id is not None:  # base_gpu_id counts the node's GPUs, not Ray's view
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        self.server = launch_server(args, module=module_for(rollout),
+                                    timeout_s=rollout.server_start_timeout_s,
+                                    log_path=Path(log_dir) / f"rollout-{index}.log", env=env)
+
+    def url(self) -> str:
+        return self.server.url
+
+    def shutdown(self) -> None:
+        self.server.stop()
+
+
+@ray.remote
+class ServerActor(ServerRank):
+    """The Ray shell of `ServerRank`: binds this node's address when there are several nodes,
+    and starts the server on the GPU Ray gave this actor (the replica's first)."""
+
+    def __init__(self, cfg_yaml: str, index: int, single_node: bool, cuda: bool, log_dir: str):
+        host = "127.0.0.1" if single_node else ray.util.get_node_ip_address()
+        gpu = int(ray.get_gpu_ids()[0]) if cuda and ray.get_gpu_ids() else None
+        super().__init__(cfg_yaml, index, host, gpu, log_dir)
 
 
 @ray.remote

@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 
 from megarl.algo.actor_loss import MAX_METRICS
 
-from .actors import MegatronActor, RolloutActor
+from .actors import MegatronActor, RolloutActor, ServerActor
 from .placement import DeviceGroup, thread_budget
 
 logger = logging.getLogger(__name__)
@@ -86,11 +86,10 @@ class MegatronGroup:
 
     sync_initialised = False
 
-    async def init_weight_sync(self, urls: list[str]) -> None:
-        """Join the rollout servers' update group (one per pipeline stage: base port + stage)."""
-        addr, base_port = ray.get(self.actors[0].rendezvous.remote(self.single_node))
-        await asyncio.gather(*[a.init_weight_sync.remote(urls, addr, base_port)
-                               for a in self.actors])
+    async def init_weight_sync(self, engines: list[dict]) -> None:
+        """Host one update group per pipeline stage and have the engines join them."""
+        addr, _ = ray.get(self.actors[0].rendezvous.remote(self.single_node))
+        await asyncio.gather(*[a.init_weight_sync.remote(engines, addr) for a in self.actors])
         self.sync_initialised = True
 
     async def sync_weights(self, version: int) -> dict:
@@ -117,20 +116,39 @@ class MegatronGroup:
 
 
 class RolloutGroup:
-    """One embedded rollout server per device of the generate group (SGLang's HTTP API)."""
+    """The rollout engines of the generate group, all speaking SGLang's HTTP API:
+    - `embedded`: one in-process embedded engine server per device;
+    - `sglang`: one launched server per rollout replica (`rollout.tensor_model_parallel_size`
+      devices each), or, with `rollout.server_urls`, servers the user runs (none launched).
+    `engines` is what the trainer's weight sync needs of each: URL, TP, and whether generation
+    pauses while a version loads (stock SGLang: yes; the embedded engine stages: no)."""
 
     def __init__(self, devices: DeviceGroup, cfg, share: float = 1.0,
-                 processes_per_device: int = 1):
-        model = cfg.actor_rollout_ref.model.path
-        ctx = cfg.data.max_prompt_length + cfg.data.max_response_length
-        threads = thread_budget(cfg, processes_per_device)
-        # One machine keeps the servers on loopback; across nodes they bind the node address.
-        host = "127.0.0.1" if cfg.trainer.nnodes == 1 else None
-        self.actors = [RolloutActor.options(**devices.options(i, share)).remote(
-            model, threads, cfg.trainer.seed + i, ctx, host=host)
-            for i in range(devices.num_devices)]
-        self.urls = ray.get([a.url.remote() for a in self.actors])
-        logger.info("rollout servers: %s", ", ".join(self.urls))
+                 processes_per_device: int = 1, log_dir: str = "logs"):
+        r = cfg.actor_rollout_ref.rollout
+        self.actors = []
+        single = cfg.trainer.nnodes == 1
+        if r.name == "sglang" and r.server_urls:
+            self.urls = list(r.server_urls)
+        elif r.name == "sglang":
+            yaml = OmegaConf.to_yaml(cfg, resolve=True)
+            tp = r.tensor_model_parallel_size
+            self.actors = [ServerActor.options(**devices.options(j * tp, share)).remote(
+                yaml, j, single, cfg.trainer.device == "cuda", log_dir)
+                for j in range(devices.num_devices // tp)]
+            self.urls = ray.get([a.url.remote() for a in self.actors])
+        else:
+            model = cfg.actor_rollout_ref.model.path
+            ctx = cfg.data.max_prompt_length + cfg.data.max_response_length
+            threads = thread_budget(cfg, processes_per_device)
+            # One machine keeps the servers on loopback; across nodes they bind the node address.
+            host = "127.0.0.1" if single else None
+            self.actors = [RolloutActor.options(**devices.options(i, share)).remote(
+                model, threads, cfg.trainer.seed + i, ctx, host=host)
+                for i in range(devices.num_devices)]
+            self.urls = ray.get([a.url.remote() for a in self.actors])
+        self.engines = engine_links(cfg, self.urls)
+        logger.info("rollout servers (%s): %s", r.name, ", ".join(self.urls))
 
     def shutdown(self) -> None:
         try:
@@ -139,3 +157,11 @@ class RolloutGroup:
             logger.warning("rollout group did not shut down cleanly")
         for a in self.actors:
             ray.kill(a)
+
+
+def engine_links(cfg, urls: list[str]) -> list[dict]:
+    """What the weight sync needs of each engine (see RolloutGroup)."""
+    r = cfg.actor_rollout_ref.rollout
+    sglang = r.name == "sglang"
+    tp = r.tensor_model_parallel_size if sglang else 1
+    return [{"url": u, "tp": tp, "pause": sglang} for u in urls]

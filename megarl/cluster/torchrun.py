@@ -34,8 +34,8 @@ import traceback
 
 from megarl.config import ConfigError
 
-from .actors import MegatronRank, RolloutRank
-from .group import MegatronGroup
+from .actors import MegatronRank, RolloutRank, ServerRank
+from .group import MegatronGroup, engine_links
 from .placement import thread_budget
 
 logger = logging.getLogger(__name__)
@@ -79,13 +79,19 @@ class _Megatron(MegatronRank):
         return _control().node_ip, free_port()
 
 
+class _Server(ServerRank):
+    def __init__(self, cfg_yaml: str, index: int, cuda: bool, log_dir: str):
+        base = int(os.environ.get("LOCAL_RANK", 0)) if cuda else None
+        super().__init__(cfg_yaml, index, _control().node_ip, base, log_dir)
+
+
 class _Rollout(RolloutRank):
     def __init__(self, model_path: str, threads: int, seed: int, context_length: int):
         # Bind the node's address: the driver may be on another node.
         super().__init__(model_path, threads, seed, context_length, host=_control().node_ip)
 
 
-_KINDS = {"megatron": _Megatron, "rollout": _Rollout}
+_KINDS = {"megatron": _Megatron, "rollout": _Rollout, "server": _Server}
 
 
 def _execute(objects: dict, msg: tuple):
@@ -376,10 +382,9 @@ class TorchrunMegatronGroup(MegatronGroup):
         logger.info("%s model: ranks %s (group %s), DP=%d", role, devices.ranks, devices.name,
                     self.dp)
 
-    async def init_weight_sync(self, urls: list[str]) -> None:
-        addr, base_port = await self.actors[0].rendezvous.remote(self.single_node)
-        await asyncio.gather(*[a.init_weight_sync.remote(urls, addr, base_port)
-                               for a in self.actors])
+    async def init_weight_sync(self, engines: list[dict]) -> None:
+        addr, _ = await self.actors[0].rendezvous.remote(self.single_node)
+        await asyncio.gather(*[a.init_weight_sync.remote(engines, addr) for a in self.actors])
         self.sync_initialised = True
 
     def shutdown(self) -> None:
@@ -389,18 +394,36 @@ class TorchrunMegatronGroup(MegatronGroup):
 
 
 class TorchrunRolloutGroup:
-    """One embedded rollout server per rank of the generate group, on its node's address."""
+    """The rollout engines over torchrun ranks, as `RolloutGroup` (cluster/group.py) places
+    them under Ray: an embedded server per rank, or a launched server per replica from the
+    replica's first rank (its `LOCAL_RANK` is the base GPU), on the node's address."""
 
     def __init__(self, devices: RankGroup, cfg, share: float = 1.0,
-                 processes_per_device: int = 1):
+                 processes_per_device: int = 1, log_dir: str = "logs"):
         ctl = _control()
-        model = cfg.actor_rollout_ref.model.path
-        ctx = cfg.data.max_prompt_length + cfg.data.max_response_length
-        threads = _threads(cfg)
-        self.actors = [_Handle(ctl, r, "rollout", "rollout", model, threads,
-                               cfg.trainer.seed + i, ctx) for i, r in enumerate(devices.ranks)]
-        self.urls = [f.result() for f in [a.url.future() for a in self.actors]]
-        logger.info("rollout servers: %s", ", ".join(self.urls))
+        r = cfg.actor_rollout_ref.rollout
+        self.actors = []
+        if r.name == "sglang" and r.server_urls:
+            self.urls = list(r.server_urls)
+        elif r.name == "sglang":
+            from omegaconf import OmegaConf
+
+            yaml = OmegaConf.to_yaml(cfg, resolve=True)
+            tp = r.tensor_model_parallel_size
+            self.actors = [_Handle(ctl, rank, f"server{j}", "server", yaml, j,
+                                   cfg.trainer.device == "cuda", log_dir)
+                           for j, rank in enumerate(devices.ranks[::tp])]
+            self.urls = [f.result() for f in [a.url.future() for a in self.actors]]
+        else:
+            model = cfg.actor_rollout_ref.model.path
+            ctx = cfg.data.max_prompt_length + cfg.data.max_response_length
+            threads = _threads(cfg)
+            self.actors = [_Handle(ctl, rank, "rollout", "rollout", model, threads,
+                                   cfg.trainer.seed + i, ctx)
+                           for i, rank in enumerate(devices.ranks)]
+            self.urls = [f.result() for f in [a.url.future() for a in self.actors]]
+        self.engines = engine_links(cfg, self.urls)
+        logger.info("rollout servers (%s): %s", r.name, ", ".join(self.urls))
 
     def shutdown(self) -> None:
         done, late = cf.wait([a.shutdown.future() for a in self.actors], timeout=60)

@@ -84,6 +84,9 @@ class ModelConfig:
     """Recompute activations in backward to save memory."""
     override_config: Dict[str, Any] = field(default_factory=dict)
     """Keys that override the model's HF config (e.g. attention_dropout)."""
+    hf_config_path: Optional[str] = None
+    """A ``config.json`` to plan with (``--dry-run``) where ``path`` is not on this machine;
+    null means ``path``/config.json."""
 
 
 @dataclass
@@ -178,7 +181,21 @@ class ValKwargsConfig:
 @dataclass
 class RolloutConfig:
     name: str = "embedded"
-    """Engine: ``embedded`` (in-process transformers, CPU/CI) or ``sglang`` (GPU servers)."""
+    """Engine: ``embedded`` (megarl's transformers engine, CPU/CI/laptops; it stages weight
+    updates and swaps them in, so generation goes on during a transfer) or ``sglang`` (stock
+    SGLang servers: generation pauses while each weight version is received and loaded)."""
+    server_urls: Optional[List[str]] = None
+    """Use these already-running SGLang-API servers (``http://host:port``, one per rollout
+    replica) instead of launching any; their TP is ``tensor_model_parallel_size``."""
+    server_module: Optional[str] = None
+    """Module run as ``python -m MODULE`` for each launched server; null means
+    ``sglang.launch_server`` for ``sglang`` (``megarl.rollout.server`` serves the same
+    contract, which is how CI runs this path)."""
+    server_extra_args: List[str] = field(default_factory=list)
+    """Extra command-line arguments for every launched server (e.g.
+    ``[--enable-deterministic-inference]``, which SGLang needs to honour sampling seeds)."""
+    server_start_timeout_s: float = 900.0
+    """How long a launched server may take to answer /health before the run stops."""
     tensor_model_parallel_size: int = 1
     """TP of one engine; the generate group's device count must be a multiple of it."""
     temperature: float = 1.0

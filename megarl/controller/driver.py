@@ -18,6 +18,7 @@ from megarl.algo.advantages import compute_advantages
 from megarl.algo.kl import adaptive_kl_coef, apply_kl_in_reward
 from megarl.observability.metrics import (MetricsTracker, pipeline_step_metrics,
                                           staleness_metrics, throughput)
+from megarl.rollout.protocol import version_int
 
 from . import checkpoint as ckpt
 from .batch import build_batch, mini_batches
@@ -136,7 +137,7 @@ class Driver:
         t0 = time.perf_counter()
         while True:
             have = await self.r.manager.weight_versions()
-            if all(_version_number(v) >= version for v in have):
+            if all(version_int(v) >= version for v in have):
                 return time.perf_counter() - t0
             if time.perf_counter() - t0 > timeout_s:
                 raise RuntimeError(f"engines still serve weight versions {have} after "
@@ -278,14 +279,6 @@ class Driver:
         for old in [s for s in self.loader_states if s <= k]:
             self.loader_states.pop(old)
 
-
-def _version_number(v) -> int:
-    """An engine's version string as a number; one that is not (SGLang's "default", before
-    any update) counts as older than every trained version."""
-    try:
-        return int(v)
-    except (TypeError, ValueError):
-        return -1
 
 
 def run(cfg, val_only: bool = False) -> dict:

@@ -38,8 +38,7 @@ async def generate_one(manager, request: GenerateRequest, max_resumes: int = 100
         out = await manager.generate(req)
         ids += out.output_ids
         lps += out.output_logprobs or [0.0] * len(out.output_ids)
-        tv = out.token_versions() or [out.weight_version] * len(out.output_ids)
-        versions += [int(v) for v in tv]
+        versions += out.token_versions()
         if not out.aborted:
             return ids, lps, versions, out.finish_reason.type
         if len(ids) >= request.sampling.max_new_tokens:

@@ -261,8 +261,7 @@ class PartialRollout:
                 self._running.pop(req.rid, None)
             t.ids += out.output_ids
             t.logprobs += out.output_logprobs or [0.0] * len(out.output_ids)
-            tv = out.token_versions() or [out.weight_version] * len(out.output_ids)
-            t.versions += [int(v) for v in tv]
+            t.versions += out.token_versions()
             if not out.aborted:
                 t.finish = out.finish_reason.type
             elif self._stopping:

@@ -119,9 +119,6 @@ async def setup_run(cfg, val_only: bool) -> Run:
     if cfg.algorithm.adv_estimator == "gae":
         raise ConfigError("algorithm.adv_estimator: `gae` needs a critic, which megarl does "
                           "not have yet")
-    if arr.rollout.name != "embedded":
-        raise ConfigError("actor_rollout_ref.rollout.name: only `embedded` is wired into the "
-                          "trainer so far (the sglang client and launcher exist; see docs)")
     tok = AutoTokenizer.from_pretrained(arr.model.tokenizer_path or arr.model.path)
     eos_ids = [tok.eos_token_id]
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
@@ -167,14 +164,15 @@ async def setup_run(cfg, val_only: bool) -> Run:
     if ref_dg is not None:
         count[ref_dg.name] += 1
     share = {n: 1.0 / max(1, c) for n, c in count.items()}
-    rollout = RolloutGroup(gen_dg, cfg, share[gen_dg.name], count[gen_dg.name])
+    rollout = RolloutGroup(gen_dg, cfg, share[gen_dg.name], count[gen_dg.name],
+                           log_dir=str(root / "logs"))
     actor = ref = None
     # val_only with no checkpoint validates the HF model itself: no trainer is needed.
     if not val_only or state is not None:
         actor = MegatronGroup(actor_dg, cfg, "actor", share[actor_dg.name], count[actor_dg.name])
         if ref_dg is not None:
             ref = MegatronGroup(ref_dg, cfg, "ref", share[ref_dg.name], count[ref_dg.name])
-        await actor.init_weight_sync(rollout.urls)
+        await actor.init_weight_sync(rollout.engines)
         if state is not None:
             await actor.load(str(found[1] / "actor"))
             await actor.sync_weights(start_step)  # engines start from the HF weights

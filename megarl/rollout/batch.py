@@ -39,7 +39,6 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     spans: list[list] = field(default_factory=list)  # [version, start, end)
-    dispatch_version: str | None = None
     finish: FinishReason | None = None
     abort_message: str | None = None  # set from the event loop; honoured between steps
 
@@ -52,8 +51,6 @@ class Sequence:
         return self.request.input_ids + self.output_ids
 
     def append(self, token: int, logprob: float, version: str) -> None:
-        if self.dispatch_version is None:
-            self.dispatch_version = version
         i = len(self.output_ids)
         self.output_ids.append(token)
         self.logprobs.append(logprob)
@@ -75,7 +72,7 @@ class Sequence:
             output_ids=list(self.output_ids),
             output_logprobs=list(self.logprobs) if self.request.return_logprob else None,
             finish_reason=finish,
-            weight_version=self.dispatch_version or current_version,
+            weight_version=self.spans[-1][0] if self.spans else current_version,
             weight_version_spans=[tuple(s) for s in self.spans],
             e2e_latency=time.monotonic() - self.arrival)
 

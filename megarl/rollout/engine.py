@@ -12,21 +12,24 @@ future of every row that finished, so a short response is handed back while long
 run. Aborts, pauses and weight swaps take `_lock` too, which makes the gap between two steps
 the one safe point where any of them happens.
 
-Weight updates are dual-buffered: tensors are received (from a broadcast group, on a worker
-thread) and validated into a staging buffer while generation goes on; the swap into the live
-parameters waits for the next safe point. Between `begin_weight_update` and
-`end_weight_update` all updates stage into one buffer and swap together. As in SGLang, an
-update without `weight_version` keeps the current version string. Bucketed updates
-(`load_format="megarl_bucket"`) are received by megarl.weight_sync.consumer and swap in here
-once every pipeline stage of their version has arrived; the swap takes the staged tensors by
-reference where it can, and the displaced ones go back to the consumer as its next staging
-buffer.
+Weight updates follow stock SGLang's contract (see megarl.rollout.weights): a session
+(`begin_weight_update` ... `end_weight_update`) holds update calls, each of which receives its
+tensors on the update group (one rank per engine TP rank) and loads them. How they load is the
+engine's own business behind that API:
+- staged (default): received on a worker thread while generation goes on, staged in a second
+  buffer, and swapped in together at `end_weight_update`, at one safe point between decode
+  steps, by reference (the displaced tensors stage the next version, so nothing is
+  allocated per version);
+- live (`live_updates`, the `--sglang-contract` server): each call loads into the live
+  weights at once, between two steps, and its `weight_version` takes effect there, as stock
+  SGLang does; a failure half-way leaves the model partly updated, as there.
 """
 from __future__ import annotations
 
 import asyncio
 import collections
 import concurrent.futures
+import hashlib
 import logging
 import random
 from pathlib import Path
@@ -36,9 +39,18 @@ import torch
 from megarl.rollout.batch import DecodeBatch, Sequence
 from megarl.rollout.protocol import (PAUSE_MODES, BadRequest, GenerateOutput,
                                      GenerateRequest)
-from megarl.rollout.weights import WeightStore, new_update_group
+from megarl.rollout.weights import (LOAD_FORMAT, EngineRanks, WeightStore, bucket_layout,
+                                    in_daemon_thread, overall_checksum, parse_dtype,
+                                    tensor_checksum, unpack_bucket)
 
 logger = logging.getLogger(__name__)
+
+
+class UpdateRefused(BadRequest):
+    """A weight-update call stock SGLang answers with `success: false` (HTTP 400)."""
+
+    def __init__(self, message: str):
+        super().__init__("weights", message)
 
 
 def load_model(model_path: str, device: str, dtype: str | None, load_format: str):
@@ -68,7 +80,9 @@ class EmbeddedEngine:
     def __init__(self, model_path: str | Path, *, device: str = "cpu", dtype: str | None = None,
                  load_format: str = "auto", max_running_requests: int = 64,
                  context_length: int | None = None, seed: int = 0,
-                 load_tokenizer: bool = True, weight_version: str = "default"):
+                 load_tokenizer: bool = True, weight_version: str = "default",
+                 tp_size: int = 1, live_updates: bool = False, honour_seeds: bool = True,
+                 fail_update_at: int | None = None, update_group_timeout_s: float = 300.0):
         self.model_path = str(model_path)
         self.device = torch.device(device)
         self.model = load_model(self.model_path, device, dtype, load_format)
@@ -85,7 +99,15 @@ class EmbeddedEngine:
         eos = cfg.eos_token_id if eos is None else eos
         self.eos_token_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
         self.weight_version = weight_version
+        self.tp_size = int(tp_size)  # update-group ranks this engine holds (see EngineRanks)
+        # Stock SGLang's behaviour (the --sglang-contract server): each update call loads into
+        # the live weights at once; sampling seeds only with deterministic inference.
+        self.live_updates, self.honour_seeds = live_updates, honour_seeds
+        self.fail_update_at = fail_update_at  # fault injection: refuse the Nth update call
+        self.update_group_timeout_s = update_group_timeout_s
+        self.update_calls = 0
         self.weights = WeightStore(self.model)
+        self._spare: dict[str, torch.Tensor] = {}  # displaced live tensors, to stage into
         self.batch = DecodeBatch(self.model, self.device)
         self._rng = random.Random(seed)
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="megarl-model")
@@ -93,9 +115,9 @@ class EmbeddedEngine:
         self._seqs: dict[str, Sequence] = {}
         self._futures: dict[str, asyncio.Future] = {}
         self._paused = False
-        self._txn: dict[str, torch.Tensor] | None = None  # staging between begin/end update
-        self._groups: dict[str, object] = {}
-        self._buckets = None  # megarl.weight_sync BucketConsumer, made on first use
+        self._txn: dict[str, torch.Tensor] | None = None  # the open update session's staging
+        self._txn_version: str | None = None
+        self._groups: dict[str, EngineRanks] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task | None = None
         self.generated_tokens = 0
@@ -179,8 +201,6 @@ class EmbeddedEngine:
     def check(self, request: GenerateRequest) -> None:
         """Raise BadRequest if this engine cannot take `request` now."""
         request.validate(self.vocab_size)
-        if self.weights_broken:
-            raise BadRequest("weights", f"engine unhealthy: {self.weights_broken}")
         if request.sampling.n != 1:
             raise BadRequest("sampling_params.n", "one sample per engine request; use expand()")
         if request.rid in self._seqs:
@@ -194,8 +214,8 @@ class EmbeddedEngine:
         sp = request.sampling
         room = self.context_length - len(request.input_ids)
         gen = torch.Generator(device=self.device)
-        gen.manual_seed(sp.sampling_seed if sp.sampling_seed is not None
-                        else self._rng.getrandbits(63))
+        seeded = sp.sampling_seed is not None and self.honour_seeds
+        gen.manual_seed(sp.sampling_seed if seeded else self._rng.getrandbits(63))
         stops = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(self.eos_token_ids))
         return Sequence(request, min(sp.max_new_tokens, room), frozenset(stops), gen)
 
@@ -220,10 +240,15 @@ class EmbeddedEngine:
 
     async def abort(self, rid: str | None = None, abort_all: bool = False,
                     message: str = "aborted by request") -> None:
-        """Abort one or all requests; returns once their (partial) outputs are handed back."""
+        """Abort one or all requests; returns once their (partial) outputs are handed back.
+        As in stock SGLang, `rid` matches every request whose rid starts with it, and an empty
+        rid without `abort_all` aborts nothing."""
         self._ensure_started()
-        targets = list(self._seqs.values()) if abort_all else (
-            [self._seqs[rid]] if rid in self._seqs else [])
+        if not abort_all and not rid:
+            logger.warning("abort_request with an empty rid and abort_all=false: ignored")
+            return
+        targets = list(self._seqs.values()) if abort_all else [
+            s for r, s in self._seqs.items() if r.startswith(rid)]
         if not targets:
             return
         for s in targets:
@@ -272,30 +297,47 @@ class EmbeddedEngine:
         return {"running": len(self.batch), "waiting": len(self._waiting),
                 "paused": self._paused, "weight_version": self.weight_version,
                 "generated_tokens": self.generated_tokens, "model_steps": self.model_steps,
-                "weights_broken": self.weights_broken, **self.weight_memory()}
+                "staging_bytes": sum(t.numel() * t.element_size() for d in (self._spare,
+                                     self._txn or {}) for t in d.values())}
 
     # -- weight updates ---------------------------------------------------------------------
-    async def _commit(self, staged: dict[str, torch.Tensor], weight_version: str | None
-                      ) -> dict[str, torch.Tensor] | None:
-        """Swap `staged` in at the next safe point (or add it to the open update); returns the
-        tensors no longer live after the swap (None while an update is open)."""
-        if self._txn is not None:
+    # Stock SGLang's contract: every update call sits inside a begin/end session; the update
+    # group has one rank per engine TP rank; an update call receives its bytes, loads them,
+    # and records its `weight_version` (the version of every token generated after it).
+    def _session_open(self, what: str) -> None:
+        if self._txn is None:
+            raise UpdateRefused(f"{what} must run between begin_weight_update() and "
+                                "end_weight_update()")
+
+    async def _load(self, named: list[tuple[str, torch.Tensor]], weight_version: str | None,
+                    flush_cache: bool) -> None:
+        """Validate, then stage (swapped in at `end_weight_update`) or, in live mode, load into
+        the live weights at the next safe point, as stock SGLang does."""
+        try:
+            self.weights.check([n for n, _ in named], [t.shape for _, t in named])
+        except BadRequest as e:
+            raise UpdateRefused(f"Failed to update parameter online: {e}") from None
+        if self.live_updates:
+            async with self._lock:  # the model-update lock: between two decode steps
+                await self._on_model_thread(self.weights.load_live, named)
+                if weight_version is not None:
+                    self.weight_version = weight_version
+        else:
+            staged = await asyncio.to_thread(self.weights.stage, named, self._spare)
             self._txn.update(staged)
             if weight_version is not None:
                 self._txn_version = weight_version
-            return None
-        async with self._lock:  # the safe point between two steps
-            displaced = await self._on_model_thread(self.weights.swap, staged)
-            old, self.weight_version = self.weight_version, weight_version or self.weight_version
-        logger.info("weights updated: %d tensors, version %s -> %s", len(staged), old,
-                    self.weight_version)
-        return displaced
+        if flush_cache and self._seqs:
+            # Stock refuses a flush while requests are held, and fails the call for it.
+            raise UpdateRefused("Weights were updated, but the cache was not flushed because "
+                                "requests are still running or queued. Retract or finish them, "
+                                "then call /flush_cache.")
 
     async def update_weights_from_tensor(self, named_tensors, weight_version=None,
                                          flush_cache=True) -> None:
         self._ensure_started()
-        staged = await asyncio.to_thread(self.weights.stage, list(named_tensors))
-        await self._commit(staged, weight_version)
+        self._session_open("update_weights_from_tensor")
+        await self._load(list(named_tensors), weight_version, flush_cache)
 
     async def init_weights_update_group(self, master_address, master_port, rank_offset,
                                         world_size, group_name, backend="gloo") -> None:
@@ -306,103 +348,109 @@ class EmbeddedEngine:
             raise BadRequest("backend", "nccl needs a CUDA engine; this one runs on "
                              f"{self.device.type}, use gloo")
         if not (isinstance(world_size, int) and isinstance(rank_offset, int)
-                and 0 < rank_offset < world_size):
-            raise BadRequest("rank_offset", f"need 0 < rank_offset < world_size, got "
-                             f"{rank_offset!r} of {world_size!r} (rank 0 is the trainer)")
-        # One engine process = one rank (no TP inside the embedded engine).
+                and 0 < rank_offset and rank_offset + self.tp_size <= world_size):
+            raise BadRequest("rank_offset", f"need 0 < rank_offset and rank_offset + tp_size "
+                             f"({self.tp_size}) <= world_size, got {rank_offset!r} of "
+                             f"{world_size!r} (rank 0 is the trainer)")
         self._groups[group_name] = await asyncio.to_thread(
-            new_update_group, master_address, master_port, rank_offset, world_size, group_name,
-            backend)
+            EngineRanks.join, master_address, master_port, rank_offset, world_size, group_name,
+            backend, self.tp_size, self.update_group_timeout_s)
 
     async def destroy_weights_update_group(self, group_name: str) -> None:
         self._ensure_started()
         group = self._groups.pop(group_name, None)
         if group is None:
             raise BadRequest("group_name", f"no update group {group_name!r}")
-        await asyncio.to_thread(group.close)
+        group.close()
 
     async def update_weights_from_distributed(self, names, dtypes, shapes, group_name,
                                               weight_version=None, flush_cache=True,
-                                              load_format=None, bucket=None):
+                                              load_format=None) -> None:
+        """Receive (one broadcast per tensor, or one for a flattened bucket), then load. As in
+        stock SGLang, a call refused before its receive (no session, unknown group, a bad
+        bucket layout) receives nothing: the sender must not broadcast for it."""
         self._ensure_started()
-        pg = self._groups.get(group_name)
-        if pg is None:
-            raise BadRequest("group_name", f"no update group {group_name!r}; call "
-                             "init_weights_update_group first")
-        if load_format == "megarl_bucket":
-            return await self._update_from_bucket(pg, bucket)
-        if load_format not in (None, "direct"):
-            raise BadRequest("load_format", f"{load_format!r} is not supported")
-        if not all(isinstance(s, (list, tuple)) and all(isinstance(d, int) and d >= 0 for d in s)
-                   for s in shapes):
-            raise BadRequest("shapes", "must be a list of lists of non-negative integers")
-        # A worker thread, not the model thread: generation continues during the transfer.
-        staged = await asyncio.to_thread(self.weights.receive, pg, list(names), list(dtypes),
-                                         list(shapes), self.device)
-        await self._commit(staged, weight_version)
-
-    async def _update_from_bucket(self, pg, bucket) -> dict:
-        from megarl.weight_sync.consumer import BucketConsumer
-        from megarl.weight_sync.protocol import BucketMeta
-
+        self._session_open("update_weights_from_distributed")
+        ranks = self._groups.get(group_name)
+        if ranks is None:
+            raise UpdateRefused(f"Group {group_name} not in {list(self._groups)}. Please call "
+                                "`init_weights_update_group` first.")
+        if load_format not in (None, LOAD_FORMAT):
+            raise BadRequest("load_format", f"{load_format!r}: the distributed path knows "
+                             f"null (one broadcast per tensor) and {LOAD_FORMAT!r}")
+        if load_format == LOAD_FORMAT:
+            layout = bucket_layout(list(names), list(dtypes), list(shapes))
+            flat = torch.empty(layout[-1][4], dtype=torch.uint8, device=self.device)
+        else:
+            if not (len(names) == len(dtypes) == len(shapes)):
+                raise BadRequest("names", "names, dtypes and shapes differ in length")
+            bufs = [torch.empty(tuple(s), dtype=parse_dtype(d), device=self.device)
+                    for d, s in zip(dtypes, shapes)]
+        # A worker thread, not the model thread: generation may go on during the transfer.
         try:
-            meta = BucketMeta.from_json(bucket)
-        except Exception as e:  # noqa: BLE001 - any malformed metadata is the client's
-            raise BadRequest("bucket", f"malformed bucket metadata: {e}") from None
-        if self._buckets is None:
-            self._buckets = BucketConsumer(self.weights)
-        # Off the model thread: generation goes on while the bytes arrive (staged mode).
-        result = await asyncio.to_thread(self._buckets.receive, pg, meta, self.device,
-                                         self._paused)
-        if result["complete"]:
-            staged, direct = self._buckets.take(meta.version)
-            if direct:  # already written into the (paused) live weights
-                self.weight_version = meta.version
-                logger.info("weights updated in place: version %s", meta.version)
-            else:
-                displaced = await self._commit(staged, meta.version)
-                if displaced:  # the old live tensors become the next staging buffer
-                    self._buckets.recycle(displaced)
-        return {**result, "weight_version": self.weight_version}
-
-    @property
-    def weights_broken(self) -> str | None:
-        """Why this engine must not serve (a direct update failed half-way), or None."""
-        return self._buckets.broken if self._buckets is not None else None
-
-    def weight_memory(self) -> dict:
-        """Bytes held for bucketed updates: the staging buffer and the largest receive piece."""
-        b = self._buckets
-        return {"staging_bytes": b.staging_bytes if b else 0,
-                "peak_piece_bytes": b.peak_piece_bytes if b else 0}
-
-    async def weights_digest(self, names: list[str] | None = None) -> dict[str, str]:
-        """Checksum of each live tensor's bytes (verify mode: compare with the trainer's)."""
-        from megarl.weight_sync.protocol import byte_view, digest
-
-        self._ensure_started()
-        names = list(self.weights.params) if names is None else names
-        unknown = [n for n in names if n not in self.weights.params]
-        if unknown:
-            raise BadRequest("names", f"unknown parameter {unknown[0]!r}")
-        async with self._lock:  # not in the middle of a swap
-            return await self._on_model_thread(lambda: {
-                n: digest(byte_view(self.weights.params[n].detach().contiguous()))
-                for n in names})
+            got = await asyncio.wrap_future(in_daemon_thread(
+                lambda: ranks.receive([flat] if load_format else bufs)))
+        except Exception as e:  # noqa: BLE001 - the transport's failure, answered as stock does
+            raise UpdateRefused(f"Failed to receive weights: {e}") from None
+        named = unpack_bucket(flat, layout) if load_format else list(zip(names, got))
+        self.update_calls += 1
+        if self.fail_update_at is not None and self.update_calls == self.fail_update_at:
+            raise UpdateRefused(f"Failed to update parameter online: injected fault at update "
+                                f"call {self.update_calls} (--fail-update-at)")
+        await self._load(named, weight_version, flush_cache)
 
     async def begin_weight_update(self) -> None:
         self._ensure_started()
         if self._txn is not None:
-            raise BadRequest("begin_weight_update", "a weight update is already open")
+            raise UpdateRefused("a weight-update session is already open; call "
+                                "end_weight_update() first")
         self._txn, self._txn_version = {}, None
 
-    async def end_weight_update(self, weight_version: str | None = None) -> None:
+    async def end_weight_update(self) -> None:
+        """Close the session; staged weights go live together, at one safe point."""
         self._ensure_started()
         if self._txn is None:
-            raise BadRequest("end_weight_update", "no weight update is open")
-        staged, version = self._txn, weight_version or self._txn_version
+            raise UpdateRefused("no weight-update session is open; call begin_weight_update() "
+                                "first")
+        staged, version = self._txn, self._txn_version
         self._txn = None
-        await self._commit(staged, version)
+        if not staged and version is None:
+            return
+        async with self._lock:  # the safe point between two steps
+            displaced = await self._on_model_thread(self.weights.swap, staged)
+            old, self.weight_version = self.weight_version, version or self.weight_version
+        self._spare = displaced  # the old live tensors stage the next version
+        logger.info("weights updated: %d tensors, version %s -> %s", len(staged), old,
+                    self.weight_version)
+
+    async def update_weight_version(self, new_version: str, abort_all_requests: bool = True
+                                    ) -> None:
+        self._ensure_started()
+        if abort_all_requests:
+            await self.abort(abort_all=True, message="aborted by update_weight_version")
+        self.weight_version = str(new_version)
+
+    async def check_weights(self, action: str = "checksum",
+                            skip_tensor_list: list[str] | None = None) -> dict:
+        """Stock SGLang's `/weights_checker` checksum over this engine's HF-named tensors: one
+        entry per TP rank (each embedded "rank" holds the whole model)."""
+        if action != "checksum":
+            raise BadRequest("action", f"the embedded engine computes `checksum` only, not "
+                             f"{action!r}")
+        self._ensure_started()
+        skip = set(skip_tensor_list or ())
+        async with self._lock:  # not in the middle of a swap
+            sums = await self._on_model_thread(lambda: {
+                n: tensor_checksum(t) for n, t in self.weights.params.items() if n not in skip})
+        per_gpu = overall_checksum(sums)
+        ranks = [{"checksums": sums, "per_gpu_checksum": per_gpu, "parallelism_info": [
+            {"role": "target", "tp_rank": r, "tp_size": self.tp_size, "dp_rank": 0,
+             "dp_size": 1, "pp_rank": 0, "pp_size": 1, "rank": r}]}
+            for r in range(self.tp_size)]
+        h = hashlib.sha256()
+        for info in ranks:
+            h.update(info["per_gpu_checksum"].encode())
+        return {"ranks": ranks, "per_engine_checksum": h.hexdigest()}
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
         return self.weights.get(name).detach()[:truncate_size].float().cpu().tolist()

@@ -8,6 +8,11 @@ log-probs, version spans) so the caller can resume them later with
 the sample buffer's job, not this module's.
 
 Engine-wide commands (pause, resume, flush, version) fan out to every engine concurrently.
+
+Stale engines: an engine whose weight version is not one megarl set (an integer) was left
+half-updated by a failed sync (megarl.weight_sync marks it so, with SGLang's own
+`/update_weight_version`). The manager stops routing to it as soon as it sees that version, in
+`weight_versions()` or on an output, and sends such a request again elsewhere.
 """
 from __future__ import annotations
 
@@ -17,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Iterable, Sequence
 
-from megarl.rollout.protocol import GenerateOutput, GenerateRequest, RolloutEngine
+from megarl.rollout.protocol import GenerateOutput, GenerateRequest, RolloutEngine, version_int
 
 logger = logging.getLogger(__name__)
 
@@ -41,19 +46,46 @@ class RolloutManager:
         self.in_flight: dict[str, InFlight] = {}
         self._count = [0] * len(self.engines)
         self._tokens = [0] * len(self.engines)
+        self.stale: dict[int, str] = {}  # engine index -> the version it reported
 
     def _pick(self) -> int:
-        return min(range(len(self.engines)), key=lambda i: (self._count[i], self._tokens[i], i))
+        live = [i for i in range(len(self.engines)) if i not in self.stale]
+        if not live:
+            raise RuntimeError(f"no rollout engine left: every engine is stale ({self.stale})")
+        return min(live, key=lambda i: (self._count[i], self._tokens[i], i))
+
+    def _mark_stale(self, i: int, version) -> None:
+        if i not in self.stale:
+            logger.error("rollout engine %d reports weight version %r: stale after a failed "
+                         "sync, no longer used", i, version)
+            self.stale[i] = str(version)
+
+    @staticmethod
+    def _is_megarl_version(v) -> bool:
+        try:
+            version_int(v)
+            return True
+        except ValueError:
+            return False
 
     def load(self) -> list[int]:
         """Samples in flight per engine."""
         return list(self._count)
 
     async def generate(self, request: GenerateRequest) -> GenerateOutput:
-        """One sample (n == 1) on the least-loaded engine."""
+        """One sample (n == 1) on the least-loaded live engine; again on another one if the
+        engine turns out stale (its output is not used)."""
+        while True:
+            i = self._pick()
+            out = await self._generate_on(i, request)
+            bad = [v for v, _, _ in out.weight_version_spans if not self._is_megarl_version(v)]
+            if not bad:
+                return out
+            self._mark_stale(i, bad[0])
+
+    async def _generate_on(self, i: int, request: GenerateRequest) -> GenerateOutput:
         if request.rid in self.in_flight:
             raise ValueError(f"rid: {request.rid!r} is already in flight")
-        i = self._pick()
         rec = InFlight(i, request)
         self.in_flight[request.rid] = rec
         self._count[i] += 1
@@ -115,7 +147,18 @@ class RolloutManager:
         return all(await asyncio.gather(*[e.flush_cache() for e in self.engines]))
 
     async def weight_versions(self) -> list[str]:
-        return list(await asyncio.gather(*[e.get_weight_version() for e in self.engines]))
+        """The versions of the live engines (engines found stale here are dropped)."""
+        live = [i for i in range(len(self.engines)) if i not in self.stale]
+        got = await asyncio.gather(*[self.engines[i].get_weight_version() for i in live])
+        out = []
+        for i, v in zip(live, got):
+            if self._is_megarl_version(v):
+                out.append(v)
+            else:
+                self._mark_stale(i, v)
+        if not out:
+            raise RuntimeError(f"no rollout engine left: every engine is stale ({self.stale})")
+        return out
 
     async def close(self) -> None:
         await asyncio.gather(*[e.close() for e in self.engines])

@@ -14,10 +14,11 @@ the distribution the Megatron trainer recomputes (megarl.backends.megatron.logpr
 one SGLang returns by default, so rollout and trainer log-probs compare token by token; it is
 not the truncated distribution the token was actually drawn from when top-p/top-k are active.
 
-Weight versions. An engine's version is a string (SGLang's convention). A response carries the
-version it was dispatched under (``weight_version``: the one that produced its first token) and
-``weight_version_spans``: ``[version, start, end)`` ranges over output positions, more than one
-when weights were swapped while the request was generating.
+Weight versions. On the wire (and inside an engine) a version is a string, SGLang's convention;
+inside megarl it is an integer (`version_int` converts, at this edge only). A response carries
+SGLang's ``meta_info.weight_versions``: ``[{version, start, end}]`` spans over output
+positions (SGLang 0.5.20+), more than one when weights changed while the request was
+generating, and ``meta_info.weight_version``, the version of the last span.
 
 Deliberately left out: text-in/text-out beyond what the embedded server's tokenizer offers,
 streaming responses, input-token log-probs and multimodal inputs.
@@ -190,11 +191,11 @@ class GenerateOutput:
     def aborted(self) -> bool:
         return self.finish_reason.type == "abort"
 
-    def token_versions(self) -> list[str]:
-        """The weight version of every output token, expanded from the spans."""
+    def token_versions(self) -> list[int]:
+        """megarl's integer weight version of every output token, from the spans."""
         out = []
         for v, start, end in self.weight_version_spans:
-            out.extend([v] * (end - start))
+            out.extend([version_int(v)] * (end - start))
         return out
 
     def to_sglang(self) -> dict[str, Any]:
@@ -205,7 +206,8 @@ class GenerateOutput:
             "completion_tokens": len(self.output_ids),
             "cached_tokens": 0,
             "weight_version": self.weight_version,
-            "weight_version_spans": [list(s) for s in self.weight_version_spans],
+            "weight_versions": [{"version": v, "start": a, "end": b}
+                                for v, a, b in self.weight_version_spans],
             "e2e_latency": self.e2e_latency,
         }
         if self.output_logprobs is not None:
@@ -223,9 +225,9 @@ class GenerateOutput:
         lps = meta.get("output_token_logprobs")
         output_ids = list(d.get("output_ids") or ([t for _, t, *_ in lps] if lps else []))
         version = str(meta.get("weight_version", "default"))
-        spans = [tuple(s) for s in meta.get("weight_version_spans") or []]
+        spans = [(s["version"], s["start"], s["end"]) for s in meta.get("weight_versions") or []]
         if not spans and output_ids:
-            spans = [(version, 0, len(output_ids))]  # real SGLang reports no spans
+            spans = [(version, 0, len(output_ids))]  # SGLang before 0.5.20: no spans
         return cls(
             rid=str(meta.get("id", "")),
             prompt_tokens=int(meta.get("prompt_tokens", 0)),
@@ -237,6 +239,20 @@ class GenerateOutput:
             e2e_latency=float(meta.get("e2e_latency", 0.0)),
             text=d.get("text"),
         )
+
+
+def version_int(v: str | int) -> int:
+    """megarl's integer version of an engine's version string. "default" is what a server
+    launched without `--weight-version` reports for the weights it loaded: megarl's v0."""
+    if isinstance(v, int):
+        return v
+    if v == "default":
+        return 0
+    try:
+        return int(v)
+    except (TypeError, ValueError):
+        raise ValueError(f"meta_info.weight_versions: version {v!r} is not one megarl set "
+                         "(an integer); was the server updated by another trainer?") from None
 
 
 def continuation(request: GenerateRequest, partial: GenerateOutput) -> GenerateRequest:
@@ -282,13 +298,14 @@ class RolloutEngine(Protocol):
     async def update_weights_from_distributed(self, names: list[str], dtypes: list[str],
                                               shapes: list[list[int]], group_name: str,
                                               weight_version: str | None = None,
-                                              flush_cache: bool = True) -> None: ...
+                                              flush_cache: bool = True,
+                                              load_format: str | None = None) -> None: ...
 
     async def update_weights_from_tensor(self, named_tensors: list, weight_version: str | None
                                          = None, flush_cache: bool = True) -> None: ...
 
     async def begin_weight_update(self) -> None: ...
 
-    async def end_weight_update(self, weight_version: str | None = None) -> None: ...
+    async def end_weight_update(self) -> None: ...
 
     async def close(self) -> None: ...

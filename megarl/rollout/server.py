@@ -10,7 +10,10 @@ Paths: /health, /health_generate, /model_info (/get_model_info), /server_info
 (/get_server_info), /generate, /pause_generation, /continue_generation, /abort_request,
 /flush_cache, /init_weights_update_group, /destroy_weights_update_group,
 /update_weights_from_distributed, /update_weights_from_tensor, /begin_weight_update,
-/end_weight_update, /get_weights_by_name; and megarl's own /weights_digest (verify mode).
+/end_weight_update, /update_weight_version, /get_weights_by_name, /weights_checker (checksum).
+With `--sglang-contract` it also behaves as stock SGLang does where the embedded engine would
+otherwise do better: each weight-update call loads into the live weights at once, and
+`sampling_seed` is honoured only with `--enable-deterministic-inference`.
 
 `/update_weights_from_tensor` takes `serialized_named_tensors` as base64 `torch.save` data
 (megarl.rollout.weights.serialize_named_tensors), loaded with `weights_only=True`. SGLang's
@@ -29,7 +32,7 @@ import threading
 from aiohttp import web
 
 from megarl.rollout.engine import EmbeddedEngine
-from megarl.rollout.protocol import BadRequest, GenerateRequest, SamplingParams
+from megarl.rollout.protocol import PAUSE_MODES, BadRequest, GenerateRequest, SamplingParams
 from megarl.rollout.weights import deserialize_named_tensors
 
 logger = logging.getLogger(__name__)
@@ -87,8 +90,11 @@ class RolloutServer:
                          ("/update_weights_from_tensor", self.update_tensor),
                          ("/begin_weight_update", self.begin_update),
                          ("/end_weight_update", self.end_update),
-                         ("/get_weights_by_name", self.get_weights),
-                         ("/weights_digest", self.weights_digest)]:
+                         ("/update_weight_version", self.update_version)]:
+            r.add_post(path, fn)
+        for path, fn in [("/get_weights_by_name", self.get_weights),
+                         ("/weights_checker", self.weights_checker)]:
+            r.add_get(path, fn)
             r.add_post(path, fn)
 
     @web.middleware
@@ -105,8 +111,7 @@ class RolloutServer:
         return web.json_response({"success": True, "message": message, **extra})
 
     async def health(self, request):
-        # 503 while a failed in-place weight update has left the model half-written.
-        return web.Response(status=503 if self.engine.weights_broken else 200)
+        return web.Response(status=200)
 
     async def model_info(self, request):
         e = self.engine
@@ -174,20 +179,20 @@ class RolloutServer:
 
     async def pause(self, request):
         body = await _body(request, {"mode"})
+        if body.get("mode", "abort") not in PAUSE_MODES:
+            raise BadRequest("mode", f"{body['mode']!r}; expected one of {list(PAUSE_MODES)}")
         await self.engine.pause(body.get("mode", "abort"))
         return self._ok("Generation paused")
 
     async def resume(self, request):
-        await _body(request, set())
+        await _body(request, {"torch_empty_cache"})
         await self.engine.resume()
         return self._ok("Generation continued")
 
     async def abort(self, request):
-        body = await _body(request, {"rid", "abort_all", "finished_reason", "abort_message"})
-        rid, abort_all = body.get("rid"), bool(body.get("abort_all", False))
-        if rid is None and not abort_all:
-            raise BadRequest("rid", "give a rid or abort_all=true")
-        await self.engine.abort(None if rid is None else str(rid), abort_all=abort_all)
+        body = await _body(request, {"rid", "abort_all"})
+        await self.engine.abort(str(body.get("rid") or ""),
+                                abort_all=bool(body.get("abort_all", False)))
         return web.Response(status=200)
 
     async def flush_cache(self, request):
@@ -196,6 +201,8 @@ class RolloutServer:
         return web.Response(text="Cache not flushed: requests are in flight.\n", status=400)
 
     # -- weights ----------------------------------------------------------------------------
+    # Field sets are stock SGLang's request structs (io_struct.py of the pinned release), so a
+    # request the stock server would read in part is refused here as a whole.
     async def init_group(self, request):
         b = await _body(request, {"master_address", "master_port", "rank_offset", "world_size",
                                   "group_name", "backend"})
@@ -214,23 +221,22 @@ class RolloutServer:
 
     async def update_distributed(self, request):
         b = await _body(request, {"names", "dtypes", "shapes", "group_name", "flush_cache",
-                                  "weight_version", "load_format", "abort_all_requests",
-                                  "bucket"})
+                                  "abort_all_requests", "weight_version", "load_format",
+                                  "selector", "torch_empty_cache"})
         for key in ("names", "dtypes", "shapes"):
             if not isinstance(b.get(key), list):
                 raise BadRequest(key, "missing or not a list")
-        if b.get("load_format") not in (None, "direct", "megarl_bucket"):
-            raise BadRequest("load_format", f"{b['load_format']!r} is not supported")
         if b.get("abort_all_requests"):
             await self.engine.abort(abort_all=True, message="aborted for a weight update")
-        result = await self.engine.update_weights_from_distributed(
+        await self.engine.update_weights_from_distributed(
             b["names"], b["dtypes"], b["shapes"], b.get("group_name", "weight_update_group"),
-            _version(b), b.get("flush_cache", True), b.get("load_format"), b.get("bucket"))
-        return self._ok("Succeeded to update parameter online.", **(result or {}))
+            _version(b), b.get("flush_cache", True), b.get("load_format"))
+        return self._ok("Succeeded to update parameter online.")
 
     async def update_tensor(self, request):
         b = await _body(request, {"serialized_named_tensors", "load_format", "flush_cache",
-                                  "weight_version", "abort_all_requests"})
+                                  "weight_version", "abort_all_requests", "selector",
+                                  "torch_empty_cache"})
         data = b.get("serialized_named_tensors")
         if isinstance(data, list):
             if len(data) != 1:  # one entry per TP rank; the embedded engine has one
@@ -247,14 +253,23 @@ class RolloutServer:
         return self._ok("Succeeded to update model weights.")
 
     async def begin_update(self, request):
-        await _body(request, set())
+        await _body(request, {"selector"})
         await self.engine.begin_weight_update()
         return self._ok()
 
     async def end_update(self, request):
-        b = await _body(request, {"weight_version"})
-        await self.engine.end_weight_update(_version(b))
-        return self._ok(weight_version=self.engine.weight_version)
+        await _body(request, set())  # stock's EndWeightUpdateReqInput has no fields
+        await self.engine.end_weight_update()
+        return self._ok()
+
+    async def update_version(self, request):
+        b = await _body(request, {"new_version", "abort_all_requests"})
+        if not isinstance(b.get("new_version"), str):
+            raise BadRequest("new_version", "missing or not a string")
+        await self.engine.update_weight_version(b["new_version"],
+                                                bool(b.get("abort_all_requests", True)))
+        return web.json_response({"success": True, "new_version": b["new_version"],
+                                  "message": f"Weight version updated to {b['new_version']}"})
 
     async def get_weights(self, request):
         b = await _body(request, {"name", "truncate_size"})
@@ -263,10 +278,11 @@ class RolloutServer:
         return web.json_response(self.engine.get_weights_by_name(
             b["name"], int(b.get("truncate_size", 100))))
 
-
-    async def weights_digest(self, request):
-        b = await _body(request, {"names"})
-        return web.json_response(await self.engine.weights_digest(b.get("names")))
+    async def weights_checker(self, request):
+        b = await _body(request, {"action", "allow_quant_error", "skip_tensor_list", "selector"})
+        out = await self.engine.check_weights(b.get("action", "checksum"),
+                                              b.get("skip_tensor_list"))
+        return self._ok("Success", **out)
 
 
 def _version(body: dict) -> str | None:
@@ -332,9 +348,17 @@ def build_arg_parser() -> argparse.ArgumentParser:
     ap.add_argument("--random-seed", type=int, default=0)
     ap.add_argument("--skip-tokenizer-init", action="store_true")
     ap.add_argument("--weight-version", default="default")
+    ap.add_argument("--sglang-contract", action="store_true",
+                    help="behave as stock SGLang: updates load live, seeds need "
+                    "--enable-deterministic-inference")
+    ap.add_argument("--enable-deterministic-inference", action="store_true",
+                    help="with --sglang-contract: honour sampling_seed")
+    ap.add_argument("--fail-update-at", type=int, default=None,
+                    help="fault injection for tests: refuse the Nth weight-update call")
     ap.add_argument("--log-level", default="info")
+    ap.add_argument("--tp-size", type=int, default=1,
+                    help="update-group ranks to hold (one model runs; see EngineRanks)")
     # SGLang server arguments the launcher passes that mean nothing for one in-process model.
-    ap.add_argument("--tp-size", type=int, default=1)
     ap.add_argument("--base-gpu-id", type=int, default=None,
                     help="with --device cuda, the GPU to use")
     ap.add_argument("--mem-fraction-static", type=float, default=None, help="ignored")
@@ -347,8 +371,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_arg_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.tp_size != 1:
-        logger.error("--tp-size: the embedded engine runs one rank, got %d", args.tp_size)
+    if args.tp_size < 1:
+        logger.error("--tp-size: must be >= 1, got %d", args.tp_size)
         return 2
     device = args.device
     if device == "cuda" and args.base_gpu_id is not None:
@@ -357,7 +381,11 @@ def main(argv: list[str] | None = None) -> int:
                             load_format=args.load_format, context_length=args.context_length,
                             max_running_requests=args.max_running_requests,
                             seed=args.random_seed, load_tokenizer=not args.skip_tokenizer_init,
-                            weight_version=args.weight_version)
+                            weight_version=args.weight_version, tp_size=args.tp_size,
+                            live_updates=args.sglang_contract,
+                            honour_seeds=(not args.sglang_contract
+                                          or args.enable_deterministic_inference),
+                            fail_update_at=args.fail_update_at)
     app = RolloutServer(engine, skip_tokenizer_init=args.skip_tokenizer_init).app
 
     async def close_engine(_app):

@@ -10,14 +10,23 @@ The update group is built exactly the way SGLang builds it (`init_custom_process
 rendezvous `TCPStore` → `PrefixStore(group_name)` → torch's `_new_process_group_helper`, which
 nests `PrefixStore(f"{group_name}/")` and `PrefixStore(f"{device}/")`), but from the public
 constructors, so a trainer that can talk to SGLang can talk to the embedded engine and vice
-versa. `new_update_group` serves both sides: rank 0 (the trainer) hosts the store.
+versa. `new_update_group` serves both sides: rank 0 (the trainer) hosts the store;
+`EngineRanks` is an engine's TP ranks in it.
+
+It also owns stock SGLang's weight wire formats as a receiver sees them (read from the pinned
+release's `weight_sync/tensor_bucket.py` and `utils/weight_checker.py`): the flattened bucket's
+layout and checks, and the `/weights_checker` checksums. The trainer's side packs buckets in
+megarl.weight_sync.buckets.
 """
 from __future__ import annotations
 
 import base64
+import concurrent.futures
 import datetime
+import hashlib
 import io
 import logging
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -44,6 +53,61 @@ def parse_dtype(name: str, field: str = "dtypes") -> torch.dtype:
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def byte_view(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's bytes as a flat uint8 view (no copy)."""
+    return t.reshape(-1).view(torch.uint8)
+
+
+# -- stock SGLang's weight wire formats ---------------------------------------------------------
+LOAD_FORMAT = "flattened_bucket"  # one uint8 broadcast of whole tensors back to back
+
+
+def bucket_layout(names: list[str], dtypes: list[str], shapes: list[list[int]]
+                  ) -> list[tuple[str, torch.dtype, tuple[int, ...], int, int]]:
+    """(name, dtype, shape, start, end) byte ranges of a flattened bucket, checked the way
+    stock SGLang checks them before it receives (`FlattenedTensorBucket.empty`): no negative
+    dimension, every tensor aligned to its element size, not empty."""
+    if not (len(names) == len(dtypes) == len(shapes)):
+        raise BadRequest("names", f"names, dtypes and shapes differ in length "
+                         f"({len(names)}, {len(dtypes)}, {len(shapes)})")
+    out, at = [], 0
+    for name, dt, shape in zip(names, dtypes, shapes):
+        dtype = parse_dtype(dt)
+        if not isinstance(shape, (list, tuple)) or any(not isinstance(d, int) or d < 0
+                                                       for d in shape):
+            raise BadRequest("shapes", f"Negative dimension in received tensor {name}: {shape}")
+        if at % dtype.itemsize:
+            raise BadRequest("dtypes", f"Unaligned received tensor {name}: byte offset {at}, "
+                             f"dtype {dt}")
+        size = torch.Size(shape).numel() * dtype.itemsize
+        out.append((name, dtype, tuple(shape), at, at + size))
+        at += size
+    if not out:
+        raise BadRequest("names", "Cannot create empty tensor bucket")
+    return out
+
+
+def unpack_bucket(flat: torch.Tensor, layout) -> list[tuple[str, torch.Tensor]]:
+    """Views of each tensor inside a received flat uint8 bucket (no copy)."""
+    return [(name, flat[a:b].view(dtype).view(shape)) for name, dtype, shape, a, b in layout]
+
+
+def tensor_checksum(t: torch.Tensor) -> str:
+    """Stock SGLang's `/weights_checker` checksum of one tensor as computed on CPU
+    (`tensor_hash`: sha256 of the raw bytes, first 8 bytes big-endian, 16 hex digits)."""
+    h = hashlib.sha256(memoryview(byte_view(t.detach().cpu().contiguous()).numpy()))
+    return f"{int.from_bytes(h.digest()[:8], 'big'):016x}"
+
+
+def overall_checksum(checksums: dict[str, str]) -> str:
+    """Stock SGLang's `per_gpu_checksum` over per-tensor checksums."""
+    h = hashlib.sha256()
+    for name in sorted(checksums):
+        h.update(name.encode())
+        h.update(checksums[name].encode())
+    return h.hexdigest()
 
 
 # -- the update process group ------------------------------------------------------------------
@@ -91,7 +155,8 @@ class UpdateGroup:
 
     def close(self) -> None:
         """Tear down the group, then the store. Leaving both to interpreter exit can destroy a
-        still-joinable C++ thread in an unlucky order ("terminate called...", SIGABRT)."""
+        still-joinable C++ thread in an unlucky order ("terminate called...", SIGABRT). Not
+        while an operation on it is pending: see EngineRanks.close, WeightProducer._rebuild."""
         pg, self.pg = self.pg, None
         if pg is not None and hasattr(pg, "shutdown"):
             pg.shutdown()
@@ -99,10 +164,80 @@ class UpdateGroup:
         self.store = None
 
 
-def broadcast_tensors(group: UpdateGroup, tensors: list[torch.Tensor], root: int = 0) -> None:
-    """One broadcast per tensor, in order (SGLang's receive loop does the same)."""
-    for t in tensors:
-        group.broadcast(t, root)
+def in_daemon_thread(fn) -> concurrent.futures.Future:
+    """`fn()` on a fresh daemon thread. For gloo waits: one stuck until its group's timeout
+    must hold up nothing queued behind it, nor block the process's exit."""
+    fut: concurrent.futures.Future = concurrent.futures.Future()
+
+    def run():
+        try:
+            fut.set_result(fn())
+        except BaseException as e:  # noqa: BLE001 - handed to the waiter
+            fut.set_exception(e)
+
+    threading.Thread(target=run, daemon=True, name="megarl-gloo-wait").start()
+    return fut
+
+
+class EngineRanks:
+    """The update-group memberships of one engine: SGLang joins every TP rank r of an engine
+    as `rank_offset + r`, and each of them receives every broadcast. The embedded engine runs
+    one model, so its extra TP ranks receive into scratch buffers; they exist so that the
+    group has the shape a stock TP engine gives it (and a wrong rank offset fails here)."""
+
+    def __init__(self, groups: list[UpdateGroup]):
+        self.groups = groups
+        self._lock = threading.Lock()
+        self._busy = 0  # receives in progress
+        self._close_when_idle = False
+
+    @classmethod
+    def join(cls, master_address: str, master_port: int, rank_offset: int, world_size: int,
+             group_name: str, backend: str, tp_size: int, timeout_s: float = 300.0
+             ) -> "EngineRanks":
+        # Each join blocks until the whole group has formed: all TP ranks join at once.
+        with concurrent.futures.ThreadPoolExecutor(tp_size) as pool:
+            futs = [pool.submit(new_update_group, master_address, master_port, rank_offset + r,
+                                world_size, group_name, backend, timeout_s)
+                    for r in range(tp_size)]
+            return cls([f.result() for f in futs])
+
+    @property
+    def busy(self) -> int:
+        return self._busy
+
+    def receive(self, buffers: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Receive one broadcast per buffer, in order, on every TP rank; returns rank 0's."""
+        with self._lock:
+            self._busy += 1
+        try:
+            works = []
+            for buf in buffers:
+                for r, g in enumerate(self.groups):
+                    works.append(g.broadcast_async(buf if r == 0 else torch.empty_like(buf), 0))
+            for w in works:
+                w.wait()
+            return buffers
+        finally:
+            with self._lock:
+                self._busy -= 1
+                close = self._close_when_idle and self._busy == 0
+            if close:
+                self._close()
+
+    def close(self) -> None:
+        """Leave the group. A receive still pending (the sender gave up mid-broadcast) ends
+        only at the group's timeout, and tearing a gloo group down under it can stall the
+        process: the group is then closed when that receive ends."""
+        with self._lock:
+            if self._busy:
+                self._close_when_idle = True
+                return
+        self._close()
+
+    def _close(self) -> None:
+        for g in self.groups:
+            g.close()
 
 
 # -- serializing tensors for /update_weights_from_tensor --------------------------------------
@@ -161,15 +296,30 @@ class WeightStore:
             if tuple(shape) != want:
                 raise BadRequest("shapes", f"{name}: shape {list(shape)} != model's {list(want)}")
 
+    @torch.no_grad()
     def stage(self, named: list[tuple[str, torch.Tensor]],
-              into: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-        """Validate everything, then copy into a staging dict (cast to the model's dtype)."""
+              spare: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """Validate everything, then copy into a staging dict (cast to the model's dtype),
+        reusing `spare` tensors (taken out of it) where one of the right kind is there."""
         self.check([n for n, _ in named], [t.shape for _, t in named])
-        staged = {} if into is None else into
+        spare = {} if spare is None else spare
+        staged = {}
         for name, t in named:
-            p = self.params[name]
-            staged[name] = t.detach().to(device=p.device, dtype=p.dtype, copy=True)
+            p, buf = self.params[name], spare.pop(name, None)
+            if (buf is not None and buf.shape == p.shape and buf.dtype == p.dtype
+                    and buf.device == p.device and buf.is_contiguous()):
+                buf.copy_(t)
+            else:
+                buf = t.detach().to(device=p.device, dtype=p.dtype, copy=True)
+            staged[name] = buf
         return staged
+
+    @torch.no_grad()
+    def load_live(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        """Copy straight into the live parameters (stock SGLang's load: call it between two
+        decode steps). A failure half-way leaves the model partly updated, as there."""
+        for name, t in named:
+            self.params[name].copy_(t)
 
     @torch.no_grad()
     def swap(self, staged: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -189,24 +339,6 @@ class WeightStore:
                 p.copy_(t)
                 out[name] = t
         return out
-
-    def receive(self, group: UpdateGroup, names: list[str], dtypes: list[str], shapes: list[list[int]],
-                device: torch.device) -> dict[str, torch.Tensor]:
-        """Receive one broadcast per tensor, then validate; nothing is applied here.
-
-        Every declared tensor is received even when the update will be rejected: the sender is
-        already broadcasting, and skipping receives would desynchronize the group.
-        """
-        if not (len(names) == len(dtypes) == len(shapes)):
-            raise BadRequest("names", f"names, dtypes and shapes differ in length "
-                             f"({len(names)}, {len(dtypes)}, {len(shapes)})")
-        torch_dtypes = [parse_dtype(d) for d in dtypes]
-        received = []
-        for name, dt, shape in zip(names, torch_dtypes, shapes):
-            buf = torch.empty(tuple(shape), dtype=dt, device=device)
-            group.broadcast(buf, 0)
-            received.append((name, buf))
-        return self.stage(received)
 
     def get(self, name: str) -> torch.Tensor:
         if name not in self.params:

@@ -1,18 +1,28 @@
 """The trainer side of a weight sync: one pipeline stage's sender, rank 0 of its update group.
 
-Owns the stage's update group, its snapshot buffers (dual buffer) and the background transfer
-thread. Per bucket it announces the metadata to every engine through its API (without waiting
-for the answer: the engine's call returns only once it has received the bytes), broadcasts the
-bucket in `chunk_bytes` pieces (posted asynchronously), announces the next bucket, and
-collects the previous bucket's answers within `timeout_s` once the next bucket is out; any
-failure raises `WeightSyncError` naming version, stage, bucket and engine, and leaves the
-group unusable until `connect` is called again.
+Owns the stage's update group (hosted here, engines joining at their TP rank offsets), its
+snapshot buffers (dual buffer), the background sender, and what happens when an engine fails.
 
-- `send(named, version)`: stream — bucket by bucket straight from the exported tensors (no
-  dual buffer; the caller pauses the engines and the bytes land in their live weights).
-- `snapshot(named, version)` + `start(snapshot)`: dual buffer — copy the whole stage into
-  buffers kept between versions (the only part the trainer waits for), then send from a
-  background thread; `wait()` joins it.
+Per bucket, in order: one `/update_weights_from_distributed` call to every engine (not awaited:
+it returns only once the engine has received and loaded the bucket), one broadcast of the
+packed bytes, then every answer, before the next bucket. The version's last call carries its
+`weight_version`. Engine control around a version (`open_version`: pause where the engine
+needs it, begin; `close_version`: end, flush, continue) is the coordinator's; see
+megarl.weight_sync.trainer for who calls what.
+
+An engine that fails (an answer with `success: false`, an error, or silence past `timeout_s`)
+is marked stale: the stage rebuilds its update group without it (the other engines leave the
+old group and join the new one) and, if the failed bucket's broadcast did not complete, sends
+that bucket again; every earlier bucket was confirmed by every engine still in the group. A
+stale engine is given the version `STALE_VERSION` and continued, which tells the rollout
+manager to stop routing to it; nothing waits on it again. The sync fails only when no engine
+is left, or on the trainer's own errors.
+
+- `stream(named, version)`: buckets packed from the exported tensors as they come, each sent
+  from one reusable packing buffer (no dual buffer; the trainer waits throughout).
+- `snapshot(named, version)` + `start(fn)`: dual buffer — the whole stage packed into buffers
+  kept between versions (the only part the trainer waits for), sent from a background thread;
+  `wait()` joins it.
 """
 from __future__ import annotations
 
@@ -22,30 +32,34 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Callable, Iterable, Iterator
 
 import torch
 
-from megarl.rollout.weights import new_update_group
+from megarl.rollout.weights import in_daemon_thread, new_update_group
 
 from .buckets import Bucket, BucketPacker
-from .protocol import BucketMeta, SyncConfig, WeightSyncError, copy_bytes
+from .protocol import SyncConfig, WeightSyncError, copy_bytes, update_group_ranks
+from .transports import STALE_VERSION, EngineLink
 
 logger = logging.getLogger(__name__)
 
 _SPLIT_COPY_BYTES = 4 << 20  # snapshot copies at least this large use two threads
+# How stock SGLang (and the embedded engine) words a receive that broke in transport: such an
+# engine was in the broadcast, and failed only because another peer left it.
+RECEIVE_FAILED = "Failed to receive weights"
 
 
 @dataclass
 class SyncStats:
-    version: str
+    version: int
     stage: int = 0
     bytes: int = 0
     buckets: int = 0
-    pieces: int = 0
     blocking_s: float = 0.0  # what the trainer waited for
-    transfer_s: float = 0.0  # first announcement to last engine answer
-    results: list = field(default_factory=list, repr=False)  # last bucket's answers
+    transfer_s: float = 0.0  # first update call to last answer
+    pause_s: float = 0.0  # engines paused (pause to continue), coordinator only
+    stale: list[str] = field(default_factory=list)  # engines dropped during this version
 
     @property
     def gbps(self) -> float:
@@ -54,18 +68,15 @@ class SyncStats:
 
 @dataclass
 class Snapshot:
-    version: str
+    version: int
     buckets: list[Bucket]
     blocking_s: float
 
 
-@dataclass
-class _InFlight:
-    """An announced bucket: every engine's pending answer, and when each failed."""
-
-    meta: BucketMeta
-    answers: list[concurrent.futures.Future]
-    failed_at: dict[int, float] = field(default_factory=dict)
+class _EngineFailed(Exception):
+    def __init__(self, engines: dict[str, str], delivered: bool):
+        self.engines, self.delivered = engines, delivered  # delivered: the broadcast completed
+        super().__init__("; ".join(f"{n}: {w}" for n, w in engines.items()))
 
 
 class _LoopThread:
@@ -86,71 +97,227 @@ class _LoopThread:
 
 
 class WeightProducer:
-    def __init__(self, links: list, config: SyncConfig, *, stage: int = 0, num_stages: int = 1,
+    def __init__(self, links: list[EngineLink], config: SyncConfig, *, stage: int = 0,
                  group_name: str = "megarl-weights", backend: str = "gloo",
                  device: str | torch.device = "cpu"):
-        self.links, self.config = list(links), config
-        self.stage, self.num_stages = stage, num_stages
+        self.links, self.config, self.stage = list(links), config, stage
         self.group_name, self.backend, self.device = group_name, backend, torch.device(device)
         self.group = None
-        self.broken: str | None = None
+        self._members: set[str] = set()  # engines in the current group
+        self._last_sent: concurrent.futures.Future | None = None  # the last broadcast's wait
+        self.stale: dict[str, str] = {}  # engine -> why
+        self._retired: set[str] = set()  # stale engines already given STALE_VERSION
+        self._address = "127.0.0.1"
         self._io = _LoopThread()
         self._snap_bufs: dict[int, torch.Tensor] = {}
-        self._scratch_bufs: list[torch.Tensor | None] = [None, None]  # straddling pieces
+        self._pack_buf: torch.Tensor | None = None
         self._bg: concurrent.futures.Future | None = None
         self._bg_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="megarl-wsync")
         self._copy_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="megarl-copy")
 
-    # -- group and engine control -------------------------------------------------------------
-    async def _each(self, fn) -> list:
-        """`fn(link)` on every engine concurrently, each within the timeout; exceptions are
-        returned in place of results, one per link."""
-        timeout = self.config.timeout_s
-        return await asyncio.gather(*(asyncio.wait_for(fn(l), timeout) for l in self.links),
-                                    return_exceptions=True)
+    # -- engines and the group ----------------------------------------------------------------
+    def live(self) -> list[EngineLink]:
+        return [l for l in self.links if l.name not in self.stale]
 
-    def _all(self, fn, what: str) -> list:
-        """Run `fn(link)` on every engine; raise naming the first that failed."""
-        timeout = self.config.timeout_s
-        results = self._io.submit(self._each(fn)).result()
-        for link, r in zip(self.links, results):
+    def _each(self, links, fn, timeout: float | None = None) -> list:
+        """`fn(link)` on each link concurrently, within the timeout; exceptions come back in
+        place of results."""
+        timeout = timeout or self.config.timeout_s
+
+        async def run():
+            return await asyncio.gather(*(asyncio.wait_for(fn(l), timeout) for l in links),
+                                        return_exceptions=True)
+        return self._io.submit(run()).result()
+
+    def _all(self, links, fn, what: str) -> list:
+        results = self._each(links, fn)
+        for link, r in zip(links, results):
             if isinstance(r, BaseException):
-                raise RuntimeError(f"{what} failed on engine {link.name}: {_why(r, timeout)}")
+                raise RuntimeError(f"{what} failed on engine {link.name}: "
+                                   f"{_why(r, self.config.timeout_s)}")
         return results
 
-    def connect(self, address: str, port: int) -> None:
-        """Host the update group and have every engine join it (engines first: the trainer's
-        rendezvous blocks until they have)."""
-        world = 1 + len(self.links)
-        rank = {id(l): 1 + i for i, l in enumerate(self.links)}
-        joins = self._io.submit(self._each(lambda l: l.init_group(
-            address, port, rank[id(l)], world, self.group_name, self.backend)))
-        self.group = new_update_group(address, port, 0, world, self.group_name, self.backend,
-                                      timeout_s=self.config.timeout_s)
-        for link, r in zip(self.links, joins.result()):
+    def connect(self, address: str | None = None, port: int | None = None) -> None:
+        """Host the update group and have every live engine join it, engines first (the
+        trainer's rendezvous blocks until they have). Engine i's TP ranks start at its offset."""
+        from megarl.utils.launch import free_port
+
+        self._address = address or self._address
+        port = port or free_port(self._address)
+        links = self.live()
+        if not links:
+            raise WeightSyncError("-", None, "no engine left to send weights to",
+                                  stage=self.stage)
+        offsets, world = update_group_ranks([l.tp_size for l in links])
+        async def join_all():
+            return await asyncio.gather(*(asyncio.wait_for(l.init_group(
+                self._address, port, off, world, self.group_name, self.backend),
+                self.config.timeout_s) for l, off in zip(links, offsets)),
+                return_exceptions=True)
+
+        joins = self._io.submit(join_all())
+        self.group = new_update_group(self._address, port, 0, world, self.group_name,
+                                      self.backend, timeout_s=self.config.timeout_s)
+        for link, r in zip(links, joins.result()):
             if isinstance(r, BaseException):
                 raise RuntimeError(f"engine {link.name} did not join {self.group_name}: {r!r}")
-        self.broken = None
+        self._members = {l.name for l in links}
+        logger.info("update group %s: trainer + %d engine(s), world %d, rank offsets %s",
+                    self.group_name, len(links), world, offsets)
 
-    def pause_engines(self, mode: str = "abort") -> None:
-        self._all(lambda l: l.pause(mode), "pause_generation")
+    def _rebuild(self) -> None:
+        """A new group without the stale engines (the old one may be mid-broadcast)."""
+        old, self.group = self.group, None
+        if old is not None:
+            # Not under a broadcast still pending (it ends at the group's timeout): tearing a
+            # gloo group down under one can stall the process.
+            if self._last_sent is not None and not self._last_sent.done():
+                self._last_sent.add_done_callback(lambda _: old.close())
+            else:
+                old.close()
+        live = self.live()
+        self._each(live, lambda l: l.destroy_group(self.group_name))
+        self._each([l for l in self.links if l.name in self.stale],
+                   lambda l: l.destroy_group(self.group_name), timeout=5)
+        self.connect()
 
-    def resume_engines(self) -> None:
-        self._all(lambda l: l.resume(), "continue_generation")
+    def mark_stale(self, engines: dict[str, str]) -> None:
+        new = {n: w for n, w in engines.items() if n not in self.stale}
+        for n, why in new.items():
+            logger.error("engine %s marked stale (stage %d): %s", n, self.stage, why)
+        self.stale.update(new)
 
-    def engine_digests(self, names: list[str] | None = None) -> list[dict]:
-        return self._all(lambda l: l.weights_digest(names), "weights_digest")
+    def exclude(self, engines: dict[str, str]) -> None:
+        """Leave out engines another stage found stale (a new group if they are in ours)."""
+        self.mark_stale(engines)
+        if self._members & set(engines):
+            self._rebuild()
+
+    def open_version(self) -> None:
+        """Pause (where the engine loads into live weights) and begin the update session."""
+        live = self.live()
+        self._all([l for l in live if l.pause_for_update], lambda l: l.pause(),
+                  "pause_generation")
+        self._all(live, lambda l: l.begin(), "begin_weight_update")
+
+    def close_version(self, stale: dict[str, str]) -> None:
+        """End the session, flush once, continue. Engines found stale in this version get
+        `STALE_VERSION` (their requests are aborted and come back as partials) and are
+        continued too, so nothing waits on them."""
+        self.mark_stale(stale)
+        dead = [l for l in self.links if l.name in self.stale and l.name not in self._retired]
+        self._retired.update(l.name for l in dead)
+        if dead:
+            self._each(dead, lambda l: l.set_version(STALE_VERSION, abort_all_requests=True),
+                       timeout=10)
+            self._each(dead, lambda l: l.end(), timeout=10)
+            self._each(dead, lambda l: l.resume(), timeout=10)
+        live = self.live()
+        self._all(live, lambda l: l.end(), "end_weight_update")
+        # With requests held in place the flush is refused; the cache entries of the old
+        # weights then go as their requests finish.
+        self._each(live, lambda l: l.flush())
+        self._all([l for l in live if l.pause_for_update], lambda l: l.resume(),
+                  "continue_generation")
+
+    def engine_checksums(self) -> list[dict[str, str]]:
+        return self._all(self.live(), lambda l: l.checksums(), "weights_checker")
 
     # -- sending ------------------------------------------------------------------------------
-    def _packer(self, version: str, buffer, direct: bool, **kw) -> BucketPacker:
-        return BucketPacker(version, self.config.bucket_bytes, self.config.chunk_bytes, buffer,
-                            stage=self.stage, num_stages=self.num_stages,
-                            verify=self.config.verify, direct=direct, **kw)
+    def send(self, buckets: Iterable[Bucket], version: int, set_version: bool,
+             stats: SyncStats) -> SyncStats:
+        """Send buckets in order; the last one carries `version` when `set_version`."""
+        it = iter(buckets)
+        cur = next(it, None)
+        while cur is not None:
+            nxt = next(it, None)
+            self._send_bucket(cur, version if (set_version and nxt is None) else None)
+            stats.bytes += cur.meta.nbytes
+            stats.buckets += 1
+            cur = nxt
+        stats.stale = sorted(self.stale)
+        return stats
+
+    def _send_bucket(self, b: Bucket, tag: int | None) -> None:
+        flat = b.flat(self._packing_buffer)
+        for _ in range(len(self.links) + 1):
+            try:
+                self._broadcast(b, flat, tag)
+                return
+            except _EngineFailed as f:
+                self.mark_stale(f.engines)
+                self._rebuild()  # raises once no engine is left
+                if f.delivered:
+                    return  # every engine still in the group has this bucket
+        raise WeightSyncError(b.meta.version, b.meta.index, "engines kept failing",
+                              stage=self.stage)
+
+    def _broadcast(self, b: Bucket, flat: torch.Tensor, tag: int | None) -> None:
+        if self.group is None:
+            raise WeightSyncError(b.meta.version, b.meta.index, "no update group; connect "
+                                  "first", stage=self.stage)
+        links, timeout = self.live(), self.config.timeout_s
+        answers = [self._io.submit(asyncio.wait_for(
+            l.update_bucket(b.meta, self.group_name, tag), timeout)) for l in links]
+        work = self.group.broadcast_async(flat, 0)
+        sent = self._last_sent = in_daemon_thread(work.wait)
+        deadline = time.monotonic() + timeout
+        failed: dict[str, str] = {}
+        # Until the bytes are out, an engine that answers with a failure has refused without
+        # receiving (stock SGLang checks before it receives): the broadcast cannot complete.
+        while not sent.done():
+            done, _ = concurrent.futures.wait([sent, *answers], deadline - time.monotonic(),
+                                              concurrent.futures.FIRST_COMPLETED)
+            failed.update(_failures(links, answers, timeout))
+            if failed or time.monotonic() >= deadline:
+                silent = {l.name: f"no answer within {timeout:g} s"
+                          for l, a in zip(links, answers) if not a.done()}
+                raise _EngineFailed(failed or silent, delivered=False)
+        if sent.exception() is not None:
+            # A peer left the group. The engines still in it fail their receive too; the
+            # culprit is the one that refused without receiving (or said nothing at all).
+            until = time.monotonic() + min(timeout, 5.0)
+            failed = {}
+            while not failed and time.monotonic() < until and not all(a.done() for a in answers):
+                concurrent.futures.wait(answers, until - time.monotonic(),
+                                        concurrent.futures.FIRST_COMPLETED)
+                failed = {n: w for n, w in _failures(links, answers, timeout).items()
+                          if RECEIVE_FAILED not in w}
+            silent = {l.name: f"no answer after the broadcast failed ({sent.exception()})"
+                      for l, a in zip(links, answers) if not a.done()}
+            raise _EngineFailed(failed or silent or {
+                l.name: f"broadcast failed: {sent.exception()}" for l in links}, delivered=False)
+        concurrent.futures.wait(answers, max(0.0, deadline - time.monotonic()))
+        failed = _failures(links, answers, timeout)
+        failed.update({l.name: f"no answer within {timeout:g} s"
+                       for l, a in zip(links, answers) if not a.done()})
+        if failed:
+            raise _EngineFailed(failed, delivered=True)
+
+    def _packing_buffer(self, index: int, nbytes: int) -> torch.Tensor:
+        if self._pack_buf is None or self._pack_buf.numel() < nbytes:
+            self._pack_buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return self._pack_buf
+
+    def stream(self, named: Iterable[tuple[str, torch.Tensor]], version: int
+               ) -> Iterator[Bucket]:
+        """Buckets from the exported tensors: up to `produce_bucket_mb` of them are gathered
+        (exported: TP all-gathers, renaming) before their buckets go out, so the trainer's
+        collectives run back to back rather than between broadcasts."""
+        packer = BucketPacker(version, self.config.bucket_bytes, self.stage)
+        window, held = [], 0
+        for name, t in named:
+            window.extend(packer.add(name, t.to(self.device)))
+            held += t.numel() * t.element_size()
+            if held >= self.config.produce_bytes:
+                yield from window
+                window, held = [], 0
+        yield from window
+        yield from packer.finish()
 
     def _snapshot_copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """The snapshot's copy: on CPU a large tensor is split over two threads of plain
-        memcpy (as fast as torch's OpenMP copy on an idle box, and it does not stall at a
-        barrier when another process holds a core); on GPU one device copy."""
+        """On CPU a large tensor is split over two threads of plain memcpy (it does not stall
+        at an OpenMP barrier when another process holds a core); on GPU one device copy."""
         n = src.numel()
         if n < _SPLIT_COPY_BYTES or dst.device.type != "cpu" or src.device.type != "cpu":
             copy_bytes(dst, src)
@@ -160,155 +327,8 @@ class WeightProducer:
         copy_bytes(dst[:half], src[:half])
         other.result()
 
-    def _send_all(self, buckets: Iterable[Bucket], stats: SyncStats) -> None:
-        """Send buckets in order, pipelined: once bucket k's pieces are posted, bucket k+1 is
-        announced (so the engine has its metadata before bucket k's bytes are done), and
-        bucket k's answers are collected once bucket k+1's bytes are out (they are there by
-        then: the engine finishes k before it receives k+1). Every announced bucket is
-        broadcast unless the group failed, and a failure closes the group, so no engine is
-        left waiting for bytes."""
-        it = iter(buckets)
-        nxt = next(it, None)
-        nxt_fl = self._announce(nxt.meta) if nxt is not None else None
-        prev: _InFlight | None = None
-        while nxt is not None:
-            cur, cur_fl = nxt, nxt_fl
-            try:
-                works = self._post(cur, stats)
-            except Exception as e:  # noqa: BLE001 - a dead peer surfaces as any gloo/NCCL error
-                self._broadcast_failed(e, cur_fl, prev)
-            nxt = next(it, None)  # stream mode: the next bucket's tensors (views)
-            nxt_fl = self._announce(nxt.meta) if nxt is not None else None
-            try:
-                for work in works:
-                    work.wait()
-            except Exception as e:  # noqa: BLE001
-                self._broadcast_failed(e, cur_fl, prev)
-            stats.bytes += cur.meta.nbytes
-            del cur, works  # stream mode: the source tensors may go
-            if prev is not None:
-                self._collect(prev, stats)
-            prev = cur_fl
-        if prev is not None:
-            self._collect(prev, stats)
-
-    def _announce(self, meta: BucketMeta) -> "_InFlight":
-        if self.broken:
-            raise WeightSyncError(meta.version, meta.index, self.broken, stage=self.stage)
-        timeout, payload = self.config.timeout_s, meta.to_json()
-        fl = _InFlight(meta, [self._io.submit(asyncio.wait_for(
-            l.update_bucket(self.group_name, payload), timeout)) for l in self.links])
-        for f in fl.answers:
-            f.add_done_callback(lambda f: fl.failed_at.setdefault(id(f), time.monotonic())
-                                if not f.cancelled() and f.exception() is not None else None)
-        return fl
-
-    def _scratch(self, slot: int, nbytes: int) -> torch.Tensor:
-        buf = self._scratch_bufs[slot]
-        if buf is None or buf.numel() < nbytes:
-            buf = self._scratch_bufs[slot] = torch.empty(nbytes, dtype=torch.uint8,
-                                                         device=self.device)
-        return buf
-
-    def _post(self, bucket: Bucket, stats: SyncStats) -> list:
-        """Post every piece of a bucket asynchronously; returns the works to wait for. Pieces
-        that straddle tensors are gathered into two alternating scratch buffers (the gather
-        of one overlaps the send of the other); the rest go straight from the tensors (or the
-        snapshot)."""
-        works, slot_work, used = [], [None, None], []
-
-        def scratch(n):
-            slot = len(used) % 2
-            if slot_work[slot] is not None:
-                slot_work[slot].wait()  # the piece it held is out
-            used.append(slot)
-            return self._scratch(slot, n)
-
-        for a, b in bucket.meta.chunks():
-            gathered = len(used)
-            work = self.group.broadcast_async(bucket.piece(a, b, scratch), 0)
-            if len(used) > gathered:
-                slot_work[used[-1]] = work
-            works.append(work)
-            stats.pieces += 1
-        return works
-
-    def _broadcast_failed(self, e: BaseException, fl: "_InFlight", prev: "_InFlight | None"):
-        """Raise the WeightSyncError for a failed broadcast, naming the likely culprit."""
-        meta, timeout, t_err = fl.meta, self.config.timeout_s, time.monotonic()
-        if prev is not None:  # the previous bucket's failure broke the group: name it
-            for link, f in zip(self.links, prev.answers):
-                if f.done() and not f.cancelled() and f.exception() is not None:
-                    self._fail(WeightSyncError(prev.meta.version, prev.meta.index,
-                                               _why(f.exception(), timeout),
-                                               stage=self.stage, engine=link.name))
-        # Blame engines whose call failed well before the broadcast gave up (they caused it);
-        # else those still silent a moment later (hung). Healthy peers fail too, but only once
-        # the broken group is torn down.
-        answers, failed_at = fl.answers, fl.failed_at
-        early = [l.name for l, f in zip(self.links, answers)
-                 if failed_at.get(id(f), t_err) < t_err - 0.5]
-        concurrent.futures.wait(answers, timeout=1.0)
-        silent = [l.name for l, f in zip(self.links, answers) if not f.done() or (
-            id(f) in failed_at and isinstance(f.exception(), asyncio.TimeoutError))]
-        culprits = early or silent or [l.name for l, f in zip(self.links, answers)
-                                       if id(f) in failed_at]
-        self._fail(WeightSyncError(meta.version, meta.index, f"broadcast failed: "
-                                   f"{_why(e, timeout)}", stage=self.stage,
-                                   engine=", ".join(culprits) or None))
-
-    def _collect(self, fl: "_InFlight", stats: SyncStats) -> None:
-        """Every engine's answer for one bucket, within the timeout; checks checksums."""
-        meta, timeout = fl.meta, self.config.timeout_s
-        deadline = time.monotonic() + timeout + 5
-        results = []
-        for link, f in zip(self.links, fl.answers):
-            try:
-                r = f.result(max(0.0, deadline - time.monotonic()))
-            except Exception as e:  # noqa: BLE001 - the engine's failure, whatever it was
-                self._fail(WeightSyncError(meta.version, meta.index, _why(e, timeout),
-                                           stage=self.stage, engine=link.name))
-            if meta.checksum is not None and r.get("checksum") != meta.checksum:
-                self._fail(WeightSyncError(meta.version, meta.index, f"checksum "
-                                           f"{r.get('checksum')} != sent {meta.checksum}",
-                                           stage=self.stage, engine=link.name))
-            results.append(r)
-        stats.buckets += 1
-        stats.results = results
-
-    def _fail(self, err: WeightSyncError):
-        """Mark the group broken and close it now: an engine still waiting on it (for a bucket
-        already announced) then fails at once instead of at its group timeout."""
-        self.broken = f"update group unusable after a failed sync ({err}); reconnect"
-        logger.error("%s", err)
-        group, self.group = self.group, None
-        if group is not None:
-            group.close()
-        raise err
-
-    def send(self, named: Iterable[tuple[str, torch.Tensor]], version: str,
-             direct: bool = True) -> SyncStats:
-        """Stream the stage bucket by bucket (the caller waits throughout). Nothing is packed:
-        pieces go out from the exported tensors themselves, so they must stay unchanged until
-        this returns; at most two buckets' worth of them are referenced at a time."""
-        t0 = time.perf_counter()
-        stats = SyncStats(str(version), self.stage)
-        packer = self._packer(str(version), None, direct)
-
-        def buckets():
-            for name, t in named:
-                yield from packer.add(name, t)
-            yield from packer.finish()
-
-        self._send_all(buckets(), stats)
-        stats.transfer_s = stats.blocking_s = time.perf_counter() - t0
-        logger.info("weights v%s stage %d sent: %.1f MB in %d buckets, %.3f s (%.2f GB/s)",
-                    version, self.stage, stats.bytes / 1e6, stats.buckets, stats.transfer_s,
-                    stats.gbps)
-        return stats
-
-    def snapshot(self, named: Iterable[tuple[str, torch.Tensor]], version: str) -> Snapshot:
-        """Copy the stage into the snapshot buffers; after this the trainer may change its
+    def snapshot(self, named: Iterable[tuple[str, torch.Tensor]], version: int) -> Snapshot:
+        """Pack the stage into the snapshot buffers; after this the trainer may change its
         weights. Waits for a still-running transfer first (it reads the same buffers)."""
         t0 = time.perf_counter()
         self.wait()
@@ -320,28 +340,18 @@ class WeightProducer:
                                                            device=self.device)
             return buf
 
-        packer = self._packer(str(version), buffer, direct=False, copy=self._snapshot_copy)
-        buckets = [b for name, t in named for b in packer.add(name, t)]
-        buckets += list(packer.finish())
+        buckets = [b.snapshot(buffer, self._snapshot_copy)
+                   for b in self.stream(named, version)]
         if self.device.type == "cuda":
             torch.cuda.current_stream().synchronize()
-        return Snapshot(str(version), buckets, time.perf_counter() - t0)
+        return Snapshot(version, buckets, time.perf_counter() - t0)
 
-    def start(self, snap: Snapshot) -> None:
-        """Send a snapshot from the background thread; `wait()` collects the outcome."""
-        self._bg = self._bg_pool.submit(self._send_snapshot, snap)
-
-    def _send_snapshot(self, snap: Snapshot) -> SyncStats:
-        t0 = time.perf_counter()
-        stats = SyncStats(snap.version, self.stage, blocking_s=snap.blocking_s)
-        self._send_all(snap.buckets, stats)
-        stats.transfer_s = time.perf_counter() - t0
-        logger.info("weights v%s stage %d sent in background: %.1f MB, %d buckets, %.3f s",
-                    snap.version, self.stage, stats.bytes / 1e6, stats.buckets, stats.transfer_s)
-        return stats
+    def start(self, fn: Callable[[], SyncStats]) -> None:
+        """Run a delivery on the background thread; `wait()` collects its outcome."""
+        self._bg = self._bg_pool.submit(fn)
 
     def wait(self, timeout: float | None = None) -> SyncStats | None:
-        """Join the background transfer, if any; re-raises its WeightSyncError."""
+        """Join the background delivery, if any; re-raises its failure."""
         bg, self._bg = self._bg, None
         return None if bg is None else bg.result(timeout)
 
@@ -352,11 +362,17 @@ class WeightProducer:
             pass
         self._bg_pool.shutdown(wait=True)
         self._copy_pool.shutdown(wait=True)
-        self._io.submit(self._each(lambda l: l.close())).result(10)
+        self._each(self.links, lambda l: l.close(), timeout=10)
         self._io.close()
         if self.group is not None:
-            self.group.close()
+            if self._last_sent is None or self._last_sent.done():
+                self.group.close()
             self.group = None
+
+
+def _failures(links, answers, timeout: float) -> dict[str, str]:
+    return {l.name: _why(a.exception(), timeout) for l, a in zip(links, answers)
+            if a.done() and a.exception() is not None}
 
 
 def _why(e: BaseException, timeout: float) -> str:

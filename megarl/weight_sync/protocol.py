@@ -1,125 +1,117 @@
-"""What travels between a weight-sync producer and its consumers, and how syncs fail.
+"""What travels between the trainer and the engines in a weight sync, and how syncs fail.
 
-Owns the bucket wire format (`BucketMeta`), the sync settings (`SyncConfig`) and the error a
-failed sync raises (`WeightSyncError`). A bucket is a flat byte range of one pipeline stage's
-HF-named tensors, concatenated in export order; an `Entry` says which bytes of which tensor
-sit where in the bucket, so a tensor larger than a bucket spans several buckets. The metadata
-reaches each engine through its API (`/update_weights_from_distributed` with
-`load_format="megarl_bucket"` and a `bucket` field, or the same call in process) before the
-bucket's bytes are broadcast on the update group, in pieces of at most `chunk_bytes` — the
-way SGLang's `flattened_bucket` format announces names/dtypes/shapes before one broadcast.
+Owns the wire contract of one update, which is stock SGLang's (read from the pinned release,
+`megarl.backends.sglang.SGLANG_VERSION`: `io_struct.UpdateWeightsFromDistributedReqInput`,
+`weight_sync/tensor_bucket.py`):
 
-Deliberately simple: byte-level copies (no dtype alignment rules), one checksum per bucket
-(blake2b over its bytes, only in verify mode).
+- a bucket is a list of WHOLE tensors of ONE dtype; it travels as one
+  `/update_weights_from_distributed` call (`names`, `dtypes`, `shapes`,
+  `load_format="flattened_bucket"`, `flush_cache=False`) followed by ONE broadcast, from rank 0
+  of the update group, of the tensors' bytes packed back to back. One dtype per bucket keeps
+  every tensor's byte offset aligned to its element size, which the receiver checks (no
+  padding exists in the format). A tensor larger than a bucket travels alone;
+- the version is set by `weight_version` on the last update call of the version (SGLang records
+  it after that call has loaded), or by `/update_weight_version`;
+- every call sits inside `/begin_weight_update` ... `/end_weight_update` (0.5.21+).
+
+Versions are integers everywhere in megarl; `wire_version` turns one into SGLang's string at the
+HTTP edge. `update_group_ranks` gives each engine's `rank_offset`: SGLang joins engine TP rank r
+as `rank_offset + r`, so offsets count every engine's TP ranks.
 """
 from __future__ import annotations
 
-import hashlib
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import torch
 
-LOAD_FORMAT = "megarl_bucket"
+from megarl.rollout.weights import LOAD_FORMAT, dtype_name
+
 MiB = 1 << 20
-# Tensors below this share broadcasts: about where a broadcast's fixed cost (~50-100 us over
-# loopback gloo) outweighs copying the bytes in and out of a shared piece.
-SMALL_TENSOR_BYTES = 1 * MiB
+
+
+def wire_version(version: int) -> str:
+    """SGLang's weight_version string for megarl's integer version."""
+    return str(int(version))
 
 
 @dataclass(frozen=True)
-class Entry:
-    """Bytes [start, end) of tensor `name` live at bucket bytes [offset, offset + end - start)."""
-
+class TensorSpec:
     name: str
     dtype: str
     shape: tuple[int, ...]
-    start: int
-    end: int
-    offset: int
 
     @property
-    def tensor_nbytes(self) -> int:
+    def nbytes(self) -> int:
         n = 1
         for d in self.shape:
-            n *= d
+            n *= int(d)
         return n * torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+
+    @classmethod
+    def of(cls, name: str, t: torch.Tensor) -> "TensorSpec":
+        return cls(name, dtype_name(t.dtype), tuple(int(d) for d in t.shape))
 
 
 @dataclass
 class BucketMeta:
-    """One bucket of one stage's part of weight version `version`."""
+    """One flattened bucket of one pipeline stage's part of a weight version."""
 
-    version: str
-    stage: int  # pipeline stage that produced it (one update group per stage)
-    num_stages: int  # the version is complete once every stage sent its `last` bucket
+    version: int
+    stage: int
     index: int
-    last: bool
-    nbytes: int
-    chunk_bytes: int  # the consumer's piece size: one broadcast per piece
-    entries: list[Entry] = field(default_factory=list)
-    checksum: str | None = None  # verify mode: digest of the bucket's bytes
-    direct: bool = False  # no dual buffer: write straight into the (paused) live weights
+    specs: list[TensorSpec] = field(default_factory=list)
 
-    def chunks(self) -> list[tuple[int, int]]:
-        """Byte ranges of the broadcasts that carry this bucket, in order, each at most
-        `chunk_bytes`. Pieces are cut at tensor boundaries, so most lie inside one tensor:
-        the producer sends them from the tensor itself and the consumer receives them in
-        place (no copy on either side). Tensors smaller than `chunk_bytes // 8` and
-        `SMALL_TENSOR_BYTES` share pieces (copied on both sides), so a run of tiny tensors
-        (norms, biases) is not one broadcast each."""
-        step = max(1, self.chunk_bytes)
-        small = min(step // 8, SMALL_TENSOR_BYTES)
-        out, a = [], 0  # a: start of the open piece of small tensors
-        for e in self.entries:
-            s, n = e.offset, e.end - e.start
-            if n < small or n == 0:
-                if s + n - a > step:
-                    out.append((a, s))
-                    a = s
-                continue
-            if a < s:
-                out.append((a, s))
-            out += [(x, min(x + step, s + n)) for x in range(s, s + n, step)]
-            a = s + n
-        if a < self.nbytes:
-            out.append((a, self.nbytes))
-        return out
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.specs)
 
-    def to_json(self) -> dict:
-        d = asdict(self)
-        d["entries"] = [[e.name, e.dtype, list(e.shape), e.start, e.end, e.offset]
-                        for e in self.entries]
-        return d
+    def request(self, group_name: str, weight_version: int | None = None) -> dict:
+        """The `/update_weights_from_distributed` body for this bucket: only fields stock
+        SGLang reads. `weight_version` goes on the version's last call only."""
+        body = {"names": [s.name for s in self.specs], "dtypes": [s.dtype for s in self.specs],
+                "shapes": [list(s.shape) for s in self.specs], "group_name": group_name,
+                "flush_cache": False, "load_format": LOAD_FORMAT}
+        if weight_version is not None:
+            body["weight_version"] = wire_version(weight_version)
+        return body
 
-    @classmethod
-    def from_json(cls, d: dict) -> "BucketMeta":
-        entries = [Entry(n, dt, tuple(int(x) for x in s), int(a), int(b), int(o))
-                   for n, dt, s, a, b, o in d["entries"]]
-        return cls(**{**d, "entries": entries})
+
+def update_group_ranks(tp_sizes: list[int]) -> tuple[list[int], int]:
+    """(rank_offset per engine, world size): the trainer is rank 0, engine i's TP rank r is
+    `offset[i] + r`."""
+    offsets, nxt = [], 1
+    for tp in tp_sizes:
+        if int(tp) < 1:
+            raise ValueError(f"engine TP size must be >= 1, got {tp}")
+        offsets.append(nxt)
+        nxt += int(tp)
+    return offsets, nxt
 
 
 @dataclass
 class SyncConfig:
-    """Sizes in MiB, as in `actor_rollout_ref.rollout.*`."""
+    """Sizes in MiB, as in `actor_rollout_ref.rollout.*` (checked there: consume <= produce).
+
+    `produce_bucket_mb`: how much of a stage the trainer gathers (TP all-gather, export) and
+    holds before sending. `consume_bucket_mb`: the largest flattened bucket on the wire, i.e.
+    the largest receive buffer an engine allocates (a single larger tensor goes alone)."""
 
     produce_bucket_mb: float = 512
     consume_bucket_mb: float = 128
     dual_buffer: bool = False
     verify: bool = False
-    timeout_s: float = 120.0  # per bucket: metadata call + broadcast + every engine's answer
+    timeout_s: float = 120.0  # per bucket: update call + broadcast + every engine's answer
 
     def __post_init__(self):
         if self.consume_bucket_mb <= 0 or self.produce_bucket_mb <= 0:
             raise ValueError("bucket sizes must be positive")
-        # A piece larger than the bucket would just be the bucket.
-        self.consume_bucket_mb = min(self.consume_bucket_mb, self.produce_bucket_mb)
 
     @property
-    def bucket_bytes(self) -> int:
+    def produce_bytes(self) -> int:
         return max(1, int(self.produce_bucket_mb * MiB))
 
     @property
-    def chunk_bytes(self) -> int:
+    def bucket_bytes(self) -> int:
         return max(1, int(self.consume_bucket_mb * MiB))
 
     @classmethod
@@ -132,7 +124,7 @@ class SyncConfig:
 class WeightSyncError(RuntimeError):
     """A sync failed; says which version, stage, bucket and engine."""
 
-    def __init__(self, version: str, bucket: int | None, cause: str, *, stage: int = 0,
+    def __init__(self, version, bucket: int | None, cause: str, *, stage: int = 0,
                  engine: str | None = None):
         self.version, self.bucket, self.stage, self.engine = version, bucket, stage, engine
         where = f"bucket {bucket}" if bucket is not None else "setup"
@@ -141,38 +133,13 @@ class WeightSyncError(RuntimeError):
                          f"{who} {cause}")
 
 
-def byte_view(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous tensor's bytes as a flat uint8 view (no copy)."""
-    return t.reshape(-1).view(torch.uint8)
-
-
 def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """`dst[:] = src` for flat uint8 tensors of one length, as the transfer path copies.
+    """`dst[:] = src` for flat uint8 tensors of one length.
 
     On CPU a plain single-threaded memcpy (numpy; releases the GIL): torch splits a large
     copy over its OpenMP threads, which stall at their barrier whenever a core is taken, and
-    during a transfer the cores are taken by the transfer itself (48 MB in 4 MiB copies: 5 ms
-    this way, 35-90 ms with torch's two threads on a busy 2-core box)."""
+    during a transfer the cores are taken by the transfer itself."""
     if dst.device.type == "cpu" and src.device.type == "cpu":
         dst.detach().numpy()[...] = src.detach().numpy()
     else:
         dst.copy_(src)
-
-
-class Digest:
-    """Incremental checksum of uint8 tensors (device tensors are copied to host first), so a
-    bucket hashed whole on the producer matches one hashed piece by piece on the consumer."""
-
-    def __init__(self):
-        self._h = hashlib.blake2b(digest_size=16)
-
-    def update(self, data: torch.Tensor) -> "Digest":
-        self._h.update(memoryview(data.detach().cpu().contiguous().numpy()))
-        return self
-
-    def hexdigest(self) -> str:
-        return self._h.hexdigest()
-
-
-def digest(data: torch.Tensor) -> str:
-    return Digest().update(data).hexdigest()

@@ -1,17 +1,24 @@
 """The Megatron trainer's side of weight sync: what every trainer rank calls.
 
-Owns the choice of sender (TP-rank-0 of each pipeline stage of the first data-parallel
-replica holds a `WeightProducer`; the other TP ranks of that replica only take part in
-`export_hf`'s gathers, other replicas only in the agreement on success) and the cross-rank ordering of a
-sync: one version is finished on every stage before the next starts, failures are agreed on
-by all ranks, and without dual buffer global rank 0 pauses the engines around the update.
+Owns the choice of sender (TP-rank-0 of each pipeline stage of the first data-parallel replica
+holds a `WeightProducer`; the other TP ranks of that replica only take part in `export_hf`'s
+gathers, other replicas only in the agreement on success) and the order of one version across
+stages. Stock SGLang loads every bucket as it arrives, inside one begin/end session, so:
 
-`sync(version)`: with dual buffer, returns once this stage is snapshotted (the transfer runs
-in the background; the next `sync` or `wait` collects it); without, returns once the engines
-serve the new version.
+    coordinator (stage 0's sender): pause (stock SGLang) -> begin
+    stage 0, then stage 1, ... each sends its buckets (turns, via a small store rank 0 hosts)
+    the last stage's last bucket carries the version
+    coordinator, once the last stage is done: end -> flush -> continue
+
+Engines a stage found stale are passed on with its turn, so later stages and the coordinator
+leave them out too. `sync(version)`: with dual buffer, returns once this stage is snapshotted
+(the delivery runs in the background; the next `sync` or `wait` collects it); without, once the
+engines serve the new version. Failures are agreed on by all ranks; all raise together.
 """
 from __future__ import annotations
 
+import datetime
+import json
 import logging
 import time
 
@@ -24,10 +31,31 @@ from .protocol import SyncConfig, WeightSyncError
 logger = logging.getLogger(__name__)
 
 
+class _StageTurns:
+    """Stage s sends after stage s-1 is done; the coordinator closes after the last stage.
+    Keys live in a TCPStore hosted by global rank 0, one set per sync (`seq`)."""
+
+    def __init__(self, store, num_stages: int, timeout_s: float):
+        self.store, self.num_stages, self.timeout_s = store, num_stages, timeout_s
+
+    def done(self, seq: int, stage: int, ok: bool, stale: dict[str, str], error: str = ""):
+        if self.store is not None:
+            self.store.set(f"{seq}/{stage}", json.dumps({"ok": ok, "stale": stale,
+                                                          "error": error}))
+
+    def wait(self, seq: int, stage: int) -> dict:
+        """Stage `stage`'s outcome (blocks until it is done)."""
+        if self.store is None or stage < 0:
+            return {"ok": True, "stale": {}, "error": ""}
+        key = f"{seq}/{stage}"
+        self.store.wait([key], datetime.timedelta(seconds=self.timeout_s))
+        return json.loads(self.store.get(key))
+
+
 class TrainerWeightSync:
     def __init__(self, worker, links: list, config: SyncConfig, *, address: str,
-                 base_port: int, group_name: str = "megarl-weights", backend: str | None = None,
-                 export_dtype: torch.dtype | None = None, pause_mode: str = "abort"):
+                 group_name: str = "megarl-weights", backend: str | None = None,
+                 export_dtype: torch.dtype | None = None):
         ps = worker.ps
         self.worker, self.config, self.export_dtype = worker, config, export_dtype
         self.stage = ps.get_pipeline_model_parallel_rank()
@@ -37,24 +65,38 @@ class TrainerWeightSync:
         self.exporter = ps.get_data_parallel_rank() == 0
         self.sender = self.exporter and ps.get_tensor_model_parallel_rank() == 0
         self.coordinator = dist.get_rank() == 0  # stage 0's sender
-        self.pause_mode = pause_mode
+        self.address = address
         self.producer = None
-        self._pending = None  # version whose background transfer is not yet collected
+        self.turns = None
+        self._seq = 0
+        self._pending = None  # version whose background delivery is not yet collected
         if self.sender:
             backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
             device = "cuda" if backend == "nccl" else "cpu"
             self.producer = WeightProducer(links, config, stage=self.stage,
-                                           num_stages=self.num_stages,
                                            group_name=f"{group_name}-pp{self.stage}",
                                            backend=backend, device=device)
-        self._address, self._port = address, base_port + self.stage
 
     def connect(self) -> None:
+        """Every stage's sender hosts its update group; with PP > 1 rank 0 also hosts the
+        store the stages take turns through."""
+        from megarl.utils.launch import free_port
+
+        store = None
+        if self.num_stages > 1:
+            where = [(self.address, free_port(self.address)) if dist.get_rank() == 0 else None]
+            dist.broadcast_object_list(where, src=0)
+            if self.sender:
+                store = dist.TCPStore(where[0][0], where[0][1], is_master=self.coordinator,
+                                      timeout=datetime.timedelta(seconds=self.config.timeout_s),
+                                      wait_for_workers=False)
+        # A version waits for every earlier stage's whole transfer.
+        self.turns = _StageTurns(store, self.num_stages, self.config.timeout_s * 20)
         if self.sender:
-            self.producer.connect(self._address, self._port)
+            self.producer.connect(self.address)
         dist.barrier()
 
-    def _agree(self, err: Exception | None, version: str) -> None:
+    def _agree(self, err: Exception | None, version: int) -> None:
         """Every rank learns whether any rank failed; all raise together."""
         flag = torch.tensor([0 if err is None else 1])
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
@@ -63,8 +105,41 @@ class TrainerWeightSync:
         if flag.item():
             raise WeightSyncError(version, None, "failed on another trainer rank")
 
+    def _deliver(self, buckets, version: int, seq: int, stats: SyncStats) -> SyncStats:
+        """This stage's part of one version, in its turn; the coordinator opens and closes."""
+        p, last = self.producer, self.stage == self.num_stages - 1
+        t0 = time.perf_counter()
+        before = self.turns.wait(seq, self.stage - 1)
+        err = None
+        try:
+            if not before["ok"]:
+                raise WeightSyncError(version, None, f"stage {self.stage - 1} failed: "
+                                      f"{before['error']}", stage=self.stage)
+            p.exclude(before["stale"])
+            if self.coordinator:
+                p.open_version()
+            p.send(buckets, version, set_version=last, stats=stats)
+        except Exception as e:  # noqa: BLE001 - reported to the other stages, then raised
+            err = e
+        self.turns.done(seq, self.stage, err is None, p.stale, str(err or ""))
+        if self.coordinator:
+            final = self.turns.wait(seq, self.num_stages - 1)
+            p.close_version(final["stale"])
+            stats.pause_s = time.perf_counter() - t0
+            if err is None and not final["ok"]:
+                err = WeightSyncError(version, None, final["error"], stage=self.num_stages - 1)
+        stats.transfer_s = time.perf_counter() - t0
+        stats.stale = sorted(p.stale)
+        if err is not None:
+            raise err
+        logger.info("weights v%d stage %d delivered: %.1f MB in %d buckets, %.3f s "
+                    "(%.2f GB/s)%s", version, self.stage, stats.bytes / 1e6, stats.buckets,
+                    stats.transfer_s, stats.gbps,
+                    f"; stale engines {stats.stale}" if stats.stale else "")
+        return stats
+
     def wait(self) -> SyncStats | None:
-        """Collect the background transfer of the previous version on every stage."""
+        """Collect the background delivery of the previous version on every stage."""
         if self._pending is None:
             return None
         version, self._pending = self._pending, None
@@ -76,45 +151,37 @@ class TrainerWeightSync:
         self._agree(err, version)
         return stats
 
-    def sync(self, version: str) -> SyncStats | None:
-        version = str(version)
+    def sync(self, version: int) -> SyncStats | None:
+        version = int(version)
         t0 = time.perf_counter()
         self.wait()
+        self._seq += 1
+        seq = self._seq
         named = self.worker.export_hf(self.export_dtype) if self.exporter else iter(())
+        stats = SyncStats(version, self.stage)
         if self.config.dual_buffer:
             if self.sender:
                 snap = self.producer.snapshot(named, version)
-                self.producer.start(snap)
+                stats.blocking_s = snap.blocking_s
+                self.producer.start(lambda: self._deliver(snap.buckets, version, seq, stats))
             else:
                 for _ in named:  # the TP gathers need every rank
                     pass
             self._pending = version
             blocking = time.perf_counter() - t0
-            logger.info("weights v%s: trainer blocked %.3f s (snapshot)", version, blocking)
+            logger.info("weights v%d: trainer blocked %.3f s (snapshot)", version, blocking)
             return SyncStats(version, self.stage, blocking_s=blocking)
-        return self._sync_paused(named, version, t0)
-
-    def _sync_paused(self, named, version: str, t0: float) -> SyncStats | None:
-        err, stats = None, None
-        try:
-            if self.coordinator:
-                self.producer.pause_engines(self.pause_mode)
-        except Exception as e:  # noqa: BLE001
-            err = WeightSyncError(version, None, f"pause failed: {e}")
-        self._agree(err, version)
+        err = None
         try:
             if self.sender:
-                stats = self.producer.send(named, version, direct=True)
-        except Exception as e:  # noqa: BLE001
+                self._deliver(self.producer.stream(named, version), version, seq, stats)
+        except Exception as e:  # noqa: BLE001 - agreed on below, then re-raised
             err = e
         for _ in named:  # after a failure, keep up with the other TP ranks' gathers
             pass
         self._agree(err, version)
-        if self.coordinator:
-            self.producer.resume_engines()
-        if stats is not None:
-            stats.blocking_s = time.perf_counter() - t0
-        return stats
+        stats.blocking_s = time.perf_counter() - t0
+        return stats if self.sender else None
 
     def close(self) -> None:
         if self.producer is not None:

@@ -1,92 +1,73 @@
-"""How a producer reaches an engine's API: over SGLang-style HTTP, or in process.
+"""How the trainer reaches one engine's weight-update API: stock SGLang's HTTP endpoints.
 
-Owns only the call plumbing; the bytes themselves always travel on the update process group.
-One link per engine; every method is a coroutine run on the producer's own event loop.
+Owns the call plumbing only; the bytes themselves travel on the update process group. One
+link per engine, for both rollout backends (a stock SGLang server, or megarl's embedded server,
+which speaks the same contract). Every method is a coroutine run on the producer's own loop.
+Integer versions become SGLang's strings here (`wire_version`), and nowhere else.
 """
 from __future__ import annotations
 
-import asyncio
-from typing import Protocol
-
 from megarl.backends.sglang.client import SGLangClient
 
-from .protocol import LOAD_FORMAT
+from .protocol import BucketMeta, wire_version
+
+# The version an engine is given when a sync to it failed: not an integer, so the rollout
+# manager stops routing to it (megarl.rollout.manager) and no output of it is trained on.
+STALE_VERSION = "stale"
 
 
-class EngineLink(Protocol):
-    name: str
+class EngineLink:
+    """One engine: its URL, its TP size (update-group ranks) and whether generation must be
+    paused while a version loads (stock SGLang loads each bucket into the live weights; the
+    embedded engine stages and swaps, so it need not stop)."""
 
-    async def init_group(self, address: str, port: int, rank: int, world_size: int,
-                         group_name: str, backend: str) -> None: ...
-
-    async def update_bucket(self, group_name: str, bucket: dict) -> dict: ...
-
-    async def pause(self, mode: str) -> None: ...
-
-    async def resume(self) -> None: ...
-
-    async def weights_digest(self, names: list[str] | None = None) -> dict: ...
-
-    async def close(self) -> None: ...
-
-
-class HTTPLink:
-    """An engine behind SGLang's HTTP API (the embedded server; bucketed updates need it)."""
-
-    def __init__(self, url: str, timeout_s: float | None = None):
-        self.name = url
+    def __init__(self, url: str, tp_size: int = 1, pause_for_update: bool = True,
+                 timeout_s: float | None = None):
+        self.name, self.tp_size, self.pause_for_update = url, int(tp_size), pause_for_update
         self.client = SGLangClient(url, timeout_s=timeout_s)
 
-    async def init_group(self, address, port, rank, world_size, group_name, backend):
-        await self.client.init_weights_update_group(address, port, rank, world_size,
+    async def init_group(self, address: str, port: int, rank_offset: int, world_size: int,
+                         group_name: str, backend: str) -> None:
+        await self.client.init_weights_update_group(address, port, rank_offset, world_size,
                                                     group_name, backend)
 
-    async def update_bucket(self, group_name, bucket):
-        # SGLang's payload shape, plus megarl's `bucket`; the client has no method for the
-        # extra field, so this goes through its generic call.
-        return await self.client._call("POST", "/update_weights_from_distributed", {
-            "names": [], "dtypes": [], "shapes": [], "group_name": group_name,
-            "load_format": LOAD_FORMAT, "bucket": bucket})
+    async def destroy_group(self, group_name: str) -> None:
+        await self.client.destroy_weights_update_group(group_name)
 
-    async def pause(self, mode):
-        await self.client.pause_generation(mode)
+    async def update_bucket(self, meta: BucketMeta, group_name: str,
+                            version: int | None) -> dict:
+        """Announce one flattened bucket; returns once the engine has received and loaded it."""
+        body = meta.request(group_name, version)
+        return await self.client.update_weights_from_distributed(
+            body["names"], body["dtypes"], body["shapes"], group_name,
+            flush_cache=body["flush_cache"], weight_version=body.get("weight_version"),
+            load_format=body["load_format"])
 
-    async def resume(self):
+    async def pause(self) -> None:
+        # in_place keeps running requests (and their KV) through the update: they resume on
+        # the new weights, and their version spans say where the weights changed.
+        await self.client.pause_generation("in_place")
+
+    async def resume(self) -> None:
         await self.client.continue_generation()
 
-    async def weights_digest(self, names=None):
-        return await self.client._call("POST", "/weights_digest",
-                                       {} if names is None else {"names": names})
+    async def begin(self) -> None:
+        await self.client.begin_weight_update()
 
-    async def close(self):
+    async def end(self) -> None:
+        await self.client.end_weight_update()
+
+    async def flush(self) -> bool:
+        return await self.client.flush_cache()
+
+    async def set_version(self, version: int | str, abort_all_requests: bool = False) -> None:
+        v = version if isinstance(version, str) else wire_version(version)
+        await self.client.update_weight_version(v, abort_all_requests)
+
+    async def checksums(self) -> dict[str, str]:
+        """Per-tensor checksums of TP rank 0 (stock `/weights_checker`, action checksum)."""
+        out = await self.client.weights_checker("checksum")
+        return dict(out["ranks"][0]["checksums"])
+
+    async def close(self) -> None:
         await self.client.close()
-
-
-class LocalLink:
-    """An `EmbeddedEngine` in this process, running on `loop` (another thread's loop)."""
-
-    def __init__(self, engine, loop: asyncio.AbstractEventLoop, name: str = "local"):
-        self.engine, self.loop, self.name = engine, loop, name
-
-    async def _on_engine(self, coro):
-        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self.loop))
-
-    async def init_group(self, address, port, rank, world_size, group_name, backend):
-        await self._on_engine(self.engine.init_weights_update_group(
-            address, port, rank, world_size, group_name, backend))
-
-    async def update_bucket(self, group_name, bucket):
-        return await self._on_engine(self.engine.update_weights_from_distributed(
-            [], [], [], group_name, load_format=LOAD_FORMAT, bucket=bucket))
-
-    async def pause(self, mode):
-        await self._on_engine(self.engine.pause(mode))
-
-    async def resume(self):
-        await self._on_engine(self.engine.resume())
-
-    async def weights_digest(self, names=None):
-        return await self._on_engine(self.engine.weights_digest(names))
-
-    async def close(self):
-        pass

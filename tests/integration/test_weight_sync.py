@@ -1,6 +1,8 @@
-"""Megatron trainer (TP=2, PP=2) → two embedded engine servers over gloo: bit-exact weights
-for buckets smaller than a tensor, equal to the largest, larger than the model, and with dual
-buffer while the trainer moves on."""
+"""Megatron trainer (TP=2, PP=2) → two engine servers over gloo, through stock SGLang's
+weight contract: bit-exact weights for buckets smaller than a tensor, equal to the largest,
+larger than the model, and with dual buffer while the trainer moves on. One engine stages and
+swaps (the embedded default), the other loads live as stock SGLang does and holds two TP ranks
+in the update group (rank offsets count TP ranks)."""
 import socket
 import subprocess
 import sys
@@ -21,11 +23,12 @@ def _port():
 @pytest.fixture(scope="module")
 def engines(tiny_qwen2):
     procs, urls = [], []
-    for _ in range(2):
+    for extra in ([], ["--sglang-contract", "--tp-size", "2"]):
         port = _port()
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "megarl.rollout.server", "--model-path", str(tiny_qwen2),
-             "--port", str(port), "--load-format", "dummy", "--log-level", "warning"],
+             "--port", str(port), "--load-format", "dummy", "--log-level", "warning",
+             "--weight-version", "0", *extra],
             cwd=ROOT, env={"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
                            "PATH": "/usr/bin:/bin"}))
         urls.append(f"http://127.0.0.1:{port}")
@@ -39,7 +42,7 @@ def engines(tiny_qwen2):
             except OSError:
                 assert time.time() < deadline, "engine server did not come up"
                 time.sleep(0.3)
-    yield urls
+    yield [f"{urls[0]},1,0", f"{urls[1]},2,1"]
     for p in procs:
         p.terminate()
         p.wait(30)
@@ -48,13 +51,14 @@ def engines(tiny_qwen2):
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)], ids=["tp2", "pp2"])
 def test_engines_equal_trainer_export_bit_for_bit(tmp_path, tiny_qwen2, engines, tp, pp):
     out = tmp_path / "ws.json"
-    torchrun(SCRIPTS / "ws_sync.py", tp * pp, out, tp, pp, tiny_qwen2, _port(), f"g-{tp}-{pp}",
+    torchrun(SCRIPTS / "ws_sync.py", tp * pp, out, tp, pp, tiny_qwen2, f"g-{tp}-{pp}",
              *engines)
     res = read_json(out)
     assert list(res) == ["smaller", "equal", "larger", "dual"]
     for i, (case, r) in enumerate(res.items()):
         assert r["equal"] == [True, True], (case, r)
-        assert r["versions"] == [f"v{i + 1}"] * 2, (case, r)
+        assert r["versions"] == [str(i + 1)] * 2, (case, r)
+        assert r["stale"] == []
     per_stage_total = res["larger"]["total"] / pp
     assert res["larger"]["buckets"] == 1  # the whole stage in one bucket
     assert res["smaller"]["buckets"] > per_stage_total / res["smaller"]["biggest"]  # splits

@@ -142,12 +142,17 @@ class SGLangClient:
                                               shapes: list[list[int]],
                                               group_name: str = DEFAULT_GROUP,
                                               flush_cache: bool = True,
-                                              weight_version: str | None = None) -> dict:
-        """The server receives one broadcast per name, in order, from rank 0."""
+                                              weight_version: str | None = None,
+                                              load_format: str | None = None) -> dict:
+        """`load_format=None`: the server receives one broadcast per name, in order;
+        `"flattened_bucket"`: one uint8 broadcast of all of them packed back to back. The
+        call returns once the server has received and loaded them."""
         payload = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
                    "flush_cache": flush_cache}
         if weight_version is not None:
             payload["weight_version"] = weight_version
+        if load_format is not None:
+            payload["load_format"] = load_format
         return await self._call("POST", "/update_weights_from_distributed", payload)
 
     async def update_weights_from_tensor(self, serialized_named_tensors: list[str],
@@ -164,14 +169,24 @@ class SGLangClient:
     async def begin_weight_update(self, optional: bool = False) -> None:
         await self._maybe_missing("/begin_weight_update", {}, optional)
 
-    async def end_weight_update(self, weight_version: str | None = None,
-                                optional: bool = False) -> None:
-        payload = {} if weight_version is None else {"weight_version": weight_version}
-        await self._maybe_missing("/end_weight_update", payload, optional)
+    async def end_weight_update(self, optional: bool = False) -> None:
+        """No fields: the version is set by an update call or `update_weight_version`."""
+        await self._maybe_missing("/end_weight_update", {}, optional)
+
+    async def update_weight_version(self, new_version: str,
+                                    abort_all_requests: bool = False) -> dict:
+        return await self._call("POST", "/update_weight_version",
+                                {"new_version": new_version,
+                                 "abort_all_requests": abort_all_requests})
 
     async def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
         return await self._call("POST", "/get_weights_by_name",
                                 {"name": name, "truncate_size": truncate_size})
+
+    async def weights_checker(self, action: str = "checksum") -> dict:
+        """`{"success", "message", "ranks": [{"checksums": {name: hex}, "per_gpu_checksum",
+        "parallelism_info"}], "per_engine_checksum"}` for action `checksum`."""
+        return await self._call("POST", "/weights_checker", {"action": action})
 
     async def _maybe_missing(self, endpoint: str, payload: dict, optional: bool) -> None:
         try:

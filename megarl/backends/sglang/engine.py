@@ -4,6 +4,11 @@ Owns the translation between megarl.rollout.protocol types and SGLang's JSON; th
 themselves are megarl.backends.sglang.client's. One `generate` call is one HTTP request for
 one sample, so finished samples come back one by one while the rest still generate.
 
+Request ids: stock SGLang's `/abort_request` aborts every request whose rid STARTS WITH the
+given one, so aborting `p-1` would also abort `p-10`. Every rid sent is therefore closed with
+`RID_END` (which megarl's rids never contain) and the mark is taken off the answers: no rid
+on the wire is then a prefix of another.
+
 Tensor updates are serialized in the server's own format: base64 `torch.save` for megarl's
 embedded server (it reports `"engine": "megarl-embedded"` in /model_info), SGLang's
 `MultiprocessingSerializer` (CUDA IPC, same host only) for a real SGLang server.
@@ -17,6 +22,7 @@ from megarl.rollout.weights import serialize_named_tensors
 # Always sent; the rest only when they differ from the (shared SGLang/megarl) defaults, so an
 # older SGLang never sees a key it does not know unless the caller asked for it.
 _ALWAYS = ("max_new_tokens", "temperature", "top_p", "top_k")
+RID_END = "#"
 _DEFAULTS = SamplingParams().to_dict()
 
 
@@ -48,15 +54,17 @@ class SGLangEngine:
     async def generate(self, request: GenerateRequest) -> GenerateOutput:
         if request.sampling.n != 1:
             raise BadRequest("sampling_params.n", "one sample per engine request; use expand()")
+        if RID_END in request.rid:
+            raise BadRequest("rid", f"{request.rid!r}: megarl rids may not contain {RID_END!r}")
         d = await self._guard(self.client.generate(
             input_ids=request.input_ids, sampling_params=sampling_to_wire(request.sampling),
-            return_logprob=request.return_logprob, rid=request.rid))
+            return_logprob=request.return_logprob, rid=request.rid + RID_END))
         out = GenerateOutput.from_sglang(d)
-        out.rid = out.rid or request.rid
+        out.rid = request.rid
         return out
 
     async def abort(self, rid: str | None = None, abort_all: bool = False) -> None:
-        await self.client.abort_request(rid or "", abort_all=abort_all)
+        await self.client.abort_request(rid + RID_END if rid else "", abort_all=abort_all)
 
     async def pause(self, mode: str = "abort") -> None:
         await self._guard(self.client.pause_generation(mode))
@@ -77,9 +85,11 @@ class SGLangEngine:
             group_name or self.update_group, backend))
 
     async def update_weights_from_distributed(self, names, dtypes, shapes, group_name=None,
-                                              weight_version=None, flush_cache=True) -> None:
+                                              weight_version=None, flush_cache=True,
+                                              load_format=None) -> None:
         await self._guard(self.client.update_weights_from_distributed(
-            names, dtypes, shapes, group_name or self.update_group, flush_cache, weight_version))
+            names, dtypes, shapes, group_name or self.update_group, flush_cache, weight_version,
+            load_format))
 
     async def update_weights_from_tensor(self, named_tensors, weight_version=None,
                                          flush_cache=True) -> None:
@@ -97,8 +107,8 @@ class SGLangEngine:
     async def begin_weight_update(self) -> None:
         await self._guard(self.client.begin_weight_update(optional=True))
 
-    async def end_weight_update(self, weight_version: str | None = None) -> None:
-        await self._guard(self.client.end_weight_update(weight_version, optional=True))
+    async def end_weight_update(self) -> None:
+        await self._guard(self.client.end_weight_update(optional=True))
 
     async def _is_embedded(self) -> bool:
         if self._embedded is None:

@@ -45,6 +45,7 @@ class ServerArgs:
     random_seed: int | None = None
     context_length: int | None = None
     max_running_requests: int | None = None
+    weight_version: str | None = None  # the version the loaded weights report (megarl: "0")
     log_level: str = "warning"
     extra_args: list[str] = field(default_factory=list)
 
@@ -64,6 +65,23 @@ class ServerArgs:
                    **overrides)
 
 
+def module_for(rollout) -> str:
+    """The module a launched rollout server runs (`rollout.server_module`, else stock SGLang)."""
+    return rollout.server_module or SGLANG_MODULE
+
+
+def replica_server_args(cfg, index: int, *, host: str, port: int,
+                        base_gpu_id: int | None) -> ServerArgs:
+    """The server of rollout replica `index`: the run's model with dummy weights (the trainer
+    sends the real ones before the first rollout), the replica's TP and GPUs, version "0"."""
+    r = cfg.actor_rollout_ref.rollout
+    ctx = cfg.data.max_prompt_length + cfg.data.max_response_length
+    return ServerArgs.from_rollout_config(
+        r, cfg.actor_rollout_ref.model.path, port=port, base_gpu_id=base_gpu_id, host=host,
+        random_seed=cfg.trainer.seed + index, context_length=ctx, weight_version="0",
+        extra_args=list(r.server_extra_args))
+
+
 def build_command(args: ServerArgs, module: str = SGLANG_MODULE,
                   python: str = sys.executable) -> list[str]:
     cmd = [python, "-m", module, "--model-path", str(args.model_path), "--host", args.host,
@@ -73,7 +91,8 @@ def build_command(args: ServerArgs, module: str = SGLANG_MODULE,
     optional = [("--mem-fraction-static", args.mem_fraction_static),
                 ("--base-gpu-id", args.base_gpu_id), ("--nccl-port", args.nccl_port),
                 ("--random-seed", args.random_seed), ("--context-length", args.context_length),
-                ("--max-running-requests", args.max_running_requests)]
+                ("--max-running-requests", args.max_running_requests),
+                ("--weight-version", args.weight_version)]
     for flag, value in optional:
         if value is not None:
             cmd += [flag, str(value)]
@@ -118,6 +137,17 @@ def _tail(log_path, lines: int = 20) -> str:
     return "; log tail:\n" + "\n".join(text)
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM when the process that started it dies (a worker
+    killed by Ray or torchrun must not leave a server holding GPUs behind). Linux only."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 class ServerProcess:
     """A started server; `stop()` (or leaving the `with` block) terminates it."""
 
@@ -155,7 +185,8 @@ def launch_server(args: ServerArgs, *, module: str = SGLANG_MODULE, timeout_s: f
     logger.info("starting %s (log %s)", " ".join(cmd), log_path)
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                env={**os.environ, **(env or {})}, start_new_session=True)
+                                env={**os.environ, **(env or {})}, start_new_session=True,
+                                preexec_fn=_die_with_parent)
     server = ServerProcess(args, proc, log_path)
     try:
         waited = wait_for_health(args.url, timeout_s, proc, log_path)

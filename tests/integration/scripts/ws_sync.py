@@ -1,7 +1,8 @@
 """Rank program: sync a TP/PP Megatron trainer's weights to engine servers; check bit-exactness.
 
-argv: out.json tp pp model_dir base_port group_name url [url ...]. Rank 0 writes
-{case: {"equal": [bool per engine], "versions": [...], "buckets": n, "bytes": n}}.
+argv: out.json tp pp model_dir group_name url,tp,live [...]. Rank 0 writes
+{case: {"equal": [bool per engine], "versions": [...], "buckets": n, ...}}; equality is
+checked with the engines' stock `/weights_checker` checksums.
 Cases: bucket smaller than one tensor, equal to the largest tensor, larger than the model
 (no dual buffer), then dual buffer with the trainer changing its weights right after the
 snapshot (the engines must get the snapshot, not the later weights).
@@ -23,43 +24,45 @@ def perturb(worker, seed):
 
 def main():
     logging.basicConfig(level=logging.WARNING)
-    out, tp, pp, model_dir, port, group = sys.argv[1:7]
-    urls = sys.argv[7:]
+    out, tp, pp, model_dir, group = sys.argv[1:6]
+    # url,tp,pause entries: engine URL, its TP size, whether it loads live (stock-like)
+    engines = [e.split(",") for e in sys.argv[6:]]
     from megarl.backends.megatron.worker import MegatronWorker
-    from megarl.weight_sync.protocol import MiB, SyncConfig, byte_view, digest
+    from megarl.rollout.weights import tensor_checksum
+    from megarl.weight_sync.protocol import MiB, SyncConfig
     from megarl.weight_sync.trainer import TrainerWeightSync
-    from megarl.weight_sync.transports import HTTPLink
+    from megarl.weight_sync.transports import EngineLink
 
     worker = MegatronWorker(model_dir, int(tp), int(pp), trainable=False)
     # Every rank computes the same sizes from the full export.
     full = worker.full_hf_state()
     nbytes = {n: t.numel() * t.element_size() for n, t in full.items()}
     biggest, total = max(nbytes.values()), sum(nbytes.values())
-    cfg = SyncConfig(verify=True, timeout_s=60)
-    sync = TrainerWeightSync(worker, [HTTPLink(u) for u in urls], cfg, address="127.0.0.1",
-                             base_port=int(port), group_name=group)
+    cfg = SyncConfig(timeout_s=60)
+    links = [EngineLink(u, int(t), pause_for_update=live == "1") for u, t, live in engines]
+    sync = TrainerWeightSync(worker, links, cfg, address="127.0.0.1", group_name=group)
     sync.connect()
     results = {}
     cases = [("smaller", biggest // 3, False), ("equal", biggest, False),
              ("larger", 2 * total, False), ("dual", biggest // 2, True)]
     for i, (case, bucket, dual) in enumerate(cases):
         perturb(worker, i)
-        cfg.produce_bucket_mb = bucket / MiB
-        cfg.consume_bucket_mb = min(bucket, 16 * 1024) / MiB
+        cfg.produce_bucket_mb = 2 * bucket / MiB
+        cfg.consume_bucket_mb = bucket / MiB
         cfg.dual_buffer = dual
-        want = {n: digest(byte_view(t)) for n, t in worker.full_hf_state().items()}
-        stats = sync.sync(f"v{i + 1}")
+        want = {n: tensor_checksum(t) for n, t in worker.full_hf_state().items()}
+        stats = sync.sync(i + 1)
         if dual:
             perturb(worker, 99)  # the trainer moves on while the transfer runs
             stats = sync.wait() or stats
         if dist.get_rank() == 0:
-            digests = sync.producer.engine_digests(sorted(want))
+            got = sync.producer.engine_checksums()
             infos = [sync.producer._io.submit(l.client.model_info()).result()
                      for l in sync.producer.links]
-            results[case] = {"equal": [d == want for d in digests],
+            results[case] = {"equal": [{n: g[n] for n in want} == want for g in got],
                              "versions": [x["weight_version"] for x in infos],
-                             "buckets": stats.buckets, "pieces": stats.pieces,
-                             "bucket_bytes": bucket, "biggest": biggest, "total": total}
+                             "buckets": stats.buckets, "bucket_bytes": bucket,
+                             "biggest": biggest, "total": total, "stale": stats.stale}
         dist.barrier()
     sync.close()
     if dist.get_rank() == 0:

@@ -8,7 +8,7 @@ import pytest
 def engine(qwen_dir):
     from megarl.rollout.engine import EmbeddedEngine
 
-    eng = EmbeddedEngine(qwen_dir, weight_version="v0")
+    eng = EmbeddedEngine(qwen_dir, weight_version="0")
     yield eng
     asyncio.run(eng.close())
 

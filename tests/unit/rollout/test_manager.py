@@ -64,3 +64,17 @@ def test_n_samples_expand_and_versions(manager):
     assert sorted(o.rid for o in outs) == [f"{req.rid}-{i}" for i in range(3)]
     assert run(manager.weight_versions()) == ["default", "default"]
     assert run(manager.flush_cache())
+
+
+def test_stale_engine_is_dropped_and_its_requests_go_elsewhere(manager):
+    """A failed sync leaves an engine at a version megarl never sets (transports.STALE_VERSION):
+    its outputs are not used and nothing more is routed to it."""
+    async def go():
+        await manager.engines[0].update_weight_version("stale", abort_all_requests=True)
+        outs = [await manager.generate(GenerateRequest([5, 6], greedy(3))) for _ in range(3)]
+        return outs, await manager.weight_versions()
+
+    outs, versions = run(go())
+    assert manager.stale == {0: "stale"} and versions == ["default"]
+    assert all(o.token_versions() == [0, 0, 0] for o in outs)
+    assert manager.engines[1].generated_tokens == 9

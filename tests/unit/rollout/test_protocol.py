@@ -52,11 +52,13 @@ def test_expand_gives_distinct_reproducible_seeds():
 
 def test_sglang_round_trip():
     out = GenerateOutput("r", 3, [4, 5, 6], [-0.5, -1.0, -2.0], FinishReason("stop", matched=6),
-                         "v1", [("v1", 0, 2), ("v2", 2, 3)])
+                         "2", [("1", 0, 2), ("2", 2, 3)])
     back = GenerateOutput.from_sglang(out.to_sglang())
     assert back == out
-    assert back.token_versions() == ["v1", "v1", "v2"]
+    assert back.token_versions() == [1, 1, 2]  # megarl's integers
     wire = out.to_sglang()
+    assert wire["meta_info"]["weight_versions"] == [{"version": "1", "start": 0, "end": 2},
+                                                    {"version": "2", "start": 2, "end": 3}]
     assert wire["meta_info"]["output_token_logprobs"][1] == [-1.0, 5, None]
     assert wire["meta_info"]["finish_reason"] == {"type": "stop", "matched": 6}
 
@@ -67,11 +69,20 @@ def test_from_real_sglang_response_without_spans():
          "output_token_logprobs": [[-0.1, 7, None], [-0.2, 8, None]]}}
     out = GenerateOutput.from_sglang(d)
     assert out.weight_version_spans == [("3", 0, 2)] and out.output_logprobs == [-0.1, -0.2]
+    assert out.token_versions() == [3, 3]
+
+
+def test_versions_that_megarl_did_not_set_are_refused_by_name():
+    from megarl.rollout.protocol import version_int
+
+    assert version_int("default") == 0 and version_int("12") == 12
+    with pytest.raises(ValueError, match="weight_versions"):
+        version_int("stale")
 
 
 def test_continuation_resumes_with_remaining_budget():
     req = GenerateRequest([1, 2], SamplingParams(max_new_tokens=10, min_new_tokens=4), rid="r")
-    partial = GenerateOutput("r", 2, [3, 4, 5], [-1.0] * 3, FinishReason("abort"), "v0")
+    partial = GenerateOutput("r", 2, [3, 4, 5], [-1.0] * 3, FinishReason("abort"), "0")
     nxt = continuation(req, partial)
     assert nxt.input_ids == [1, 2, 3, 4, 5]
     assert nxt.sampling.max_new_tokens == 7 and nxt.sampling.min_new_tokens == 1

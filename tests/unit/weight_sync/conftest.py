@@ -1,7 +1,7 @@
-"""Tiny models and an engine on its own event-loop thread (as a server would run it)."""
+"""Tiny models, and engines served over HTTP (as a rollout server runs them)."""
 import pytest
 
-from ws_helpers import EngineThread
+from ws_helpers import EngineServer
 
 
 @pytest.fixture(scope="session")
@@ -16,7 +16,7 @@ def ws_model_b(qwen_dir_b):
 
 
 @pytest.fixture
-def engine_thread(ws_model):
-    et = EngineThread(ws_model)
-    yield et
-    et.close()
+def engine_server(ws_model):
+    es = EngineServer(ws_model)
+    yield es
+    es.close()

@@ -1,102 +1,85 @@
-"""Packing into flat buckets and scattering back is bit-exact for any bucket and piece size;
-zero-copy buckets hand out the same bytes; pieces are cut at tensor boundaries."""
+"""Flattened buckets as stock SGLang takes them: whole tensors, one dtype each, at most the
+consume size (a larger tensor alone); packed bytes unpack bit-exact on the receiving side."""
 import pytest
 import torch
 
-from megarl.weight_sync.buckets import BucketPacker, locate, scatter
-from megarl.weight_sync.protocol import BucketMeta, Entry, SyncConfig, byte_view, digest
+from megarl.rollout.protocol import BadRequest
+from megarl.rollout.weights import bucket_layout, unpack_bucket
+from megarl.weight_sync.buckets import BucketPacker, plan_buckets
+from megarl.weight_sync.protocol import SyncConfig, TensorSpec, update_group_ranks
 
 
 def _tensors():
     g = torch.Generator().manual_seed(0)
-    return [("a", torch.randn(7, 5, generator=g)),                       # 140 B
-            ("b", torch.randn(33, generator=g).to(torch.bfloat16)),      # 66 B
-            ("empty", torch.zeros(0, 4)),
-            ("c", torch.randint(-9, 9, (3, 3), generator=g)),            # int64, 72 B
-            ("d", torch.randn(4, 4, 4, generator=g).double())]           # 512 B
+    return [("a", torch.randn(7, 5, generator=g)),                       # f32, 140 B
+            ("b", torch.randn(33, generator=g).to(torch.bfloat16)),      # bf16, 66 B
+            ("c", torch.randn(3, generator=g).to(torch.bfloat16)),       # bf16, 6 B
+            ("d", torch.randn(4, 4, 4, generator=g)),                    # f32, 256 B
+            ("e", torch.randn(2, generator=g))]                          # f32, 8 B
 
 
-def _pack(named, bucket, chunk, verify=False):
-    bufs = {}
-    p = BucketPacker("7", bucket, chunk, lambda i, n: bufs.setdefault(i, torch.empty(n, dtype=torch.uint8)),
-                     verify=verify)
-    out = [(b.meta, b.flat.clone()) for n, t in named for b in p.add(n, t)]
-    return out + [(b.meta, b.flat.clone()) for b in p.finish()]
+def _pack(named, bucket_bytes):
+    p = BucketPacker(3, bucket_bytes)
+    out = [b for n, t in named for b in p.add(n, t)]
+    return out + list(p.finish())
 
 
-@pytest.mark.parametrize("bucket", [1, 50, 140, 141, 200, 10_000])
-@pytest.mark.parametrize("chunk", [1, 17, 10_000])
-def test_roundtrip_bit_exact(bucket, chunk):
+@pytest.mark.parametrize("bucket_bytes", [1, 100, 150, 300, 10_000])
+def test_buckets_hold_whole_tensors_of_one_dtype_and_unpack_bit_exact(bucket_bytes):
     named = _tensors()
-    buckets = _pack(named, bucket, chunk, verify=True)
-    total = sum(t.numel() * t.element_size() for _, t in named)
-    assert sum(m.nbytes for m, _ in buckets) == total
-    assert all(m.nbytes <= bucket for m, _ in buckets)
-    assert [m.index for m, _ in buckets] == list(range(len(buckets)))
-    assert [m.last for m, _ in buckets] == [False] * (len(buckets) - 1) + [True]
-    if bucket >= total:
-        assert len(buckets) == 1
-    out = {n: torch.full_like(t, 3) for n, t in named}  # garbage, so a missed byte shows
-    for meta, flat in buckets:
-        meta = BucketMeta.from_json(meta.to_json())  # what the engine sees
-        assert meta.checksum == digest(flat)
-        for a, b in meta.chunks():
-            assert b - a <= min(chunk, bucket)
-            scatter(meta, a, flat[a:b], lambda e: byte_view(out[e.name]))
+    buckets = _pack(named, bucket_bytes)
+    assert [b.meta.index for b in buckets] == list(range(len(buckets)))
+    got = {}
+    for b in buckets:
+        specs = b.meta.specs
+        assert len({s.dtype for s in specs}) == 1
+        assert b.meta.nbytes <= bucket_bytes or len(specs) == 1  # a large tensor goes alone
+        req = b.meta.request("g", weight_version=None)
+        assert req["load_format"] == "flattened_bucket" and req["flush_cache"] is False
+        assert "weight_version" not in req
+        layout = bucket_layout(req["names"], req["dtypes"], req["shapes"])
+        flat = b.flat().clone()
+        assert flat.numel() == layout[-1][4] == b.meta.nbytes
+        got.update(unpack_bucket(flat, layout))
+    assert list(got) != [] and set(got) == {n for n, _ in named}
     for n, t in named:
-        assert torch.equal(byte_view(out[n]), byte_view(t)), n
+        assert got[n].dtype == t.dtype and torch.equal(got[n], t), n
+    # The dry-run plan lays out the same buckets from shapes alone.
+    plan = plan_buckets([TensorSpec.of(n, t) for n, t in named], bucket_bytes)
+    assert [m.specs for m in plan] == [b.meta.specs for b in buckets]
 
 
-def test_tensor_larger_than_bucket_is_split_over_buckets():
-    buckets = _pack([("big", torch.arange(100, dtype=torch.float32))], 128, 1000)
-    assert [(m.nbytes, [(e.start, e.end) for e in m.entries]) for m, _ in buckets] == [
-        (128, [(0, 128)]), (128, [(128, 256)]), (128, [(256, 384)]), (16, [(384, 400)])]
+def test_small_buckets_fill_per_dtype():
+    buckets = _pack(_tensors(), 150)
+    names = [[s.name for s in b.meta.specs] for b in buckets]
+    # d (256 B) goes alone at once; a (140) and e (8) share the open f32 bucket, b and c the
+    # bf16 one: a tensor of another dtype does not close a bucket in progress
+    assert names == [["d"], ["a", "e"], ["b", "c"]]
 
 
-def test_stage_without_tensors_still_sends_a_last_bucket():
-    (meta, flat), = _pack([], 64, 64)
-    assert meta.last and meta.nbytes == 0 and meta.chunks() == []
+def test_last_call_carries_the_version_as_sglang_string():
+    b = _pack(_tensors(), 10_000)[0]
+    assert b.meta.request("grp", weight_version=12)["weight_version"] == "12"
 
 
-def test_config_caps_consume_at_produce_and_rejects_nonsense():
-    assert SyncConfig(produce_bucket_mb=1, consume_bucket_mb=8).chunk_bytes == 1 << 20
+def test_receiver_checks_like_stock_sglang():
+    with pytest.raises(BadRequest, match="Unaligned"):
+        bucket_layout(["x", "y"], ["bfloat16", "float32"], [[1], [1]])
+    with pytest.raises(BadRequest, match="empty"):
+        bucket_layout([], [], [])
+    with pytest.raises(BadRequest, match="Negative"):
+        bucket_layout(["x"], ["float32"], [[-1]])
+
+
+def test_rank_offsets_count_every_engine_tp_rank():
+    assert update_group_ranks([1, 1]) == ([1, 2], 3)
+    assert update_group_ranks([2, 1, 4]) == ([1, 3, 4], 8)
+    with pytest.raises(ValueError):
+        update_group_ranks([0])
+
+
+def test_config_rejects_nonsense():
     with pytest.raises(ValueError):
         SyncConfig(consume_bucket_mb=0)
-
-
-@pytest.mark.parametrize("bucket", [1, 50, 141, 10_000])
-@pytest.mark.parametrize("chunk", [1, 17, 64, 10_000])
-def test_zero_copy_pieces_equal_packed_bytes(bucket, chunk):
-    named = _tensors()
-    packed = _pack(named, bucket, chunk, verify=True)
-    p = BucketPacker("7", bucket, chunk, None, verify=True)  # no buffer: views of the tensors
-    views = [b for n, t in named for b in p.add(n, t)] + list(p.finish())
-    assert [b.meta.to_json() for b in views] == [m.to_json() for m, _ in packed]  # same wire
-    scratch = torch.empty(chunk, dtype=torch.uint8)
-    for b, (_, flat) in zip(views, packed):
-        assert b.flat is None
-        for lo, hi in b.meta.chunks():
-            piece = b.piece(lo, hi, lambda n: scratch)
-            assert torch.equal(piece, flat[lo:hi])
-            inside = locate(b.meta, lo, hi) is not None
-            # in place when inside one tensor (a view of it), gathered otherwise
-            assert (piece.untyped_storage().data_ptr() != scratch.data_ptr()) == inside
-
-
-def _meta(sizes, chunk):
-    entries, off = [], 0
-    for i, n in enumerate(sizes):
-        entries.append(Entry(f"t{i}", "uint8", (n,), 0, n, off))
-        off += n
-    return BucketMeta("v", 0, 1, 0, True, off, chunk, entries)
-
-
-def test_pieces_are_cut_at_tensor_boundaries_and_group_small_tensors():
-    # chunk 64: tensors under 8 bytes share pieces, the rest get their own
-    meta = _meta([100, 3, 4, 0, 5, 64, 2], 64)
-    assert meta.chunks() == [(0, 64), (64, 100), (100, 112), (112, 176), (176, 178)]
-    assert [locate(meta, a, b) for a, b in meta.chunks()] == [0, 0, None, 5, 6]
-    many_small = _meta([7] * 20, 64)  # grouped, never over the piece size
-    assert all(b - a <= 64 for a, b in many_small.chunks())
-    assert many_small.chunks()[0] == (0, 63) and many_small.chunks()[-1][1] == 140
-    assert _meta([], 64).chunks() == []
+    cfg = SyncConfig(produce_bucket_mb=2, consume_bucket_mb=1)
+    assert (cfg.produce_bytes, cfg.bucket_bytes) == (2 << 20, 1 << 20)

@@ -1,16 +1,20 @@
-"""Producer → embedded engine over a real gloo update group, in one process (engine on its own
-loop thread, as a server runs it): bit-exact delivery, versions, memory, failures."""
-import asyncio
+"""Producer → embedded engine servers over HTTP and a real gloo update group, through stock
+SGLang's weight contract: bit-exact delivery checked with `/weights_checker`, versions, TP rank
+offsets, and engines that fail mid-version (after or before receiving a bucket)."""
+import time
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
-from megarl.rollout.protocol import BadRequest, GenerateRequest, SamplingParams
+from megarl.rollout.weights import tensor_checksum
 from megarl.weight_sync.producer import WeightProducer
-from megarl.weight_sync.protocol import SyncConfig, WeightSyncError, byte_view, digest
-from megarl.weight_sync.transports import LocalLink
+from megarl.weight_sync.protocol import SyncConfig, WeightSyncError
+from megarl.weight_sync.transports import STALE_VERSION, EngineLink
 
-from ws_helpers import free_port
+from ws_helpers import EngineServer, deliver
+
+KB = 1 / 1024  # MiB
 
 
 def trainer_weights(model_dir):
@@ -19,142 +23,132 @@ def trainer_weights(model_dir):
 
 def connect(links, **cfg):
     prod = WeightProducer(links, SyncConfig(**cfg))
-    prod.connect("127.0.0.1", free_port())
+    prod.connect("127.0.0.1")
     return prod
 
 
-def assert_engine_equals(engine_thread, named):
-    got = engine_thread.call(engine_thread.engine.weights_digest([n for n, _ in named]))
-    assert got == {n: digest(byte_view(t.contiguous())) for n, t in named}
+def assert_bit_exact(prod, named, engines=None):
+    want = {n: tensor_checksum(t) for n, t in named}
+    for got in prod.engine_checksums():
+        assert {n: got[n] for n in want} == want
 
 
-KB = 1 / 1024  # MiB
-
-
-@pytest.mark.parametrize("dual", [True, False], ids=["staged", "direct"])
-def test_sync_is_bit_exact_versioned_and_memory_bounded(engine_thread, ws_model_b, dual):
+@pytest.mark.parametrize("dual", [True, False], ids=["dual", "stream"])
+def test_sync_is_bit_exact_and_versioned(engine_server, ws_model_b, dual):
     named = trainer_weights(ws_model_b)
-    prod = connect([LocalLink(engine_thread.engine, engine_thread.loop)], dual_buffer=dual,
-                   produce_bucket_mb=32 * KB, consume_bucket_mb=8 * KB,
-                   verify=True)
+    prod = connect([EngineLink(engine_server.url, pause_for_update=False)],
+                   dual_buffer=dual, consume_bucket_mb=8 * KB)
     try:
-        if dual:
-            prod.start(prod.snapshot(iter(named), "v1"))
-            stats = prod.wait(60)
-        else:
-            prod.pause_engines()
-            stats = prod.send(iter(named), "v1", direct=True)
-            prod.resume_engines()
+        stats = deliver(prod, named, 1, dual)
+        assert stats.buckets >= 3 and stats.stale == []
+        assert engine_server.engine.weight_version == "1"
+        assert_bit_exact(prod, named)
+        stats = deliver(prod, trainer_weights(engine_server.engine.model_path and ws_model_b), 2,
+                        dual)
+        assert engine_server.engine.weight_version == "2"
     finally:
         prod.close()
-    assert stats.results[0]["complete"] and stats.results[0]["weight_version"] == "v1"
-    assert stats.buckets >= 3 and stats.pieces > stats.buckets
-    eng = engine_thread.engine
-    assert eng.weight_version == "v1"
-    assert_engine_equals(engine_thread, named)
-    mem = eng.weight_memory()
-    assert mem["peak_piece_bytes"] == 8 * 1024  # transient memory: one consume piece
-    model_bytes = sum(t.numel() * t.element_size() for _, t in named)
-    assert mem["staging_bytes"] == (model_bytes if dual else 0)  # the second buffer, or none
 
 
-def test_direct_update_refused_unless_paused(engine_thread, ws_model_b):
+def test_two_engines_one_of_tp2_loading_live(ws_model, ws_model_b):
+    """The TP-2 engine holds ranks offset and offset+1, as stock SGLang does; a wrong offset
+    would not even form the group."""
+    a = EngineServer(ws_model)
+    b = EngineServer(ws_model, tp_size=2, live_updates=True)
     named = trainer_weights(ws_model_b)
-    prod = connect([LocalLink(engine_thread.engine, engine_thread.loop)], timeout_s=30)
+    prod = connect([EngineLink(b.url, 2), EngineLink(a.url, 1, pause_for_update=False)],
+                   consume_bucket_mb=8 * KB)
     try:
-        with pytest.raises(WeightSyncError, match=r"version v1 .*bucket 0.*paused"):
-            prod.send(iter(named), "v1", direct=True)
+        assert [g.rank for g in b.engine._groups[prod.group_name].groups] == [1, 2]
+        assert [g.rank for g in a.engine._groups[prod.group_name].groups] == [3]
+        deliver(prod, named, 7)
+        assert_bit_exact(prod, named)
+        assert (a.engine.weight_version, b.engine.weight_version) == ("7", "7")
+        assert not b.engine.paused  # paused for the version, continued after it
     finally:
         prod.close()
-    assert engine_thread.engine.weight_version == "v0"
-    assert engine_thread.engine.weights_broken is None
+        a.close()
+        b.close()
 
 
-class _DiesAfter:
-    """Wraps a link: answers `ok` buckets, then fails (dies) or never answers (hangs)."""
-
-    def __init__(self, link, ok, mode):
-        self.link, self.ok, self.mode, self.name = link, ok, mode, f"{mode}-engine"
-
-    def __getattr__(self, k):
-        return getattr(self.link, k)
-
-    async def update_bucket(self, group_name, bucket):
-        if bucket["index"] >= self.ok:
-            if self.mode == "dies":
-                raise ConnectionResetError("engine process died")
-            await asyncio.sleep(3600)
-        return await self.link.update_bucket(group_name, bucket)
-
-
-@pytest.mark.parametrize("mode", ["dies", "hangs"])
-@pytest.mark.parametrize("dual", [True, False], ids=["staged", "direct"])
-def test_failure_names_version_bucket_engine_and_no_half_model_serves(
-        ws_model, ws_model_b, mode, dual):
-    from ws_helpers import EngineThread
-
-    good, bad = EngineThread(ws_model), EngineThread(ws_model)
-    before = dict(trainer_weights(ws_model))
+def test_engine_failing_mid_version_is_marked_stale_and_dropped(ws_model, ws_model_b):
+    """`success: false` on the 2nd update call (after its bytes arrived): that engine gets the
+    stale version and leaves the group; the other engine gets the whole version and the next."""
+    good = EngineServer(ws_model)
+    bad = EngineServer(ws_model, live_updates=True, fail_update_at=2)
     named = trainer_weights(ws_model_b)
-    links = [LocalLink(good.engine, good.loop, "good"),
-             _DiesAfter(LocalLink(bad.engine, bad.loop, "bad"), 1, mode)]
-    prod = connect(links, dual_buffer=dual, produce_bucket_mb=16 * KB, consume_bucket_mb=4 * KB,
-                   timeout_s=2)
+    prod = connect([EngineLink(bad.url), EngineLink(good.url, pause_for_update=False)],
+                   consume_bucket_mb=8 * KB, timeout_s=20)
     try:
-        with pytest.raises(WeightSyncError) as err:
-            if dual:
-                prod.start(prod.snapshot(iter(named), "v5"))
-                prod.wait(60)
-            else:
-                prod.pause_engines()
-                prod.send(iter(named), "v5", direct=True)
-        assert (err.value.version, err.value.bucket) == ("v5", 1)
-        if mode == "dies":  # it failed first: the others only failed once the group broke
-            assert err.value.engine == "dies-engine"
-        else:  # peers stuck behind the silent one are silent too; it is always named
-            assert "hangs-engine" in err.value.engine.split(", ")
-        assert "version v5" in str(err.value) and "bucket 1" in str(err.value)
-        with pytest.raises(WeightSyncError, match="reconnect"):
-            prod.send(iter(named), "v6")
+        t0 = time.monotonic()
+        stats = deliver(prod, named, 1)
+        assert time.monotonic() - t0 < 15  # no waiting for a timeout
+        assert stats.stale == [bad.url]
+        assert "injected fault" in prod.stale[bad.url]
+        assert bad.engine.weight_version == STALE_VERSION and not bad.engine.paused
+        assert good.engine.weight_version == "1"
+        assert_bit_exact(prod, named)  # only the live engines are asked
+        assert len(prod.live()) == 1
+        named2 = [(n, t + 1) for n, t in named]
+        deliver(prod, named2, 2)
+        assert good.engine.weight_version == "2"
+        assert_bit_exact(prod, named2)
     finally:
         prod.close()
-    # The healthy engine got buckets 0 and 1 but never the last: it never serves v5.
-    for et in (good, bad):
-        eng = et.engine
-        assert eng.weight_version == "v0"
-        if dual:  # old weights kept, still serving
-            assert eng.weights_broken is None
-            assert_engine_equals(et, sorted(before.items()))
-    if not dual:  # the good engine's live weights are half-written: it must refuse to serve
-        assert "v5" in good.engine.weights_broken
-        with pytest.raises(BadRequest, match="unhealthy"):
-            good.call(good.engine.generate(GenerateRequest([1, 2, 3], SamplingParams())))
-    good.close()
-    bad.close()
+        good.close()
+        bad.close()
 
 
-def test_dual_buffers_alternate_by_reference(engine_thread, ws_model, ws_model_b):
-    """Each staged version becomes live without a copy; the displaced weights become the next
-    staging buffer, which never shares storage with what is live."""
-    eng = engine_thread.engine
-    params = eng.weights.params
-    ptr = lambda: {n: p.data_ptr() for n, p in params.items()}  # noqa: E731
-    before = ptr()
-    prod = connect([LocalLink(eng, engine_thread.loop)], dual_buffer=True,
-                   produce_bucket_mb=32 * KB, consume_bucket_mb=8 * KB)
+def test_engine_refusing_before_it_receives_does_not_hang_the_broadcast(ws_model, ws_model_b):
+    """Stock SGLang checks the group before receiving: a refusal there means the broadcast can
+    never complete. The producer notices the refusal, rebuilds the group without that engine
+    and sends the bucket again. (The broadcast left behind in the old group ends at its group
+    timeout; the test waits for that, short here, so nothing is torn down under it.)"""
+    good = EngineServer(ws_model, update_group_timeout_s=8)
+    bad = EngineServer(ws_model, update_group_timeout_s=8)
+    named = trainer_weights(ws_model_b)
+    prod = connect([EngineLink(good.url, pause_for_update=False), EngineLink(bad.url)],
+                   consume_bucket_mb=8 * KB, timeout_s=8)
     try:
-        for version, model in (("v1", ws_model_b), ("v2", ws_model), ("v3", ws_model_b)):
-            named = trainer_weights(model)
-            prod.start(prod.snapshot(iter(named), version))
-            prod.wait(60)
-            assert eng.weight_version == version
-            assert_engine_equals(engine_thread, named)
-            live = {p.untyped_storage().data_ptr() for p in params.values()}
-            staging = eng._buckets._staging
-            assert sum(t.numel() * t.element_size() for t in staging.values()) == sum(
-                t.numel() * t.element_size() for _, t in named)
-            assert not live & {t.untyped_storage().data_ptr() for t in staging.values()}
-            if version == "v2":  # back on the original storage: two buffers, alternating
-                assert ptr() == before
+        bad.call(bad.engine.destroy_weights_update_group(prod.group_name))
+        t0 = time.monotonic()
+        stats = deliver(prod, named, 3)
+        assert time.monotonic() - t0 < 8  # well within the timeout: nothing waited for it
+        assert stats.stale == [bad.url] and "not in" in prod.stale[bad.url]
+        assert good.engine.weight_version == "3"
+        assert_bit_exact(prod, named)
+        deadline = time.monotonic() + 30
+        while (prod._last_sent is not None and not prod._last_sent.done()) or any(
+                r.busy for r in good.engine._groups.values()):
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
     finally:
         prod.close()
+        good.close()
+        bad.close()
+
+
+def test_no_engine_left_fails_clearly(ws_model, ws_model_b):
+    bad = EngineServer(ws_model, live_updates=True, fail_update_at=1)
+    prod = connect([EngineLink(bad.url)], consume_bucket_mb=8 * KB, timeout_s=10)
+    try:
+        with pytest.raises(WeightSyncError, match="no engine left"):
+            deliver(prod, trainer_weights(ws_model_b), 1)
+    finally:
+        prod.close()
+        bad.close()
+
+
+def test_updates_outside_a_session_are_refused_like_stock(engine_server):
+    from megarl.rollout.engine import UpdateRefused
+
+    eng = engine_server.engine
+    with pytest.raises(UpdateRefused, match="between begin_weight_update"):
+        engine_server.call(eng.update_weights_from_tensor([("model.norm.weight",
+                                                             torch.ones(64))]))
+    engine_server.call(eng.begin_weight_update())
+    with pytest.raises(UpdateRefused, match="already open"):
+        engine_server.call(eng.begin_weight_update())
+    engine_server.call(eng.end_weight_update())
+    with pytest.raises(UpdateRefused, match="no weight-update session"):
+        engine_server.call(eng.end_weight_update())

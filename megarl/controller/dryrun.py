@@ -1,0 +1,609 @@
+"""`megarl train --dry-run`: the plan of a run, computed without starting anything.
+
+This module owns the dry run: from a validated config and the model's HF ``config.json`` alone
+(no weights, no Ray, no GPU), it works out
+
+- placement: which nodes and devices each task group holds and what runs there (trainer with
+  its TP/PP/DP, reference, one rollout server per replica with its node and GPUs);
+- each rollout server's command line (``megarl.backends.sglang.launcher.build_command``);
+- the weight-update group ranks (``megarl.weight_sync.protocol.update_group_ranks``), one
+  group per pipeline stage;
+- the bucket plan per pipeline stage (``megarl.weight_sync.buckets.plan_buckets`` over the HF
+  tensors each stage exports, in export order);
+- a per-device memory estimate per group, whose formulas ``format_plan`` prints with it.
+
+``plan_run`` returns a ``RunPlan`` or raises ``ConfigError`` when the plan cannot work (a
+group over the device capacity, rollout weights over their memory share, a replica that would
+span nodes). ``format_plan`` renders the plan as text. Nothing here prints.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import tempfile
+import textwrap
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from megarl.backends.megatron.model import ModelArgs, padded_vocab_size
+from megarl.cluster.topology import GroupPlan
+from megarl.config import ConfigError, plan_task_groups
+from megarl.convert.plan import ConvertError, check_layout, hf_shapes, itemsize, \
+    stage_param_bytes
+from megarl.weight_sync.buckets import plan_buckets
+from megarl.weight_sync.protocol import MiB, BucketMeta, TensorSpec, update_group_ranks
+
+logger = logging.getLogger(__name__)
+
+GiB = 1 << 30
+_ARR = "actor_rollout_ref"
+PORT_BASE = 30000  # placeholder ports in the printed commands: real ones are chosen at launch
+UPDATE_GROUP_NAME = "megarl-weights"  # as megarl.weight_sync.trainer names it, + "-pp<stage>"
+# Norm weights stay float32 in megarl's Megatron model (the local spec's torch RMSNorm takes
+# no dtype), and the producer sends them as they are.
+_FP32_SUFFIXES = ("layernorm.weight", "model.norm.weight")
+
+
+# ------------------------------------------------------------------------------ the plan
+@dataclass(frozen=True)
+class Server:
+    index: int
+    node: int
+    gpus: tuple[int, ...]
+    """Local device ids on ``node``; ``gpus[0]`` is the server's ``--base-gpu-id``."""
+    command: tuple[str, ...] = ()
+    url: str | None = None
+    """Set instead of ``command`` when ``rollout.server_urls`` names running servers."""
+
+
+@dataclass(frozen=True)
+class Placement:
+    group: GroupPlan
+    devices_per_node: int
+    roles: tuple[str, ...]
+    """What runs on the group, one line each."""
+
+    def local_devices(self) -> dict[int, list[int]]:
+        out: dict[int, list[int]] = {}
+        for d in self.group.devices:
+            out.setdefault(d // self.devices_per_node, []).append(d % self.devices_per_node)
+        return out
+
+
+@dataclass(frozen=True)
+class UpdateGroup:
+    stage: int
+    name: str
+    offsets: tuple[int, ...]
+    world_size: int
+    sender_device: int
+    """Global device of the stage's sender (TP rank 0 of the stage, first DP replica)."""
+
+
+@dataclass(frozen=True)
+class StageBuckets:
+    stage: int
+    layers: range
+    buckets: tuple[BucketMeta, ...]
+
+    @property
+    def num_tensors(self) -> int:
+        return sum(len(b.specs) for b in self.buckets)
+
+    @property
+    def largest(self) -> int:
+        return max((b.nbytes for b in self.buckets), default=0)
+
+    @property
+    def total(self) -> int:
+        return sum(b.nbytes for b in self.buckets)
+
+
+@dataclass(frozen=True)
+class MemoryItem:
+    label: str
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class GroupMemory:
+    group: str
+    items: tuple[MemoryItem, ...]
+
+    @property
+    def total(self) -> int:
+        return sum(i.nbytes for i in self.items)
+
+
+@dataclass
+class RunPlan:
+    hf_config: str
+    model: ModelArgs
+    device: str
+    launcher: str
+    placements: list[Placement]
+    rollout_name: str
+    servers: list[Server]
+    rollout_tp: int
+    update_groups: list[UpdateGroup]
+    stages: list[StageBuckets]
+    produce_mb: int
+    consume_mb: int
+    memory: list[GroupMemory]
+    capacity: int
+    """Bytes of one device (``--gpu-memory-gib``)."""
+    formulas: list[str]
+    notes: list[str] = field(default_factory=list)
+
+
+def plan_run(cfg: DictConfig, gpu_memory_gib: float = 80.0) -> RunPlan:
+    """The run's plan; raises ``ConfigError`` when it cannot fit or cannot be placed."""
+    arr, t = cfg.actor_rollout_ref, cfg.trainer
+    groups = plan_task_groups(cfg)
+    hf, source = load_hf_config(cfg)
+    a = _model_args(hf, source)
+    if _hosting(groups, "logp") is not _hosting(groups, "actor-train"):
+        raise ConfigError("trainer.separated_node_tasks: `logp` and `actor-train` must share "
+                          "a group (one Megatron model serves both)")
+    actor = arr.actor.megatron
+    _check_layout(a, actor, f"{_ARR}.actor.megatron")
+    if needs_ref(cfg):
+        _check_layout(a, arr.ref.megatron, f"{_ARR}.ref.megatron")
+    gen = _hosting(groups, "generate")
+    servers = plan_servers(cfg, gen)
+    stages = plan_stage_buckets(a, actor.pipeline_model_parallel_size, actor.params_dtype,
+                                arr.rollout.param_update_consume_bucket_size_mb * MiB)
+    capacity = int(gpu_memory_gib * GiB)
+    plan = RunPlan(
+        hf_config=source, model=a, device=t.device, launcher=t.launcher,
+        placements=[Placement(g, t.n_gpus_per_node, roles(cfg, g)) for g in groups],
+        rollout_name=arr.rollout.name, servers=servers,
+        rollout_tp=arr.rollout.tensor_model_parallel_size,
+        update_groups=plan_update_groups(cfg, groups, len(servers)), stages=stages,
+        produce_mb=arr.rollout.param_update_preduce_bucket_size_mb,
+        consume_mb=arr.rollout.param_update_consume_bucket_size_mb,
+        memory=estimate_memory(cfg, groups, a, stages, capacity), capacity=capacity,
+        formulas=list(FORMULAS), notes=_notes(cfg))
+    check_fit(cfg, plan, groups)
+    logger.debug("dry run: %d group(s), %d rollout server(s), %d pipeline stage(s)",
+                 len(groups), len(servers), len(stages))
+    return plan
+
+
+def needs_ref(cfg: DictConfig) -> bool:
+    return bool(cfg.actor_rollout_ref.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward)
+
+
+def _hosting(groups: list[GroupPlan], task: str) -> GroupPlan:
+    return next(g for g in groups if task in g.tasks)
+
+
+def _notes(cfg: DictConfig) -> list[str]:
+    notes = []
+    if cfg.actor_rollout_ref.model.enable_gradient_checkpointing:
+        notes.append("activations assume full recompute (model.enable_gradient_checkpointing)")
+    if cfg.trainer.launcher == "torchrun":
+        notes.append("trainer.launcher=torchrun: one process per device, started by "
+                     "launch/torchrun.sh; global rank = device index")
+    return notes
+
+
+# ------------------------------------------------------------------------------ the model
+def load_hf_config(cfg: DictConfig) -> tuple[dict, str]:
+    """The model's HF config (with ``model.override_config`` applied) and where it came from:
+    ``model.hf_config_path``, else ``model.path``/config.json, else (``model.make_tiny``) the
+    tiny model's, made in a temporary directory."""
+    model = cfg.actor_rollout_ref.model
+    path = Path(model.hf_config_path or Path(model.path) / "config.json")
+    if path.is_file():
+        hf, source = _read_json(path), str(path)
+    elif model.make_tiny and not model.hf_config_path:
+        hf, source = _tiny_config(model.make_tiny), f"tiny {model.make_tiny} model (made at run)"
+    else:
+        key = "hf_config_path" if model.hf_config_path else "path"
+        raise ConfigError(f"{_ARR}.model.{key}: no config.json at {path} (set {_ARR}.model."
+                          "hf_config_path to plan without the model's files)")
+    hf.update(OmegaConf.to_container(model.override_config))
+    return hf, source
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"{_ARR}.model: {path} is not valid JSON ({err})") from None
+
+
+def _tiny_config(arch: str) -> dict:
+    """The config.json ``make_tiny_model`` writes (its vocabulary is the trained tokenizer's)."""
+    from megarl.utils.tiny_model import make_tiny_model
+
+    with tempfile.TemporaryDirectory(prefix="megarl-dryrun-") as tmp:
+        out = make_tiny_model(Path(tmp) / "model", arch)
+        return _read_json(out / "config.json")
+
+
+def _model_args(hf: dict, source: str) -> ModelArgs:
+    try:
+        return ModelArgs.from_hf(hf)
+    except KeyError as err:
+        raise ConfigError(f"{_ARR}.model: {source}: missing field {err.args[0]!r}") from None
+    except ValueError as err:
+        raise ConfigError(f"{_ARR}.model: {source}: {err}") from None
+
+
+def _check_layout(a: ModelArgs, megatron: DictConfig, key: str) -> None:
+    try:
+        check_layout(a, megatron.tensor_model_parallel_size,
+                     megatron.pipeline_model_parallel_size, megatron.make_vocab_size_divisible_by)
+    except ConvertError as err:
+        flag = str(err).replace("--tp", f"{key}.tensor_model_parallel_size").replace(
+            "--pp", f"{key}.pipeline_model_parallel_size")
+        raise ConfigError(f"{key}: {flag}") from None
+
+
+# ------------------------------------------------------------------------------ placement
+def roles(cfg: DictConfig, g: GroupPlan) -> tuple[str, ...]:
+    """What runs on a group, one line per role."""
+    arr = cfg.actor_rollout_ref
+    out = []
+    if "actor-train" in g.tasks or "logp" in g.tasks:
+        out.append("trainer (" + "+".join(x for x in g.tasks if x in ("logp", "actor-train"))
+                   + "): " + _parallel(arr.actor.megatron, g.num_devices))
+    if "ref_logp" in g.tasks and needs_ref(cfg):
+        out.append("reference (ref_logp): " + _parallel(arr.ref.megatron, g.num_devices))
+    elif "ref_logp" in g.tasks:
+        out.append("reference (ref_logp): not run (no actor.use_kl_loss or "
+                   "algorithm.use_kl_in_reward)")
+    if "generate" in g.tasks:
+        tp = arr.rollout.tensor_model_parallel_size
+        out.append(f"rollout (generate): {arr.rollout.name}, {g.num_devices // tp} "
+                   f"replica(s) × TP{tp}")
+    if "reward" in g.tasks:
+        out.append(f"reward: CPU pool of {cfg.reward.num_workers} processes")
+    return tuple(out)
+
+
+def _parallel(m: DictConfig, devices: int) -> str:
+    tp, pp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size
+    dist = ", distributed optimizer" if m.use_distributed_optimizer else ""
+    return f"TP{tp} × PP{pp} × DP{devices // (tp * pp)}, {m.params_dtype}{dist}"
+
+
+def plan_servers(cfg: DictConfig, gen: GroupPlan) -> list[Server]:
+    """One server per rollout replica of the generate group, or the configured URLs."""
+    r, per_node = cfg.actor_rollout_ref.rollout, cfg.trainer.n_gpus_per_node
+    tp = r.tensor_model_parallel_size
+    urls = list(r.server_urls or [])
+    if urls:
+        return [Server(i, -1, (), url=u) for i, u in enumerate(urls)]
+    servers = []
+    for i in range(gen.num_devices // tp):
+        devices = gen.devices[i * tp:(i + 1) * tp]
+        nodes = sorted({d // per_node for d in devices})
+        if len(nodes) > 1:
+            raise ConfigError(
+                f"{_ARR}.rollout.tensor_model_parallel_size: replica {i} of group "
+                f"'{gen.name}' would span nodes {nodes} (TP{tp} does not divide "
+                f"trainer.n_gpus_per_node={per_node})")
+        gpus = tuple(d % per_node for d in devices)
+        servers.append(Server(i, nodes[0], gpus, tuple(server_command(cfg, i, gpus[0]))))
+    return servers
+
+
+def server_command(cfg: DictConfig, index: int, base_gpu_id: int) -> list[str]:
+    from megarl.backends.sglang.launcher import EMBEDDED_MODULE, SGLANG_MODULE, ServerArgs, \
+        build_command
+
+    r = cfg.actor_rollout_ref.rollout
+    module = r.server_module or (SGLANG_MODULE if r.name == "sglang" else EMBEDDED_MODULE)
+    args = ServerArgs.from_rollout_config(r, cfg.actor_rollout_ref.model.path,
+                                          port=PORT_BASE + index, base_gpu_id=base_gpu_id,
+                                          extra_args=list(r.server_extra_args))
+    return build_command(args, module=module)
+
+
+def plan_update_groups(cfg: DictConfig, groups: list[GroupPlan],
+                       num_engines: int) -> list[UpdateGroup]:
+    """One weight-update group per pipeline stage, each over the same engine ranks."""
+    m = cfg.actor_rollout_ref.actor.megatron
+    tp, pp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size
+    trainer = _hosting(groups, "actor-train")
+    dp = trainer.num_devices // (tp * pp)
+    offsets, world = update_group_ranks([cfg.actor_rollout_ref.rollout
+                                         .tensor_model_parallel_size] * num_engines)
+    # Megatron's rank order is tp-dp-pp (pp outermost): stage s starts at rank s·TP·DP.
+    return [UpdateGroup(s, f"{UPDATE_GROUP_NAME}-pp{s}", tuple(offsets), world,
+                        trainer.devices[s * tp * dp]) for s in range(pp)]
+
+
+# ------------------------------------------------------------------------------ buckets
+def stage_specs(a: ModelArgs, pp: int, params_dtype: str) -> list[list[TensorSpec]]:
+    """The HF tensors each pipeline stage exports, in export order (Megatron's
+    ``named_parameters``: embedding, then per layer norm, o_proj, q/k/v weights, q/k/v
+    biases, norm, gate, up, down; then the final norm and lm_head). A tied lm_head is not
+    sent; layers split evenly over the stages."""
+    shapes = hf_shapes(a)
+    per_stage = a.num_layers // pp
+    stages: list[list[str]] = [[] for _ in range(pp)]
+    stages[0].append("model.embed_tokens.weight")
+    for i in range(a.num_layers):
+        stages[i // per_stage] += _layer_export_order(a, i)
+    stages[-1].append("model.norm.weight")
+    if not a.tie_word_embeddings:
+        stages[-1].append("lm_head.weight")
+    return [[TensorSpec(n, _dtype_of(n, params_dtype), shapes[n]) for n in names]
+            for names in stages]
+
+
+def _layer_export_order(a: ModelArgs, i: int) -> list[str]:
+    p = f"model.layers.{i}."
+    names = [p + "input_layernorm.weight", p + "self_attn.o_proj.weight"]
+    names += [f"{p}self_attn.{x}_proj.weight" for x in "qkv"]
+    if a.qkv_bias:
+        names += [f"{p}self_attn.{x}_proj.bias" for x in "qkv"]
+    return names + [p + "post_attention_layernorm.weight", p + "mlp.gate_proj.weight",
+                    p + "mlp.up_proj.weight", p + "mlp.down_proj.weight"]
+
+
+def _dtype_of(name: str, params_dtype: str) -> str:
+    return "float32" if name.endswith(_FP32_SUFFIXES) else params_dtype
+
+
+def plan_stage_buckets(a: ModelArgs, pp: int, params_dtype: str,
+                       bucket_bytes: int) -> list[StageBuckets]:
+    per_stage = a.num_layers // pp
+    return [StageBuckets(s, range(s * per_stage, (s + 1) * per_stage),
+                         tuple(plan_buckets(specs, bucket_bytes, stage=s)))
+            for s, specs in enumerate(stage_specs(a, pp, params_dtype))]
+
+
+# ------------------------------------------------------------------------------ memory
+FORMULAS = [
+    "N = parameters one device holds (largest PP stage, TP-sharded, padded vocab), "
+    "e = bytes per element of params_dtype",
+    "s = data.max_prompt_length + data.max_response_length, h = hidden, V = padded vocab, "
+    "L = layers per PP stage",
+    "trainer   = N·e (params) + N·4 (fp32 main grads) + N·(4 master if e<4 + 8 Adam m,v) "
+    "/ (DP if use_distributed_optimizer else 1) + activations",
+    "activations = max(train, logp): train = L·s·b·h·(10 + 24/TP)·e/2 "
+    "[Korthikanti et al. 2022, SDPA, no sequence parallel; with gradient checkpointing "
+    "L·s·b·h·e + one such layer] × PP micro-batches in flight + 2·s·b·V/TP·4 (fp32 logits "
+    "+ their grad), b = actor.ppo_micro_batch_size_per_gpu; logp = s·b'·V/TP·4, "
+    "b' = rollout.log_prob_micro_batch_size_per_gpu",
+    "reference = N·e (params, ref layout) + s·b·V/TP·4 (fp32 logits), "
+    "b = ref.log_prob_micro_batch_size_per_gpu",
+    "rollout   = gpu_memory_utilization × capacity, reserved by each engine: "
+    "HF weights/TP + receive bucket (the largest bucket) + KV cache (the rest)",
+    "a group's estimate is the sum of what runs on it; it must fit the capacity "
+    "(--gpu-memory-gib)",
+]
+
+
+def estimate_memory(cfg: DictConfig, groups: list[GroupPlan], a: ModelArgs,
+                    stages: list[StageBuckets], capacity: int) -> list[GroupMemory]:
+    """Per-device memory of every group, by ``FORMULAS``."""
+    out = []
+    for g in groups:
+        items = []
+        if "actor-train" in g.tasks:
+            items += trainer_memory(cfg, a, g.num_devices)
+        if "ref_logp" in g.tasks and needs_ref(cfg):
+            items += reference_memory(cfg, a)
+        if "generate" in g.tasks:
+            items += rollout_memory(cfg, a, stages, capacity)
+        out.append(GroupMemory(g.name, tuple(items)))
+    return out
+
+
+def _rank_params(a: ModelArgs, m: DictConfig) -> int:
+    tp, pp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size
+    vocab = padded_vocab_size(a.vocab_size, m.make_vocab_size_divisible_by, tp)
+    return max(stage_param_bytes(a, tp, pp, vocab, "float32")) // 4
+
+
+def _seq_len(cfg: DictConfig) -> int:
+    return cfg.data.max_prompt_length + cfg.data.max_response_length
+
+
+def _logits_bytes(cfg: DictConfig, a: ModelArgs, m: DictConfig, batch: int) -> int:
+    tp = m.tensor_model_parallel_size
+    vocab = padded_vocab_size(a.vocab_size, m.make_vocab_size_divisible_by, tp)
+    return _seq_len(cfg) * batch * vocab // tp * 4
+
+
+def _activation_bytes(cfg: DictConfig, a: ModelArgs) -> int:
+    arr = cfg.actor_rollout_ref
+    m = arr.actor.megatron
+    tp, pp, e = m.tensor_model_parallel_size, m.pipeline_model_parallel_size, \
+        itemsize(m.params_dtype)
+    sbh = _seq_len(cfg) * arr.actor.ppo_micro_batch_size_per_gpu * a.hidden_size
+    layer = sbh * (10 + 24 / tp) * e / 2
+    layers = a.num_layers // pp
+    stack = (layers * sbh * e + layer) if arr.model.enable_gradient_checkpointing \
+        else layers * layer
+    train = stack * pp + 2 * _logits_bytes(cfg, a, m, arr.actor.ppo_micro_batch_size_per_gpu)
+    logp = _logits_bytes(cfg, a, m, arr.rollout.log_prob_micro_batch_size_per_gpu)
+    return int(max(train, logp))
+
+
+def trainer_memory(cfg: DictConfig, a: ModelArgs, devices: int) -> list[MemoryItem]:
+    m = cfg.actor_rollout_ref.actor.megatron
+    n, e = _rank_params(a, m), itemsize(m.params_dtype)
+    dp = devices // (m.tensor_model_parallel_size * m.pipeline_model_parallel_size)
+    shard = dp if m.use_distributed_optimizer else 1
+    state = (4 if e < 4 else 0) + 8
+    return [MemoryItem(f"trainer params ({_count(n)} × {e} B)", n * e),
+            MemoryItem("trainer fp32 main grads", n * 4),
+            MemoryItem(f"trainer optimizer ({state} B/param / {shard})", n * state // shard),
+            MemoryItem("trainer activations", _activation_bytes(cfg, a))]
+
+
+def reference_memory(cfg: DictConfig, a: ModelArgs) -> list[MemoryItem]:
+    ref = cfg.actor_rollout_ref.ref
+    n, e = _rank_params(a, ref.megatron), itemsize(ref.megatron.params_dtype)
+    return [MemoryItem(f"reference params ({_count(n)} × {e} B)", n * e),
+            MemoryItem("reference logits",
+                       _logits_bytes(cfg, a, ref.megatron, ref.log_prob_micro_batch_size_per_gpu))]
+
+
+def rollout_weights(cfg: DictConfig, stages: list[StageBuckets]) -> tuple[int, int]:
+    """(HF weights per engine device, receive bucket) in bytes."""
+    tp = cfg.actor_rollout_ref.rollout.tensor_model_parallel_size
+    return sum(s.total for s in stages) // tp, max(s.largest for s in stages)
+
+
+def kv_bytes_per_token(a: ModelArgs, tp: int, e: int) -> int:
+    """K and V of one token on one device (KV heads shard over TP, replicate beyond it)."""
+    return 2 * a.num_layers * max(1, a.num_kv_heads // tp) * a.head_dim * e
+
+
+def rollout_memory(cfg: DictConfig, a: ModelArgs, stages: list[StageBuckets],
+                   capacity: int) -> list[MemoryItem]:
+    r = cfg.actor_rollout_ref.rollout
+    weights, bucket = rollout_weights(cfg, stages)
+    reserve = int(r.gpu_memory_utilization * capacity)
+    kv = max(0, reserve - weights - bucket)
+    per_token = kv_bytes_per_token(a, r.tensor_model_parallel_size,
+                                   itemsize(cfg.actor_rollout_ref.actor.megatron.params_dtype))
+    return [MemoryItem(f"rollout weights/TP{r.tensor_model_parallel_size}", weights),
+            MemoryItem("rollout receive bucket", bucket),
+            MemoryItem(f"rollout KV cache (~{kv // per_token:,} tokens)", kv)]
+
+
+def check_fit(cfg: DictConfig, plan: RunPlan, groups: list[GroupPlan]) -> None:
+    """``ConfigError`` naming the group, its estimate and the capacity when it cannot fit."""
+    cap = plan.capacity
+    for g, mem in zip(groups, plan.memory):
+        if "generate" in g.tasks:
+            _check_rollout_fit(cfg, plan, g.name, cap)
+        if mem.total > cap:
+            parts = ", ".join(f"{i.label} {gib(i.nbytes)}" for i in mem.items)
+            raise ConfigError(
+                f"group '{g.name}' does not fit: estimated {gib(mem.total)} per GPU "
+                f"({parts}) exceeds the capacity {gib(cap)} (megarl train --gpu-memory-gib)")
+
+
+def _check_rollout_fit(cfg: DictConfig, plan: RunPlan, name: str, cap: int) -> None:
+    r = cfg.actor_rollout_ref.rollout
+    weights, bucket = rollout_weights(cfg, plan.stages)
+    share = r.gpu_memory_utilization * cap
+    if weights + bucket > share:
+        raise ConfigError(
+            f"group '{name}' does not fit: rollout weights/TP{r.tensor_model_parallel_size} "
+            f"{gib(weights)} + receive bucket {gib(bucket)} = {gib(weights + bucket)} per GPU "
+            f"exceed {_ARR}.rollout.gpu_memory_utilization={r.gpu_memory_utilization} × "
+            f"capacity {gib(cap)} = {gib(share)} (raise the rollout TP, the utilization or "
+            "--gpu-memory-gib)")
+
+
+# ------------------------------------------------------------------------------ text
+def gib(n: float) -> str:
+    return f"{n / GiB:.2f} GiB"
+
+
+def mib(n: float) -> str:
+    return f"{n / MiB:.1f} MiB"
+
+
+def _count(n: int) -> str:
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f}{unit}"
+    return str(n)
+
+
+def format_plan(plan: RunPlan) -> str:
+    """The plan as text, one section per question a user asks before a run."""
+    sections = [_header(plan), _placement(plan), _servers(plan), _update_groups(plan),
+                _buckets(plan), _memory(plan)]
+    if plan.notes:
+        sections.append("\n".join(["Notes:"] + [f"  - {n}" for n in plan.notes]))
+    return "\n\n".join(sections) + "\n"
+
+
+def _header(plan: RunPlan) -> str:
+    a = plan.model
+    return "\n".join([
+        "megarl train --dry-run: nothing is started",
+        f"  model: {a.arch}, {a.num_layers} layers, hidden {a.hidden_size}, heads "
+        f"{a.num_heads}/{a.num_kv_heads} kv, ffn {a.ffn_hidden_size}, vocab {a.vocab_size}"
+        f"{', tied embeddings' if a.tie_word_embeddings else ''} (from {plan.hf_config})",
+        f"  device: {plan.device}, launcher: {plan.launcher}"])
+
+
+def _placement(plan: RunPlan) -> str:
+    lines = ["Placement:"]
+    for p in plan.placements:
+        g = p.group
+        where = "; ".join(f"node {n} GPUs {_span(ids)}" for n, ids in p.local_devices().items())
+        lines.append(f"  group '{g.name}': {g.num_devices} device(s) "
+                     f"{_span(list(g.devices))}: {where}")
+        lines += [f"    {r}" for r in p.roles]
+    if not any("reward" in p.group.tasks for p in plan.placements):
+        lines.append("  reward: CPU process pool on the driver")
+    return "\n".join(lines)
+
+
+def _span(ids: list[int]) -> str:
+    return f"{ids[0]}-{ids[-1]}" if len(ids) > 1 else str(ids[0])
+
+
+def _servers(plan: RunPlan) -> str:
+    tp = plan.rollout_tp
+    if plan.servers and plan.servers[0].url is not None:
+        lines = [f"Rollout servers: {len(plan.servers)} given by rollout.server_urls "
+                 f"(TP{tp} each), none launched:"]
+        return "\n".join(lines + [f"  engine {s.index}: {s.url}" for s in plan.servers])
+    lines = [f"Rollout servers: {len(plan.servers)} × TP{tp} ({plan.rollout_name}); "
+             f"ports {PORT_BASE}+i are placeholders, chosen free at launch"]
+    if plan.rollout_name == "embedded":
+        lines.append("  (embedded: each engine is served in-process by its worker; the "
+                     "command is the equivalent standalone server)")
+    for s in plan.servers:
+        lines.append(f"  server {s.index}: node {s.node}, GPUs {_span(list(s.gpus))}, "
+                     f"base_gpu_id {s.gpus[0]}")
+        lines.append("    " + " ".join(s.command))
+    return "\n".join(lines)
+
+
+def _update_groups(plan: RunPlan) -> str:
+    lines = ["Weight-update groups, one per pipeline stage (rank 0 is the stage's sender; "
+             "engine i's TP rank r joins as offset_i + r):"]
+    per_node = plan.placements[0].devices_per_node
+    for u in plan.update_groups:
+        node, gpu = divmod(u.sender_device, per_node)
+        lines.append(f"  {u.name}: world {u.world_size}, rank_offsets {list(u.offsets)}; "
+                     f"sender: TP rank 0 of stage {u.stage}, device {u.sender_device} "
+                     f"(node {node} GPU {gpu})")
+    return "\n".join(lines)
+
+
+def _buckets(plan: RunPlan) -> str:
+    lines = [f"Weight buckets: receive buckets of ≤ {plan.consume_mb} MiB "
+             f"(param_update_consume_bucket_size_mb; a larger tensor travels alone), "
+             f"trainer-side gather window {plan.produce_mb} MiB "
+             "(param_update_preduce_bucket_size_mb)"]
+    for s in plan.stages:
+        dtypes = sorted({sp.dtype for b in s.buckets for sp in b.specs})
+        lines.append(f"  stage {s.stage} (layers {s.layers.start}-{s.layers.stop - 1}): "
+                     f"{s.num_tensors} tensors, {len(s.buckets)} bucket(s), largest "
+                     f"{mib(s.largest)}, total {mib(s.total)} ({', '.join(dtypes)})")
+    return "\n".join(lines)
+
+
+def _memory(plan: RunPlan) -> str:
+    cap = plan.capacity
+    lines = [f"Memory per GPU (estimate; capacity {gib(cap)}, --gpu-memory-gib):"]
+    for m in plan.memory:
+        lines.append(f"  group '{m.group}': {gib(m.total)} of {gib(cap)}"
+                     f"{'' if m.items else ' (no model)'}")
+        lines += [f"    {i.label:<40} {gib(i.nbytes):>10}" for i in m.items]
+    lines.append("  formulas:")
+    for f in plan.formulas:
+        lines += textwrap.wrap(f, 100, initial_indent="    ", subsequent_indent="        ",
+                               break_long_words=False, break_on_hyphens=False)
+    return "\n".join(lines)

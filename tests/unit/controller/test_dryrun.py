@@ -1,0 +1,179 @@
+"""`megarl train --dry-run`: the printed plan of the Qwen2-7B config, its fit check, and the
+quickstart's plan (tiny model absent). Real CLI calls; nothing is started."""
+import contextlib
+import io
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from megarl.backends.megatron.model import ModelArgs
+from megarl.cli import main
+from megarl.config import load_config
+from megarl.controller import dryrun
+from megarl.weight_sync.buckets import plan_buckets
+
+REPO = Path(__file__).resolve().parents[3]
+QWEN2 = str(REPO / "configs" / "qwen2_7b_async.yaml")
+QUICKSTART = str(REPO / "configs" / "quickstart.yaml")
+HF_JSON = REPO / "configs" / "models" / "qwen2_7b.json"
+GiB, MiB = 1 << 30, 1 << 20
+
+
+@pytest.fixture(autouse=True)
+def _in_repo(monkeypatch):
+    monkeypatch.chdir(REPO)  # the config's hf_config_path is relative to the working directory
+
+
+def _dry_run(capsys, *extra) -> tuple[int, str, str]:
+    rc = main(["train", "--config", QWEN2, "--dry-run", *extra])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+@pytest.fixture(scope="module")
+def qwen2_out() -> str:
+    """The default Qwen2-7B plan, printed once for the tests that read it."""
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf), contextlib.chdir(REPO):
+        assert main(["train", "--config", QWEN2, "--dry-run"]) == 0
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+def hf_meta():
+    """Qwen2-7B's HF parameters from transformers itself, on the meta device (no weights)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(HF_JSON))
+    return {n: tuple(p.shape) for n, p in model.named_parameters()}
+
+
+def test_qwen2_placement_servers_and_ranks(qwen2_out):
+    out = qwen2_out
+    assert "trainer (logp+actor-train): TP4 × PP1 × DP4" in out
+    assert "reference (ref_logp): TP4 × PP1 × DP2" in out
+    servers = re.findall(r"server (\d): node 3, GPUs (\d)-(\d), base_gpu_id (\d)", out)
+    assert [(int(i), int(a), int(b), int(g)) for i, a, b, g in servers] == \
+        [(i, 2 * i, 2 * i + 1, 2 * i) for i in range(4)]
+    commands = [line for line in out.splitlines() if "-m sglang.launch_server" in line]
+    assert len(commands) == 4
+    for i, cmd in enumerate(commands):
+        assert "--tp-size 2" in cmd and f"--base-gpu-id {2 * i}" in cmd
+        assert "--model-path models/Qwen2-7B-Instruct" in cmd and "--load-format dummy" in cmd
+    assert "world 9, rank_offsets [1, 3, 5, 7]" in out
+    assert out.count("megarl-weights-pp") == 1
+
+
+def test_qwen2_tensors_match_transformers(hf_meta):
+    cfg = load_config(QWEN2, [])
+    hf, _ = dryrun.load_hf_config(cfg)
+    a = ModelArgs.from_hf(hf)
+    for pp in (1, 2):
+        specs = [s for stage in dryrun.stage_specs(a, pp, "bfloat16") for s in stage]
+        assert {s.name: s.shape for s in specs} == hf_meta
+
+
+_EXPORT = """
+import json, os, sys, torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megarl.backends.megatron import _patches
+from megarl.backends.megatron.model import ModelArgs, build_gpt_model, transformer_config
+from megarl.controller.dryrun import stage_specs
+from megarl.convert.live import export_hf
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[1], rank=0,
+                        world_size=1)
+ps.initialize_model_parallel(1, 1)
+_patches.apply()
+a = ModelArgs.from_hf(json.loads(sys.argv[2]))
+model = build_gpt_model(a, transformer_config(a, 1, 1, "bfloat16"))
+real = [(n, str(t.dtype)[6:], tuple(t.shape)) for n, t in export_hf(model, a)]
+planned = [(s.name, s.dtype, s.shape) for s in stage_specs(a, 1, "bfloat16")[0]]
+print(real == planned, real, planned)
+"""
+
+
+def test_planned_tensors_are_what_megatron_exports():
+    """Names, order and dtypes of the planned specs are what the producer really sends (a
+    one-rank Megatron model in a subprocess, so no process group leaks into this one)."""
+    import json
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    hf = {"architectures": ["Qwen2ForCausalLM"], "vocab_size": 300, "hidden_size": 64,
+          "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+          "intermediate_size": 128, "tie_word_embeddings": False}
+    proc = subprocess.run([sys.executable, "-c", _EXPORT, str(port), json.dumps(hf)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.startswith("True"), proc.stdout
+
+
+def test_qwen2_buckets_and_memory(qwen2_out, hf_meta):
+    out = qwen2_out
+    cfg = load_config(QWEN2, [])
+    a = ModelArgs.from_hf(dryrun.load_hf_config(cfg)[0])
+    (specs,) = dryrun.stage_specs(a, 1, "bfloat16")
+    buckets = plan_buckets(specs, 128 * MiB)
+    assert f"{len(specs)} tensors, {len(buckets)} bucket(s)" in out
+    assert f"largest {max(b.nbytes for b in buckets) / MiB:.1f} MiB" in out
+
+    # Trainer, TP4: matrices (and QKV biases) split four ways, norm weights replicated.
+    norms = sum(n for name, s in hf_meta.items() if "norm" in name for n in s)
+    total = sum(torch.Size(s).numel() for s in hf_meta.values())
+    n = (total - norms) // 4 + norms
+    seq = 1024 + 2048
+    logits = seq * 16 * (152064 // 4) * 4  # logp micro-batch 16 dominates the activations
+    trainer = n * 2 + n * 4 + n * 12 // 4 + logits
+    assert f"group 'logp+actor-train': {trainer / GiB:.2f} GiB of 80.00 GiB" in out
+    assert f"group 'ref_logp': {(n * 2 + logits) / GiB:.2f} GiB" in out
+    weights = ((total - norms) * 2 + norms * 4) // 2
+    assert re.search(rf"rollout weights/TP2 +{weights / GiB:.2f} GiB", out)
+    assert f"group 'generate': {0.85 * 80:.2f} GiB" in out
+
+
+def test_pipeline_stages_get_their_own_update_group(capsys):
+    rc, out, _ = _dry_run(capsys, "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2")
+    assert rc == 0
+    assert "megarl-weights-pp0: world 9, rank_offsets [1, 3, 5, 7]" in out
+    assert "megarl-weights-pp1: world 9, rank_offsets [1, 3, 5, 7]" in out
+    assert "stage 0 (layers 0-13)" in out and "stage 1 (layers 14-27)" in out
+
+
+def test_too_small_a_gpu_exits_2_naming_the_group(capsys):
+    rc, out, err = _dry_run(capsys, "--gpu-memory-gib", "1")
+    assert rc == 2 and out == ""
+    assert "group 'logp+actor-train' does not fit" in err and "capacity 1.00 GiB" in err
+    rc, _, err = _dry_run(capsys, "actor_rollout_ref.rollout.gpu_memory_utilization=0.05")
+    assert rc == 2
+    assert "group 'generate' does not fit" in err and "gpu_memory_utilization=0.05" in err
+
+
+def test_missing_hf_config_exits_2(capsys):
+    rc, _, err = _dry_run(capsys, "actor_rollout_ref.model.hf_config_path=nowhere.json")
+    assert rc == 2 and "actor_rollout_ref.model.hf_config_path" in err
+
+
+def test_server_urls_and_torchrun(capsys, monkeypatch):
+    rc, out, _ = _dry_run(capsys, "trainer.launcher=torchrun",
+                          "actor_rollout_ref.rollout.server_urls=[http://h0:30000,http://h1:30000]")
+    assert rc == 0
+    assert "none launched" in out and "engine 1: http://h1:30000" in out
+    assert "sglang.launch_server" not in out and "world 5, rank_offsets [1, 3]" in out
+    monkeypatch.setenv("RANK", "3")  # under torchrun only rank 0 prints the plan
+    assert _dry_run(capsys, "trainer.launcher=torchrun")[:2] == (0, "")
+
+
+def test_quickstart_plans_from_the_tiny_model(capsys, monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)  # outputs/tiny-qwen2 is absent here
+    assert main(["train", "--config", QUICKSTART, "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "tiny qwen2 model" in out and "vocab 300, tied embeddings" in out
+    assert "-m megarl.rollout.server" in out and "world 2, rank_offsets [1]" in out
+    assert not (tmp_path / "outputs").exists()  # a dry run writes nothing
