@@ -213,11 +213,15 @@ class RolloutConfig:
     log_prob_micro_batch_size_per_gpu: int = 4
     """Sequences per log-prob forward on one device."""
     enable_dual_buffer: bool = False
-    """Stage the next weight version in a second buffer while generation continues."""
+    """The trainer blocks only for a snapshot of its weights; a background sender delivers it
+    while training goes on. (Stock SGLang still pauses generation while a version loads; the
+    embedded engine stages it and keeps generating.)"""
     param_update_preduce_bucket_size_mb: int = 512
-    """Producer (trainer) bucket size for weight broadcast, MiB (spelling from the request)."""
+    """MiB of exported weights the sending trainer rank gathers (TP all-gather, its PP stage)
+    before sending them (spelling from the feature request)."""
     param_update_consume_bucket_size_mb: int = 128
-    """Consumer (engine) receive-piece size, MiB; at most the producer bucket."""
+    """MiB: the largest flattened bucket on the wire, i.e. the receive buffer an engine
+    allocates (a single larger tensor travels alone); at most the produce size."""
     val_kwargs: ValKwargsConfig = field(default_factory=ValKwargsConfig)
     """Sampling used by validation."""
     partial_rollout: bool = False

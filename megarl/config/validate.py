@@ -8,6 +8,7 @@ Every ``ConfigError`` it raises starts with the dotted key at fault.
 from __future__ import annotations
 
 import difflib
+import re
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -106,6 +107,24 @@ def _check_rollout(cfg: DictConfig) -> None:
     if not 0 < r.gpu_memory_utilization <= 1:
         raise ConfigError(f"{_ARR}.rollout.gpu_memory_utilization: must be in (0, 1], "
                           f"got {r.gpu_memory_utilization}")
+    _check_servers(r)
+
+
+def _check_servers(r) -> None:
+    """The launched or given rollout servers (rollout.name=sglang)."""
+    key = f"{_ARR}.rollout"
+    if r.name != "sglang":
+        for name in ("server_urls", "server_module"):
+            if r[name]:
+                raise ConfigError(f"{key}.{name}: set, but {key}.name is {r.name!r}; it applies "
+                                  "to rollout.name=sglang only")
+        return
+    for i, url in enumerate(r.server_urls or []):
+        if not re.fullmatch(r"https?://[^/\s:]+:\d+/?", str(url)):
+            raise ConfigError(f"{key}.server_urls[{i}]: {url!r} is not http://host:port")
+    if r.server_start_timeout_s <= 0:
+        raise ConfigError(f"{key}.server_start_timeout_s: must be > 0, got "
+                          f"{r.server_start_timeout_s}")
 
 
 def _check_staleness(cfg: DictConfig) -> None:

@@ -295,14 +295,16 @@ def plan_servers(cfg: DictConfig, gen: GroupPlan) -> list[Server]:
 
 
 def server_command(cfg: DictConfig, index: int, base_gpu_id: int) -> list[str]:
-    from megarl.backends.sglang.launcher import EMBEDDED_MODULE, SGLANG_MODULE, ServerArgs, \
-        build_command
+    """The command line megarl's launcher runs for replica `index` (port: a placeholder)."""
+    from megarl.backends.sglang.launcher import (EMBEDDED_MODULE, build_command, module_for,
+                                                 replica_server_args)
 
     r = cfg.actor_rollout_ref.rollout
-    module = r.server_module or (SGLANG_MODULE if r.name == "sglang" else EMBEDDED_MODULE)
-    args = ServerArgs.from_rollout_config(r, cfg.actor_rollout_ref.model.path,
-                                          port=PORT_BASE + index, base_gpu_id=base_gpu_id,
-                                          extra_args=list(r.server_extra_args))
+    module = module_for(r) if r.name == "sglang" else EMBEDDED_MODULE
+    # Several nodes: the server binds its node's own address, known only at launch.
+    host = "127.0.0.1" if cfg.trainer.nnodes == 1 else "NODE_ADDRESS"
+    args = replica_server_args(cfg, index, host=host, port=PORT_BASE + index,
+                               base_gpu_id=base_gpu_id)
     return build_command(args, module=module)
 
 

@@ -70,10 +70,15 @@ def _per_item(value, count: int, name: str, default=None) -> list:
 class RolloutServer:
     """aiohttp application around one engine."""
 
-    def __init__(self, engine: EmbeddedEngine, skip_tokenizer_init: bool = False):
+    def __init__(self, engine: EmbeddedEngine, skip_tokenizer_init: bool = False,
+                 record: list | None = None):
         self.engine = engine
         self.skip_tokenizer_init = skip_tokenizer_init or engine.tokenizer is None
-        self.app = web.Application(client_max_size=1 << 34, middlewares=[self._errors])
+        # record: (path, request JSON, status, response JSON) of every call, for the contract
+        # tests that check what megarl sends against stock SGLang's own request types.
+        self.record = record
+        middlewares = [self._errors] if record is None else [self._record, self._errors]
+        self.app = web.Application(client_max_size=1 << 34, middlewares=middlewares)
         r = self.app.router
         for path, fn in [("/health", self.health), ("/health_generate", self.health),
                          ("/model_info", self.model_info), ("/get_model_info", self.model_info),
@@ -96,6 +101,18 @@ class RolloutServer:
                          ("/weights_checker", self.weights_checker)]:
             r.add_get(path, fn)
             r.add_post(path, fn)
+
+    @web.middleware
+    async def _record(self, request, handler):
+        raw = await request.read()  # aiohttp keeps it for the handler
+        resp = await handler(request)
+        body = getattr(resp, "body", None)
+        try:
+            out = json.loads(body) if body else None
+        except (TypeError, ValueError):
+            out = None
+        self.record.append((request.path, json.loads(raw) if raw else None, resp.status, out))
+        return resp
 
     @web.middleware
     async def _errors(self, request, handler):
@@ -296,8 +313,9 @@ class ServerThread:
     The engine binds to that loop; use it only through HTTP while the thread runs.
     """
 
-    def __init__(self, engine: EmbeddedEngine, host: str = "127.0.0.1", port: int = 0):
-        self.engine, self.host, self.port = engine, host, port
+    def __init__(self, engine: EmbeddedEngine, host: str = "127.0.0.1", port: int = 0,
+                 record: list | None = None):
+        self.engine, self.host, self.port, self.record = engine, host, port, record
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, name="megarl-rollout-server",
@@ -309,7 +327,8 @@ class ServerThread:
 
     def _run(self) -> None:
         asyncio.set_event_loop(self._loop)
-        runner = web.AppRunner(RolloutServer(self.engine).app, access_log=None)
+        runner = web.AppRunner(RolloutServer(self.engine, record=self.record).app,
+                               access_log=None)
         self._loop.run_until_complete(runner.setup())
         site = web.TCPSite(runner, self.host, self.port)
         self._loop.run_until_complete(site.start())

@@ -36,7 +36,8 @@ from typing import Callable, Iterable, Iterator
 
 import torch
 
-from megarl.rollout.weights import in_daemon_thread, new_update_group
+from megarl.rollout.weights import (bucket_layout, in_daemon_thread, new_update_group,
+                                    tensor_checksum, unpack_bucket)
 
 from .buckets import Bucket, BucketPacker
 from .protocol import SyncConfig, WeightSyncError, copy_bytes, update_group_ranks
@@ -105,6 +106,7 @@ class WeightProducer:
         self.group = None
         self._members: set[str] = set()  # engines in the current group
         self._last_sent: concurrent.futures.Future | None = None  # the last broadcast's wait
+        self.sent_checksums: dict[str, str] = {}  # verify mode: the version being sent
         self.stale: dict[str, str] = {}  # engine -> why
         self._retired: set[str] = set()  # stale engines already given STALE_VERSION
         self._address = "127.0.0.1"
@@ -223,6 +225,26 @@ class WeightProducer:
     def engine_checksums(self) -> list[dict[str, str]]:
         return self._all(self.live(), lambda l: l.checksums(), "weights_checker")
 
+    def verify(self, version: int, want: dict[str, str]) -> None:
+        """Verify mode: every live engine's `/weights_checker` checksum of each sent tensor
+        equals the trainer's. Engines that name their parameters otherwise (stock SGLang fuses
+        and shards them) are compared with each other instead."""
+        got = self.engine_checksums()
+        for link, sums in zip(self.live(), got):
+            shared = [n for n in want if n in sums]
+            bad = [n for n in shared if sums[n] != want[n]]
+            if bad:
+                raise WeightSyncError(version, None, f"checksum of {bad[0]} is {sums[bad[0]]}, "
+                                      f"sent {want[bad[0]]} ({len(bad)} tensors differ)",
+                                      stage=self.stage, engine=link.name)
+            if not shared:
+                logger.warning("verify: engine %s names no sent tensor; compared with the "
+                               "other engines only", link.name)
+        if len({tuple(sorted(s.items())) for s in got}) > 1 and all(
+                not set(want) & set(s) for s in got):
+            raise WeightSyncError(version, None, "engines disagree on their checksums",
+                                  stage=self.stage)
+
     # -- sending ------------------------------------------------------------------------------
     def send(self, buckets: Iterable[Bucket], version: int, set_version: bool,
              stats: SyncStats) -> SyncStats:
@@ -240,6 +262,11 @@ class WeightProducer:
 
     def _send_bucket(self, b: Bucket, tag: int | None) -> None:
         flat = b.flat(self._packing_buffer)
+        if self.config.verify:  # what this bucket holds, hashed as the engines will
+            layout = bucket_layout(*(lambda r: (r["names"], r["dtypes"], r["shapes"]))(
+                b.meta.request(self.group_name)))
+            self.sent_checksums.update((n, tensor_checksum(t))
+                                       for n, t in unpack_bucket(flat, layout))
         for _ in range(len(self.links) + 1):
             try:
                 self._broadcast(b, flat, tag)

@@ -30,6 +30,8 @@ from .protocol import SyncConfig, WeightSyncError
 
 logger = logging.getLogger(__name__)
 
+_CLOSED = "closed"  # the turn key the coordinator sets once a version is live
+
 
 class _StageTurns:
     """Stage s sends after stage s-1 is done; the coordinator closes after the last stage.
@@ -44,8 +46,8 @@ class _StageTurns:
                                                           "error": error}))
 
     def wait(self, seq: int, stage: int) -> dict:
-        """Stage `stage`'s outcome (blocks until it is done)."""
-        if self.store is None or stage < 0:
+        """Stage `stage`'s outcome (blocks until it is done); `_CLOSED`: the coordinator's."""
+        if self.store is None or stage == -1:
             return {"ok": True, "stale": {}, "error": ""}
         key = f"{seq}/{stage}"
         self.store.wait([key], datetime.timedelta(seconds=self.timeout_s))
@@ -109,6 +111,7 @@ class TrainerWeightSync:
         """This stage's part of one version, in its turn; the coordinator opens and closes."""
         p, last = self.producer, self.stage == self.num_stages - 1
         t0 = time.perf_counter()
+        p.sent_checksums = {}
         before = self.turns.wait(seq, self.stage - 1)
         err = None
         try:
@@ -128,6 +131,11 @@ class TrainerWeightSync:
             stats.pause_s = time.perf_counter() - t0
             if err is None and not final["ok"]:
                 err = WeightSyncError(version, None, final["error"], stage=self.num_stages - 1)
+            self.turns.done(seq, _CLOSED, err is None, {})
+        if self.config.verify and err is None:  # once the version is live on the engines
+            if self.turns.wait(seq, _CLOSED)["ok"]:
+                p.verify(version, p.sent_checksums)
+        p.sent_checksums = {}
         stats.transfer_s = time.perf_counter() - t0
         stats.stale = sorted(p.stale)
         if err is not None:

@@ -97,7 +97,7 @@ def test_bad_generate_input_is_400_naming_the_field(server, body, field):
     ("/update_weights_from_distributed", b'{"names": ["x"], "dtypes": ["float32"],'
                                          b' "shapes": [[1]], "group_name": "none"}'),
     ("/pause_generation", b'{"mode": "later"}'),
-    ("/abort_request", b"{}"),
+    ("/end_weight_update", b'{"weight_version": "3"}'),  # stock's has no fields
 ])
 def test_malformed_requests_are_400_and_the_server_stays_up(server, path, raw):
     status, body = post(server.url + path, raw)
@@ -116,8 +116,10 @@ def test_rejected_weight_updates_leave_weights_intact(server, models):
         before = await engine.client.get_weights_by_name("model.norm.weight")
         for bad in [("model.layers.9.mlp.up_proj.weight", torch.zeros(2)),
                     ("model.norm.weight", torch.zeros(3, 3))]:
+            await engine.begin_weight_update()
             with pytest.raises(BadRequest):
                 await engine.update_weights_from_tensor(good + [bad], weight_version="v1")
+            await engine.end_weight_update()
         after = await engine.client.get_weights_by_name("model.norm.weight")
         out = await engine.generate(GenerateRequest(PROMPT, SamplingParams(**GREEDY)))
         await engine.close()
@@ -181,11 +183,12 @@ def test_update_from_tensor_through_the_client(server, models):
 TRAINER = textwrap.dedent("""
     import sys
     from safetensors.torch import load_file
-    from megarl.rollout.weights import broadcast_tensors, new_update_group
+    from megarl.rollout.weights import new_update_group
     port, path = int(sys.argv[1]), sys.argv[2]
     group = new_update_group("127.0.0.1", port, 0, 2, "wug", "gloo", timeout_s=120)
     named = list(load_file(path).items())
-    broadcast_tensors(group, [t for _, t in named])
+    for _, t in named:  # load_format null: one broadcast per tensor, in list order
+        group.broadcast(t, 0)
     group.close()
     print("sent", len(named))
 """)
@@ -206,9 +209,12 @@ def test_update_from_gloo_broadcast_in_another_process(server, models):
             trainer = subprocess.Popen([sys.executable, "-c", TRAINER, str(port), str(path)],
                                        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             await join
+            await c.begin_weight_update()
             await c.update_weights_from_distributed(
                 [n for n, _ in named], [dtype_name(t.dtype) for _, t in named],
-                [list(t.shape) for _, t in named], "wug", weight_version="v2")
+                [list(t.shape) for _, t in named], "wug", flush_cache=False,
+                weight_version="v2")
+            await c.end_weight_update()
             stdout, stderr = await asyncio.to_thread(trainer.communicate, timeout=120)
             out = await c.generate(PROMPT, GREEDY)
             norm = await c.get_weights_by_name("model.norm.weight")

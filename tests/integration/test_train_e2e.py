@@ -118,6 +118,34 @@ def test_reward_rises(quickstart_assets, tmp_path, mode):
                                                                "reward/failures").values())
 
 
+def test_sglang_backend_trains_through_the_stock_contract(quickstart_assets, tmp_path):
+    """`rollout.name=sglang` as users run it, with the launcher's module the embedded server in
+    its SGLang-contract mode (each update call loads live, generation pauses per version): one
+    TP-2 server on 2 of 4 CPU devices, launched per replica, its log in the run directory."""
+    out = megarl("train", _args(
+        quickstart_assets, tmp_path, "trainer.save_freq=-1", "trainer.test_freq=-1",
+        "trainer.val_before_train=False", "trainer.n_gpus_per_node=4",
+        "actor_rollout_ref.rollout.name=sglang",
+        "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+        "actor_rollout_ref.rollout.server_module=megarl.rollout.server",
+        "actor_rollout_ref.rollout.server_extra_args=[--sglang-contract,--log-level,info]"))
+    reward = scalars(tmp_path, "reward/mean")
+    assert sorted(reward) == list(range(1, 41)), out[-2000:]
+    first = sum(reward[s] for s in range(1, 9)) / 8
+    last = sum(reward[s] for s in range(33, 41)) / 8
+    assert last > first + 0.1, (first, last)
+    # per-token versions come from the server's spans: one step off, never more
+    stale = scalars(tmp_path, "rollout/staleness_max")
+    assert max(stale.values()) == 1
+    paused = scalars(tmp_path, "weight_sync/engine_pause_s")
+    assert paused and all(v > 0 for v in paused.values())
+    log = (tmp_path / "megarl" / "t" / "logs" / "rollout-0.log").read_text()
+    # the TP-2 engine holds ranks 1 and 2 of the trainer's update group (world 1 + 2)
+    assert "as rank 1 of 3" in log and "as rank 2 of 3" in log
+    assert "--tp-size 2" in out and "sglang-contract" in out
+
+
+
 def test_design_usage_keys_run_a_short_training(quickstart_assets, tmp_path):
     out = megarl("train", _args(quickstart_assets, tmp_path, *DESIGN_KEYS,
                                 "trainer.n_gpus_per_node=4",

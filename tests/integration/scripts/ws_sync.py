@@ -38,7 +38,7 @@ def main():
     full = worker.full_hf_state()
     nbytes = {n: t.numel() * t.element_size() for n, t in full.items()}
     biggest, total = max(nbytes.values()), sum(nbytes.values())
-    cfg = SyncConfig(timeout_s=60)
+    cfg = SyncConfig(timeout_s=60, verify=True)
     links = [EngineLink(u, int(t), pause_for_update=live == "1") for u, t, live in engines]
     sync = TrainerWeightSync(worker, links, cfg, address="127.0.0.1", group_name=group)
     sync.connect()

@@ -201,3 +201,21 @@ def test_stale_policy_and_over_sample_are_checked():
 def test_unknown_logger_fails_at_load():
     msg = error_of("trainer.logger=[console,tensorbord]")
     assert msg.startswith("trainer.logger") and "did you mean `tensorboard`" in msg
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["actor_rollout_ref.rollout.server_urls=[http://h:1]"], "rollout.server_urls"),
+    (["actor_rollout_ref.rollout.server_module=sglang.launch_server"], "rollout.server_module"),
+    (["actor_rollout_ref.rollout.name=sglang", "actor_rollout_ref.rollout.server_urls=[h:1]"],
+     "rollout.server_urls[0]"),
+    (["actor_rollout_ref.rollout.name=sglang",
+      "actor_rollout_ref.rollout.server_start_timeout_s=0"], "rollout.server_start_timeout_s"),
+])
+def test_rollout_server_settings_name_the_key(overrides, key):
+    assert error_of(*overrides).startswith(f"{ARR}.{key}:")
+
+
+def test_sglang_with_given_servers_loads():
+    cfg = load_config(None, ["actor_rollout_ref.rollout.name=sglang",
+                             "actor_rollout_ref.rollout.server_urls=[http://10.1.2.3:30000]"])
+    assert list(cfg.actor_rollout_ref.rollout.server_urls) == ["http://10.1.2.3:30000"]

@@ -152,3 +152,20 @@ def test_updates_outside_a_session_are_refused_like_stock(engine_server):
     engine_server.call(eng.end_weight_update())
     with pytest.raises(UpdateRefused, match="no weight-update session"):
         engine_server.call(eng.end_weight_update())
+
+
+def test_verify_mode_checks_engines_with_stock_weights_checker(engine_server, ws_model_b):
+    named = trainer_weights(ws_model_b)
+    prod = connect([EngineLink(engine_server.url, pause_for_update=False)],
+                   consume_bucket_mb=8 * KB, verify=True)
+    try:
+        deliver(prod, named, 1)
+        want = dict(prod.sent_checksums)
+        assert want == {n: tensor_checksum(t) for n, t in named}
+        prod.verify(1, want)  # equal: passes
+        with torch.no_grad():  # an engine whose weights drifted from what was sent
+            engine_server.engine.weights.params["model.norm.weight"].add_(1)
+        with pytest.raises(WeightSyncError, match="model.norm.weight"):
+            prod.verify(1, want)
+    finally:
+        prod.close()
