@@ -22,7 +22,10 @@ Variants, on the same weights (changed before every run, so each run delivers ne
 - stream: `--consume-mb` buckets packed from the trainer's tensors as they go (no dual buffer),
   into the contract engine, paused throughout;
 - dual: snapshot (all the trainer waits for), then the background delivery, into the contract
-  engine and into the staged engine.
+  engine and into the staged engine;
+- wire (reference, "vs wire"): the same flat bytes broadcast to a bare peer process that
+  receives into one preallocated buffer, with no HTTP call, allocation or load: what loopback
+  gloo itself delivers on this machine.
 
 Transfer time is `WeightProducer.send` (first update call to last answer); the engine's pause
 is pause -> continue (open_version .. close_version, the coordinator's `SyncStats.pause_s`);
@@ -99,13 +102,75 @@ class EngineProcess:
         self._log.close()
 
 
+class WirePeer:
+    """The wire's own speed, for reference: a process that joins a gloo group of two and
+    receives each broadcast into one preallocated, touched buffer (no HTTP, no allocation, no
+    load), acknowledging each with a one-element broadcast back."""
+
+    def __init__(self, nbytes: int, log_dir: Path):
+        from megarl.utils.launch import free_port
+        from megarl.rollout.weights import new_update_group
+
+        self.nbytes, port = nbytes, free_port()
+        self._log = open(log_dir / "wire-peer.log", "w")
+        self.proc = subprocess.Popen([sys.executable, __file__, "--wire-peer", str(port),
+                                      "--wire-bytes", str(nbytes)], cwd=ROOT,
+                                     stdout=self._log, stderr=subprocess.STDOUT)
+        self.group = None
+        try:
+            self.group = new_update_group("127.0.0.1", port, 0, 2, "bench-wire", "gloo", 120)
+        except BaseException:
+            self.stop()
+            raise
+        self._flag = torch.zeros(1, dtype=torch.int64)
+
+    def send(self, flat: torch.Tensor) -> float:
+        self._flag.fill_(1)
+        self.group.broadcast(self._flag, 0)  # the peer posts its receive after this
+        t0 = time.perf_counter()
+        self.group.broadcast(flat, 0)
+        self.group.broadcast(self._flag, 1)  # received
+        return time.perf_counter() - t0
+
+    def stop(self) -> None:
+        try:
+            if self.group is not None and self.proc.poll() is None:
+                self.group.broadcast(torch.zeros(1, dtype=torch.int64), 0)  # stop
+                self.proc.wait(30)
+        except Exception:  # noqa: BLE001 - tearing down; the process is killed below
+            pass
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(30)
+        if self.group is not None:
+            self.group.close()
+            self.group = None
+        self._log.close()
+
+
+def wire_peer(port: int, nbytes: int) -> int:
+    from megarl.rollout.weights import new_update_group
+
+    g = new_update_group("127.0.0.1", port, 1, 2, "bench-wire", "gloo", 120)
+    buf = torch.zeros(nbytes, dtype=torch.uint8)
+    flag = torch.zeros(1, dtype=torch.int64)
+    while True:
+        g.broadcast(flag, 0)
+        if not int(flag.item()):
+            break
+        g.broadcast(buf, 0)
+        g.broadcast(flag, 1)
+    g.close()
+    return 0
+
+
 # -- one run of one variant ------------------------------------------------------------------
 @dataclass
 class Run:
     transfer_s: float
     blocking_s: float
     pause_s: float | None  # None: the engine was not paused
-    exact: bool
+    exact: bool | None  # None: nothing to check
 
 
 @dataclass
@@ -114,12 +179,13 @@ class Variant:
     engine: str
     baseline: str | None  # the raw variant it is compared with
     runs: list[Run] = field(default_factory=list)
-    exact: bool = True  # every run, the warm-up included
+    exact: bool | None = True  # every run, the warm-up included (None: nothing to check)
 
 
 class Bench:
-    def __init__(self, args, named: list[tuple[str, torch.Tensor]], producers: dict):
-        self.args, self.named, self.producers = args, named, producers
+    def __init__(self, args, named: list[tuple[str, torch.Tensor]], producers: dict,
+                 peer: WirePeer):
+        self.args, self.named, self.producers, self.peer = args, named, producers, peer
         self.total = sum(t.numel() * t.element_size() for _, t in named)
         self.version = 0
         self.mismatches: list[str] = []
@@ -159,6 +225,10 @@ class Bench:
         from megarl.weight_sync.producer import SyncStats
 
         return SyncStats(self.version)
+
+    def wire(self, engine: str) -> Run:
+        t = self.peer.send(self._raw_buf)
+        return Run(t, t, None, None)
 
     def raw(self, engine: str) -> Run:
         """One flattened bucket holding the whole model, packed before the clock starts."""
@@ -215,6 +285,7 @@ class Bench:
 
 
 VARIANTS = [  # (name, engine, method, baseline): the order of one interleaved round
+    ("wire", "peer", "wire", None),
     ("raw", "contract", "raw", None),
     ("stream", "contract", "stream", "raw/contract"),
     ("dual", "contract", "dual", "raw/contract"),
@@ -223,7 +294,8 @@ VARIANTS = [  # (name, engine, method, baseline): the order of one interleaved r
 ]
 
 
-def measure(args, named, urls: dict[str, str]) -> tuple[list[Variant], list[str]]:
+def measure(args, named, urls: dict[str, str], log_dir: Path
+            ) -> tuple[list[Variant], list[str]]:
     from megarl.utils.launch import free_port
     from megarl.weight_sync.producer import WeightProducer
     from megarl.weight_sync.protocol import SyncConfig
@@ -231,13 +303,14 @@ def measure(args, named, urls: dict[str, str]) -> tuple[list[Variant], list[str]
 
     cfg = SyncConfig(produce_bucket_mb=args.produce_mb, consume_bucket_mb=args.consume_mb,
                      timeout_s=args.timeout)
-    producers = {}
+    producers, peer = {}, None
     try:
+        peer = WirePeer(sum(t.numel() * t.element_size() for _, t in named), log_dir)
         for engine, url in urls.items():
             link = EngineLink(url, pause_for_update=(engine == "contract"))
             prod = producers[engine] = WeightProducer([link], cfg, group_name=f"bench-{engine}")
             prod.connect("127.0.0.1", free_port())
-        bench = Bench(args, named, producers)
+        bench = Bench(args, named, producers, peer)
         variants = [Variant(f"{n}/{e}", e, base) for n, e, _, base in VARIANTS]
         try:
             for rnd in range(args.repeat + 1):  # round 0 warms up connections and allocators
@@ -245,8 +318,11 @@ def measure(args, named, urls: dict[str, str]) -> tuple[list[Variant], list[str]
                     r = getattr(bench, method)(engine)
                     logger.info("round %d %-15s transfer %6.1f ms  blocking %6.1f ms  %s",
                                 rnd, var.name, r.transfer_s * 1e3, r.blocking_s * 1e3,
-                                "exact" if r.exact else "MISMATCH")
-                    var.exact = var.exact and r.exact  # the warm-up is checked too
+                                {True: "exact", False: "MISMATCH", None: ""}[r.exact])
+                    if r.exact is None:
+                        var.exact = None
+                    elif var.exact is not None:
+                        var.exact = var.exact and r.exact  # the warm-up included
                     if rnd:
                         var.runs.append(r)
         finally:
@@ -255,10 +331,13 @@ def measure(args, named, urls: dict[str, str]) -> tuple[list[Variant], list[str]
     finally:
         for prod in producers.values():
             prod.close()
+        if peer is not None:
+            peer.stop()
 
 
 def summarize(args, variants: list[Variant], total: int, meta: dict) -> dict:
     by = {v.name: v for v in variants}
+    wire_t = min(r.transfer_s for r in by["wire/peer"].runs)
     rows = {}
     for v in variants:
         runs = v.runs
@@ -268,6 +347,8 @@ def summarize(args, variants: list[Variant], total: int, meta: dict) -> dict:
                "blocking_ms": min(r.blocking_s for r in runs) * 1e3,
                "pause_ms": min(pauses) * 1e3 if pauses else None,
                "exact": v.exact, "runs": len(runs)}
+        if v.name != "wire/peer":
+            row["vs_wire"] = wire_t / best_t
         if v.baseline:
             row["vs_raw"] = row["gbps"] / (total / min(r.transfer_s for r in by[v.baseline].runs)
                                            / 1e9)
@@ -288,16 +369,16 @@ def print_table(res: dict) -> None:
           f"{res['hidden']}, {res['layers']} layers, vocab {res['vocab']}); buckets "
           f"produce {res['produce_mb']:g} / consume {res['consume_mb']:g} MiB "
           f"({res['buckets']} buckets); best of {res['repeat']}; {res['machine']}")
-    hdr = (f"{'variant':16s} {'GB/s':>6s} {'vs raw':>7s} {'transfer':>9s} {'trainer':>9s} "
-           f"{'engine':>9s} {'paused/':>9s}  bit-exact")
-    print(hdr)
-    print(f"{'':16s} {'':>6s} {'':>7s} {'ms':>9s} {'blocked ms':>9s} {'paused ms':>9s} "
-          f"{'transfer':>9s}")
+    print(f"{'variant':16s} {'GB/s':>6s} {'vs raw':>7s} {'vs wire':>7s} {'transfer':>9s} "
+          f"{'trainer':>10s} {'engine':>10s} {'paused/':>9s}  bit-exact")
+    print(f"{'':16s} {'':>6s} {'':>7s} {'':>7s} {'ms':>9s} {'blocked ms':>10s} "
+          f"{'paused ms':>10s} {'transfer':>9s}")
     for name, r in res["variants"].items():
         print(f"{name:16s} {r['gbps']:6.2f} {f(r.get('vs_raw'), '7.2f'):>7s} "
-              f"{r['transfer_ms']:9.1f} {r['blocking_ms']:9.1f} {f(r['pause_ms'], '9.1f'):>9s} "
+              f"{f(r.get('vs_wire'), '7.2f'):>7s} {r['transfer_ms']:9.1f} "
+              f"{r['blocking_ms']:10.1f} {f(r['pause_ms'], '10.1f'):>10s} "
               f"{f(r.get('pause_over_transfer'), '9.2f'):>9s}  "
-              f"{'PASS' if r['exact'] else 'FAIL'}")
+              f"{ {True: 'PASS', False: 'FAIL', None: '—'}[r['exact']]}")
     print(f"trainer blocking, dual / stream (contract engine): "
           f"{res['blocking_dual_over_stream']:.3f} (aim <= 0.1)")
     print(f"bucketed / raw (aim >= 0.9): " + ", ".join(
@@ -316,9 +397,13 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--timeout", type=float, default=120, help="per bucket, seconds")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--wire-peer", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--wire-bytes", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: "
                         "%(message)s")
+    if args.wire_peer is not None:
+        return wire_peer(args.wire_peer, args.wire_bytes)
 
     from megarl.utils.tiny_model import make_tiny_model
     from megarl.weight_sync.buckets import plan_buckets
@@ -342,7 +427,7 @@ def main() -> int:
         for e in engines:
             e.wait_ready()
         logger.info("engines up: %s", ", ".join(f"{e.name} {e.url}" for e in engines))
-        variants, mismatches = measure(args, named, {e.name: e.url for e in engines})
+        variants, mismatches = measure(args, named, {e.name: e.url for e in engines}, tmp)
     finally:
         for e in engines:
             e.stop()

@@ -148,7 +148,7 @@ class RolloutGroup:
                 for i in range(devices.num_devices)]
             self.urls = ray.get([a.url.remote() for a in self.actors])
         self.engines = engine_links(cfg, self.urls)
-        logger.info("rollout servers (%s): %s", r.name, ", ".join(self.urls))
+        logger.info("rollout servers: %s (%s)", ", ".join(self.urls), r.name)
 
     def shutdown(self) -> None:
         try:

@@ -423,7 +423,7 @@ class TorchrunRolloutGroup:
                            for i, rank in enumerate(devices.ranks)]
             self.urls = [f.result() for f in [a.url.future() for a in self.actors]]
         self.engines = engine_links(cfg, self.urls)
-        logger.info("rollout servers (%s): %s", r.name, ", ".join(self.urls))
+        logger.info("rollout servers: %s (%s)", ", ".join(self.urls), r.name)
 
     def shutdown(self) -> None:
         done, late = cf.wait([a.shutdown.future() for a in self.actors], timeout=60)

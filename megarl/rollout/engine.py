@@ -118,6 +118,7 @@ class EmbeddedEngine:
         self._txn: dict[str, torch.Tensor] | None = None  # the open update session's staging
         self._txn_version: str | None = None
         self._groups: dict[str, EngineRanks] = {}
+        self._recv_bufs: dict[str, torch.Tensor] = {}  # flattened-bucket receive, per group
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task | None = None
         self.generated_tokens = 0
@@ -361,6 +362,7 @@ class EmbeddedEngine:
         group = self._groups.pop(group_name, None)
         if group is None:
             raise BadRequest("group_name", f"no update group {group_name!r}")
+        self._recv_bufs.pop(group_name, None)  # a receive left pending may still hold it
         group.close()
 
     async def update_weights_from_distributed(self, names, dtypes, shapes, group_name,
@@ -380,7 +382,7 @@ class EmbeddedEngine:
                              f"null (one broadcast per tensor) and {LOAD_FORMAT!r}")
         if load_format == LOAD_FORMAT:
             layout = bucket_layout(list(names), list(dtypes), list(shapes))
-            flat = torch.empty(layout[-1][4], dtype=torch.uint8, device=self.device)
+            flat = self._receive_buffer(group_name, layout[-1][4])
         else:
             if not (len(names) == len(dtypes) == len(shapes)):
                 raise BadRequest("names", "names, dtypes and shapes differ in length")
@@ -398,6 +400,17 @@ class EmbeddedEngine:
             raise UpdateRefused(f"Failed to update parameter online: injected fault at update "
                                 f"call {self.update_calls} (--fail-update-at)")
         await self._load(named, weight_version, flush_cache)
+
+    def _receive_buffer(self, group_name: str, nbytes: int) -> torch.Tensor:
+        """One flattened-bucket buffer per group, kept between calls: a fresh allocation per
+        bucket costs its page faults inside the receive (on CPU, ~150 ms for 200 MB against
+        ~20 ms to refill a kept one). Calls of one group never overlap (the sender awaits each
+        answer), and what is received is copied out before the call returns."""
+        buf = self._recv_bufs.get(group_name)
+        if buf is None or buf.numel() < nbytes:
+            buf = self._recv_bufs[group_name] = torch.empty(nbytes, dtype=torch.uint8,
+                                                            device=self.device)
+        return buf[:nbytes]
 
     async def begin_weight_update(self) -> None:
         self._ensure_started()

@@ -190,6 +190,7 @@ class EngineRanks:
         self._lock = threading.Lock()
         self._busy = 0  # receives in progress
         self._close_when_idle = False
+        self._scratch_bufs: dict[int, torch.Tensor] = {}
 
     @classmethod
     def join(cls, master_address: str, master_port: int, rank_offset: int, world_size: int,
@@ -201,6 +202,17 @@ class EngineRanks:
                                 world_size, group_name, backend, timeout_s)
                     for r in range(tp_size)]
             return cls([f.result() for f in futs])
+
+    def _scratch(self, rank: int, like: torch.Tensor) -> torch.Tensor:
+        """Where extra TP rank `rank` receives: kept between calls for flattened buckets
+        (uint8, the bulk of the bytes), fresh otherwise."""
+        if like.dtype != torch.uint8:
+            return torch.empty_like(like)
+        buf = self._scratch_bufs.get(rank)
+        if buf is None or buf.numel() < like.numel() or buf.device != like.device:
+            buf = self._scratch_bufs[rank] = torch.empty(like.numel(), dtype=torch.uint8,
+                                                         device=like.device)
+        return buf[: like.numel()]
 
     @property
     def busy(self) -> int:
@@ -214,7 +226,7 @@ class EngineRanks:
             works = []
             for buf in buffers:
                 for r, g in enumerate(self.groups):
-                    works.append(g.broadcast_async(buf if r == 0 else torch.empty_like(buf), 0))
+                    works.append(g.broadcast_async(buf if r == 0 else self._scratch(r, buf), 0))
             for w in works:
                 w.wait()
             return buffers

@@ -128,8 +128,8 @@ def test_two_nodes_on_loopback_train_two_steps(quickstart_assets, tmp_path):
     assert _trained_steps(tmp_path) == [0, 1]
     # The engine on node 1 received both trained versions over the weight-sync group, and
     # step 2 trained on samples generated under version 1 (one-step-off), not version 0.
-    assert "weights updated in place: version 1" in node1
-    assert "weights updated in place: version 2" in node1
+    assert "weights updated: 26 tensors, version 0 -> 1" in node1
+    assert "weights updated: 26 tensors, version 1 -> 2" in node1
     assert sorted(_scalars(tmp_path, "weight_sync/time_s")) == [1, 2]
     assert _scalars(tmp_path, "rollout/staleness_max") == {1: 0.0, 2: 1.0}
 

@@ -145,6 +145,36 @@ def test_sglang_backend_trains_through_the_stock_contract(quickstart_assets, tmp
     assert "--tp-size 2" in out and "sglang-contract" in out
 
 
+def test_given_servers_and_an_engine_failing_mid_version_is_dropped(quickstart_assets,
+                                                                   tmp_path):
+    """`rollout.server_urls`: servers the user runs (nothing launched). One of them answers
+    its 3rd weight-update call with `success: false`: it is marked stale (version "stale"),
+    its requests go to the other engine, and training finishes, never hanging."""
+    from megarl.backends.sglang.launcher import ServerArgs, find_free_port, launch_server
+
+    servers = []
+    try:
+        for fault in ([], ["--fail-update-at", "3"]):
+            args = ServerArgs(model_path=str(quickstart_assets / "tiny"),
+                              port=find_free_port(), load_format="dummy", weight_version="0",
+                              log_level="info", extra_args=["--sglang-contract", *fault])
+            servers.append(launch_server(args, module="megarl.rollout.server", timeout_s=120,
+                                         log_path=tmp_path / f"server{len(servers)}.log"))
+        urls = ",".join(s.url for s in servers)
+        out = megarl("train", _args(
+            quickstart_assets, tmp_path, "trainer.save_freq=-1", "trainer.test_freq=-1",
+            "trainer.val_before_train=False", "trainer.total_training_steps=6",
+            "actor_rollout_ref.rollout.name=sglang",
+            f"actor_rollout_ref.rollout.server_urls=[{urls}]"), timeout=300)
+    finally:
+        for s in servers:
+            s.stop()
+    assert sorted(scalars(tmp_path, "reward/mean")) == list(range(1, 7)), out[-2000:]
+    assert f"engine {servers[1].url} marked stale" in out
+    assert "injected fault" in (tmp_path / "server1.log").read_text()
+    assert max(scalars(tmp_path, "weight_sync/stale_engines").values()) == 1
+
+
 
 def test_design_usage_keys_run_a_short_training(quickstart_assets, tmp_path):
     out = megarl("train", _args(quickstart_assets, tmp_path, *DESIGN_KEYS,

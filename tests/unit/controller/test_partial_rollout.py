@@ -52,9 +52,9 @@ def _new(engine, loader, scorer, **kw):
 
 
 async def _bump(engine, version: int):
-    """A weight "update" that only moves the version (the weights stay), like a sync."""
-    await engine.begin_weight_update()
-    await engine.end_weight_update(weight_version=str(version))
+    """A weight "update" that only moves the version (the weights stay), like a sync: SGLang's
+    `/update_weight_version`, without aborting anything."""
+    await engine.update_weight_version(str(version), abort_all_requests=False)
 
 
 def _drawn(loader_state_offset, prompts):
