@@ -32,6 +32,7 @@ import concurrent.futures
 import hashlib
 import logging
 import random
+import time
 from pathlib import Path
 
 import torch
@@ -389,17 +390,22 @@ class EmbeddedEngine:
             bufs = [torch.empty(tuple(s), dtype=parse_dtype(d), device=self.device)
                     for d, s in zip(dtypes, shapes)]
         # A worker thread, not the model thread: generation may go on during the transfer.
+        t0 = time.perf_counter()
         try:
             got = await asyncio.wrap_future(in_daemon_thread(
                 lambda: ranks.receive([flat] if load_format else bufs)))
         except Exception as e:  # noqa: BLE001 - the transport's failure, answered as stock does
             raise UpdateRefused(f"Failed to receive weights: {e}") from None
         named = unpack_bucket(flat, layout) if load_format else list(zip(names, got))
+        t1 = time.perf_counter()
         self.update_calls += 1
         if self.fail_update_at is not None and self.update_calls == self.fail_update_at:
             raise UpdateRefused(f"Failed to update parameter online: injected fault at update "
                                 f"call {self.update_calls} (--fail-update-at)")
         await self._load(named, weight_version, flush_cache)
+        logger.debug("update call %d: %d tensors received in %.1f ms, loaded in %.1f ms",
+                     self.update_calls, len(named), (t1 - t0) * 1e3,
+                     (time.perf_counter() - t1) * 1e3)
 
     def _receive_buffer(self, group_name: str, nbytes: int) -> torch.Tensor:
         """One flattened-bucket buffer per group, kept between calls: a fresh allocation per
