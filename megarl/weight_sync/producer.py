@@ -192,21 +192,34 @@ class WeightProducer:
     def exclude(self, engines: dict[str, str]) -> None:
         """Leave out engines another stage found stale (a new group if they are in ours)."""
         self.mark_stale(engines)
-        if self._members & set(engines):
+        if self._members & set(self.stale):
             self._rebuild()
+
+    def _try(self, links, fn, what: str) -> None:
+        """`fn` on each link; an engine that fails it is marked stale (not the sync)."""
+        results = self._each(links, fn)
+        self.mark_stale({l.name: f"{what}: {_why(r, self.config.timeout_s)}"
+                         for l, r in zip(links, results) if isinstance(r, BaseException)})
 
     def open_version(self) -> None:
         """Pause (where the engine loads into live weights) and begin the update session."""
-        live = self.live()
-        self._all([l for l in live if l.pause_for_update], lambda l: l.pause(),
+        self._try([l for l in self.live() if l.pause_for_update], lambda l: l.pause(),
                   "pause_generation")
-        self._all(live, lambda l: l.begin(), "begin_weight_update")
+        self._try(self.live(), lambda l: l.begin(), "begin_weight_update")
+        self.exclude({})  # a new group if an engine just failed
 
     def close_version(self, stale: dict[str, str]) -> None:
-        """End the session, flush once, continue. Engines found stale in this version get
-        `STALE_VERSION` (their requests are aborted and come back as partials) and are
-        continued too, so nothing waits on them."""
+        """End the session, flush once, continue. Engines found stale get `STALE_VERSION`
+        (their requests are aborted and come back as partials) and are continued too, so
+        nothing waits on them."""
         self.mark_stale(stale)
+        live = self.live()
+        self._try(live, lambda l: l.end(), "end_weight_update")
+        # With requests held in place the flush is refused; the cache entries of the old
+        # weights then go as their requests finish.
+        self._each(self.live(), lambda l: l.flush())
+        self._try([l for l in self.live() if l.pause_for_update], lambda l: l.resume(),
+                  "continue_generation")
         dead = [l for l in self.links if l.name in self.stale and l.name not in self._retired]
         self._retired.update(l.name for l in dead)
         if dead:
@@ -214,13 +227,9 @@ class WeightProducer:
                        timeout=10)
             self._each(dead, lambda l: l.end(), timeout=10)
             self._each(dead, lambda l: l.resume(), timeout=10)
-        live = self.live()
-        self._all(live, lambda l: l.end(), "end_weight_update")
-        # With requests held in place the flush is refused; the cache entries of the old
-        # weights then go as their requests finish.
-        self._each(live, lambda l: l.flush())
-        self._all([l for l in live if l.pause_for_update], lambda l: l.resume(),
-                  "continue_generation")
+        if not self.live():
+            raise WeightSyncError("-", None, "no engine left to send weights to",
+                                  stage=self.stage)
 
     def engine_checksums(self) -> list[dict[str, str]]:
         return self._all(self.live(), lambda l: l.checksums(), "weights_checker")
@@ -249,6 +258,7 @@ class WeightProducer:
     def send(self, buckets: Iterable[Bucket], version: int, set_version: bool,
              stats: SyncStats) -> SyncStats:
         """Send buckets in order; the last one carries `version` when `set_version`."""
+        self.exclude({})  # engines found stale since the group was built leave it first
         it = iter(buckets)
         cur = next(it, None)
         while cur is not None:

@@ -169,3 +169,22 @@ def test_verify_mode_checks_engines_with_stock_weights_checker(engine_server, ws
             prod.verify(1, want)
     finally:
         prod.close()
+
+
+def test_engine_gone_before_a_version_is_dropped_not_the_sync(ws_model, ws_model_b):
+    """A server that died between versions fails `pause`/`begin`: stale, and the version goes
+    to the engines still there."""
+    good = EngineServer(ws_model)
+    bad = EngineServer(ws_model)
+    named = trainer_weights(ws_model_b)
+    prod = connect([EngineLink(good.url, pause_for_update=False), EngineLink(bad.url)],
+                   consume_bucket_mb=8 * KB, timeout_s=10)
+    try:
+        bad.close()
+        stats = deliver(prod, named, 4)
+        assert stats.stale == [bad.url] and "pause_generation" in prod.stale[bad.url]
+        assert good.engine.weight_version == "4"
+        assert_bit_exact(prod, named)
+    finally:
+        prod.close()
+        good.close()
