@@ -184,3 +184,23 @@ def test_bad_launch_settings_fail_before_any_work(tmp_path, monkeypatch):
     p = subprocess.run(["bash", str(SCRIPT), str(tmp_path / "missing.yaml")],
                        env=env, capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and "missing.yaml not found" in p.stderr
+
+
+def test_sglang_backend_under_torchrun(quickstart_assets, tmp_path):
+    """`rollout.name=sglang` without Ray: the first rank of the rollout replica launches the
+    server (here megarl's embedded server in SGLang-contract mode, TP 2 over ranks 2-3), the
+    trainer's update group counts its two TP ranks, and the run trains."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
+           "-m", "megarl.cli", "train", "--config", str(ROOT / "configs" / "quickstart.yaml"),
+           *_overrides(quickstart_assets, tmp_path, 3)[:-2], "trainer.launcher=torchrun",
+           "trainer.n_gpus_per_node=4", "actor_rollout_ref.rollout.name=sglang",
+           "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+           "actor_rollout_ref.rollout.server_module=megarl.rollout.server",
+           "actor_rollout_ref.rollout.server_extra_args=[--sglang-contract]"]
+    p = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out[-4000:]
+    assert "(sglang)" in out and "world 3, rank offsets [1]" in out
+    assert _trained_steps(tmp_path) == [0, 1, 2]
+    assert (tmp_path / "megarl" / "t" / "logs" / "rollout-0.log").exists()
