@@ -143,7 +143,8 @@ def test_sglang_backend_trains_through_the_stock_contract(quickstart_assets, tmp
     assert paused and all(v > 0 for v in paused.values())
     # each TP-2 engine holds two ranks of the trainer's update group: world 1 + 2 + 2
     logs = tmp_path / "megarl" / "t" / "logs"
-    first_log, second_log = (logs / "rollout-0.log").read_text(), (logs / "rollout-1.log").read_text()
+    first_log = (logs / "rollout-0.log").read_text()
+    second_log = (logs / "rollout-1.log").read_text()
     assert "as rank 1 of 5" in first_log and "as rank 2 of 5" in first_log
     assert "as rank 3 of 5" in second_log and "as rank 4 of 5" in second_log
     assert "rank offsets [1, 3]" in out and "--tp-size 2" in out
