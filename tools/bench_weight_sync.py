@@ -381,7 +381,7 @@ def print_table(res: dict) -> None:
               f"{ {True: 'PASS', False: 'FAIL', None: '—'}[r['exact']]}")
     print(f"trainer blocking, dual / stream (contract engine): "
           f"{res['blocking_dual_over_stream']:.3f} (aim <= 0.1)")
-    print(f"bucketed / raw (aim >= 0.9): " + ", ".join(
+    print("bucketed / raw (aim >= 0.9): " + ", ".join(
         f"{n} {r['vs_raw']:.2f}" for n, r in res["variants"].items() if "vs_raw" in r))
     print(f"bit-exact: {'PASS' if res['exact'] else 'FAIL'}")
 
