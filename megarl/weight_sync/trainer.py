@@ -162,7 +162,7 @@ class TrainerWeightSync:
     def sync(self, version: int) -> SyncStats | None:
         version = int(version)
         t0 = time.perf_counter()
-        self.wait()
+        prev = self.wait()
         self._seq += 1
         seq = self._seq
         named = self.worker.export_hf(self.export_dtype) if self.exporter else iter(())
@@ -178,7 +178,11 @@ class TrainerWeightSync:
             self._pending = version
             blocking = time.perf_counter() - t0
             logger.info("weights v%d: trainer blocked %.3f s (snapshot)", version, blocking)
-            return SyncStats(version, self.stage, blocking_s=blocking)
+            # What this sync blocked for, and how the PREVIOUS version's delivery went (it was
+            # collected above): the transfer of a version is known only at the next sync.
+            out = prev or SyncStats(version, self.stage)
+            out.blocking_s = blocking
+            return out
         err = None
         try:
             if self.sender:
