@@ -63,7 +63,6 @@ class BucketPacker:
         self.version, self.bucket_bytes, self.stage = version, int(bucket_bytes), stage
         self._open: dict[str, Bucket] = {}  # dtype -> bucket being filled
         self._index = 0
-        self.total_bytes = 0
 
     def _seal(self, b: Bucket) -> Bucket:
         b.meta.index = self._index
@@ -72,7 +71,6 @@ class BucketPacker:
 
     def add_spec(self, spec: TensorSpec, tensor: torch.Tensor | None = None) -> Iterator[Bucket]:
         n = spec.nbytes
-        self.total_bytes += n
         if n >= self.bucket_bytes:
             # Too large to share: alone, and the open bucket of its dtype stays open.
             yield self._seal(Bucket(BucketMeta(self.version, self.stage, -1, [spec]), [tensor]))
