@@ -15,6 +15,7 @@ import sys
 from typing import Callable, Optional, Sequence
 
 from megarl.config import ConfigError, load_config, to_yaml
+from megarl.config.preflight import preflight
 
 EXIT_USAGE = 2
 
@@ -57,7 +58,10 @@ def _train_flags(parser: argparse.ArgumentParser) -> None:
 def _train(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     if args.dry_run:
+        # No file checks: a dry run plans, often on a laptop, a run whose model and data
+        # live on the cluster.
         return _dry_run(cfg, args.gpu_memory_gib)
+    preflight(cfg)  # every rank, before Ray or a torchrun rendezvous: files fail here
     if cfg.trainer.launcher == "torchrun":
         # Every process of the torchrun world lands here; rank 0 drives, the others serve it.
         from megarl.cluster import torchrun
@@ -71,6 +75,7 @@ def _train(args: argparse.Namespace) -> int:
 def _validate(args: argparse.Namespace) -> int:
     # Validate as val_only so a config with no data.val_files fails here, not in the driver.
     cfg = load_config(args.config, [*args.overrides, "trainer.val_only=True"])
+    preflight(cfg)
     if cfg.trainer.launcher == "torchrun":
         from megarl.cluster import torchrun
 
@@ -148,7 +153,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         return args.handler(args)
     except ConfigError as err:
-        print(f"megarl {args.command}: {err}", file=sys.stderr)
+        # One line, whatever the message quotes (a value, a library's reason): easy to grep.
+        text = " ".join(str(err).split("\n"))
+        print(f"megarl {args.command}: {text}", file=sys.stderr)
         return EXIT_USAGE
     except _Abort as err:
         print(err, file=sys.stderr)

@@ -93,6 +93,14 @@ class MegatronRank:
     def sync_weights(self, version: int) -> dict:
         return _sync_metrics(self.sync.sync(version))
 
+    def replace_engine(self, index: int, engine: dict) -> None:
+        """Rollout engine `index` was replaced by `engine` ({"url", "tp", "pause"})."""
+        from megarl.weight_sync.transports import EngineLink
+
+        if self.sync is not None:
+            self.sync.replace_engine(index, EngineLink(engine["url"], engine["tp"],
+                                                       engine["pause"]))
+
     def wait_weight_sync(self) -> dict:
         return _sync_metrics(self.sync.wait() if self.sync is not None else None)
 

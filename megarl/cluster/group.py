@@ -100,6 +100,11 @@ class MegatronGroup:
         stats = await asyncio.gather(*[a.wait_weight_sync.remote() for a in self.actors])
         return stats[0]
 
+    async def replace_engine(self, index: int, engine: dict) -> None:
+        """Rollout engine `index` was replaced: every rank's sender takes the new one into its
+        update group at the next version."""
+        await asyncio.gather(*[a.replace_engine.remote(index, engine) for a in self.actors])
+
     async def save(self, path: str, **meta) -> None:
         await asyncio.gather(*[a.save.remote(path, **meta) for a in self.actors])
 
@@ -126,16 +131,18 @@ class RolloutGroup:
     def __init__(self, devices: DeviceGroup, cfg, share: float = 1.0,
                  processes_per_device: int = 1, log_dir: str = "logs"):
         r = cfg.actor_rollout_ref.rollout
+        self.cfg = cfg
         self.actors = []
+        self._start = None  # engine index -> a new actor in its place (None: not restartable)
         single = cfg.trainer.nnodes == 1
         if r.name == "sglang" and r.server_urls:
             self.urls = list(r.server_urls)
         elif r.name == "sglang":
             yaml = OmegaConf.to_yaml(cfg, resolve=True)
             tp = r.tensor_model_parallel_size
-            self.actors = [ServerActor.options(**devices.options(j * tp, share)).remote(
+            self._start = lambda j: ServerActor.options(**devices.options(j * tp, share)).remote(
                 yaml, j, single, cfg.trainer.device == "cuda", log_dir)
-                for j in range(devices.num_devices // tp)]
+            self.actors = [self._start(j) for j in range(devices.num_devices // tp)]
             self.urls = ray.get([a.url.remote() for a in self.actors])
         else:
             model = cfg.actor_rollout_ref.model.path
@@ -143,12 +150,26 @@ class RolloutGroup:
             threads = thread_budget(cfg, processes_per_device)
             # One machine keeps the servers on loopback; across nodes they bind the node address.
             host = "127.0.0.1" if single else None
-            self.actors = [RolloutActor.options(**devices.options(i, share)).remote(
+            self._start = lambda i: RolloutActor.options(**devices.options(i, share)).remote(
                 model, threads, cfg.trainer.seed + i, ctx, host=host)
-                for i in range(devices.num_devices)]
+            self.actors = [self._start(i) for i in range(devices.num_devices)]
             self.urls = ray.get([a.url.remote() for a in self.actors])
         self.engines = engine_links(cfg, self.urls)
         logger.info("rollout servers: %s (%s)", ", ".join(self.urls), r.name)
+
+    async def restart(self, i: int) -> str:
+        """Engine `i` died: a new one on the same devices (its process killed first, should
+        it linger); returns its URL. Servers the user runs (`rollout.server_urls`) are not
+        megarl's to restart."""
+        if self._start is None:
+            raise RuntimeError("rollout.server_urls: servers megarl did not start are not "
+                               "restarted")
+        ray.kill(self.actors[i], no_restart=True)
+        self.actors[i] = self._start(i)
+        self.urls[i] = await self.actors[i].url.remote()
+        self.engines[i] = engine_links(self.cfg, [self.urls[i]])[0]
+        logger.info("rollout engine %d restarted at %s", i, self.urls[i])
+        return self.urls[i]
 
     def shutdown(self) -> None:
         try:

@@ -402,28 +402,47 @@ class TorchrunRolloutGroup:
                  processes_per_device: int = 1, log_dir: str = "logs"):
         ctl = _control()
         r = cfg.actor_rollout_ref.rollout
+        self.cfg = cfg
         self.actors = []
+        self._start = None  # engine index -> a new server object on its rank
         if r.name == "sglang" and r.server_urls:
             self.urls = list(r.server_urls)
         elif r.name == "sglang":
             from omegaconf import OmegaConf
 
             yaml = OmegaConf.to_yaml(cfg, resolve=True)
-            tp = r.tensor_model_parallel_size
-            self.actors = [_Handle(ctl, rank, f"server{j}", "server", yaml, j,
-                                   cfg.trainer.device == "cuda", log_dir)
-                           for j, rank in enumerate(devices.ranks[::tp])]
+            ranks = devices.ranks[::r.tensor_model_parallel_size]
+            self._start = lambda j: _Handle(ctl, ranks[j], f"server{j}", "server", yaml, j,
+                                            cfg.trainer.device == "cuda", log_dir)
+            self.actors = [self._start(j) for j in range(len(ranks))]
             self.urls = [f.result() for f in [a.url.future() for a in self.actors]]
         else:
             model = cfg.actor_rollout_ref.model.path
             ctx = cfg.data.max_prompt_length + cfg.data.max_response_length
             threads = _threads(cfg)
-            self.actors = [_Handle(ctl, rank, "rollout", "rollout", model, threads,
-                                   cfg.trainer.seed + i, ctx)
-                           for i, rank in enumerate(devices.ranks)]
+            ranks = devices.ranks
+            self._start = lambda i: _Handle(ctl, ranks[i], "rollout", "rollout", model, threads,
+                                            cfg.trainer.seed + i, ctx)
+            self.actors = [self._start(i) for i in range(len(ranks))]
             self.urls = [f.result() for f in [a.url.future() for a in self.actors]]
         self.engines = engine_links(cfg, self.urls)
         logger.info("rollout servers: %s (%s)", ", ".join(self.urls), r.name)
+
+    async def restart(self, i: int) -> str:
+        """Engine `i` died: its rank stops what is left of it and starts a new one (a rank
+        that is itself gone cannot: torchrun restarts no process); returns the new URL."""
+        if self._start is None:
+            raise RuntimeError("rollout.server_urls: servers megarl did not start are not "
+                               "restarted")
+        try:
+            await asyncio.wait_for(self.actors[i].shutdown.remote(), 30)
+        except Exception as e:  # noqa: BLE001 - what is left of it may not answer
+            logger.warning("rollout engine %d: shutting down the old server: %s", i, e)
+        self.actors[i] = self._start(i)
+        self.urls[i] = await self.actors[i].url.remote()
+        self.engines[i] = engine_links(self.cfg, [self.urls[i]])[0]
+        logger.info("rollout engine %d restarted at %s", i, self.urls[i])
+        return self.urls[i]
 
     def shutdown(self) -> None:
         done, late = cf.wait([a.shutdown.future() for a in self.actors], timeout=60)

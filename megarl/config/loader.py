@@ -5,15 +5,21 @@ This module owns how text becomes a config: reading the YAML file, parsing Hydra
 ``sperated_*`` aliases, and the unknown-key and type errors (with a did-you-mean). It then
 fills derived defaults and calls ``validate_config``. There is no Hydra: no config groups,
 no ``defaults`` list, no ``~key`` deletion; one YAML file and a flat list of overrides.
+
+YAML is untrusted text: before any of it is built into objects, its event stream is scanned
+against ``YAML_LIMITS`` (file size, nesting depth, values with aliases expanded, value length),
+so an alias bomb or a 100k-deep nesting is refused in well under a second instead of hanging or
+overflowing the stack.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import os
 import re
 import typing
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
@@ -21,7 +27,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from megarl.config.errors import ConfigError
 from megarl.config.schema import MegaRLConfig
-from megarl.config.validate import validate_config
+from megarl.config.validate import show, validate_config
 
 # The feature request that started the project spelled these "sperated"; both spellings work.
 ALIASES = {
@@ -67,22 +73,58 @@ _SECTIONS, _LEAVES, _OPEN_LEAVES = _schema_paths(MegaRLConfig)
 _ALL_PATHS = sorted(_SECTIONS | _LEAVES)
 
 
+def _bool_leaves(cls: type, prefix: str = "") -> set[str]:
+    """Dotted paths of the ``bool`` fields: omegaconf would turn 2 or "yes" into True."""
+    out = set()
+    for name, hint in typing.get_type_hints(cls).items():
+        if dataclasses.is_dataclass(hint):
+            out |= _bool_leaves(hint, f"{prefix}{name}.")
+        elif hint is bool or hint == Optional[bool]:
+            out.add(prefix + name)
+    return out
+
+
+_BOOL_LEAVES = _bool_leaves(MegaRLConfig)
+_DEFAULTS = OmegaConf.structured(MegaRLConfig)  # copied per load: building it is the slow part
+
+# A megarl config is a few KiB with a few hundred values; these bounds are far above any real
+# one and far below what makes the YAML composer, omegaconf or int() slow or crash.
+YAML_LIMITS = {
+    "bytes": 1 << 20,   # file size
+    "depth": 32,        # nested mappings/sequences
+    "values": 2_000,    # scalars and collections, every alias counted as what it expands to
+    "chars": 4_096,     # one scalar (Python refuses int() of over 4,300 digits)
+}
+
+
 def load_config(path: str | None = None, overrides: Sequence[str] = ()) -> DictConfig:
     """Merge schema defaults, the YAML file at ``path`` and ``overrides``; validate; freeze.
 
     Raises ``ConfigError`` naming the dotted key (and the file) for any problem.
     """
-    cfg = OmegaConf.structured(MegaRLConfig)
+    cfg = copy.deepcopy(_DEFAULTS)
+    from_file: set[str] = set()  # keys whose value is the file's (no override replaced it)
     if path is not None:
         source = str(path)
-        cfg = _apply(cfg, _expand_all(_read_yaml(path).items(), source), source)
-    cfg = _apply(cfg, _expand_all((_split_override(o) for o in overrides), None), None)
+        assignments = _expand_all(_read_yaml(path).items(), source)
+        cfg = _apply(cfg, assignments, source)
+        from_file = {key for key, _ in assignments}
+    assignments = _expand_all((_split_override(o) for o in overrides), None)
+    cfg = _apply(cfg, assignments, None)
+    from_file -= {key for key, _ in assignments}
 
     # Resolved here, once, so that no consumer has to know the fallback.
     rollout = cfg.actor_rollout_ref.rollout
     if rollout.max_new_tokens is None:
         rollout.max_new_tokens = cfg.data.max_response_length
-    validate_config(cfg)
+    try:
+        validate_config(cfg)
+    except ConfigError as err:
+        # A rule names the key at fault; where the file set it, name the file as well.
+        key = re.sub(r"\[\d+\]", "", str(err).partition(":")[0])
+        if any(key == k or key.startswith(k + ".") for k in from_file):
+            raise ConfigError(f"{err}{_where(str(path))}") from None
+        raise
     OmegaConf.set_readonly(cfg, True)
     return cfg
 
@@ -95,11 +137,20 @@ def to_yaml(cfg: DictConfig) -> str:
 def _read_yaml(path: str | os.PathLike) -> dict:
     if not os.path.isfile(path):
         raise ConfigError(f"config file not found: {path}")
-    with open(path, encoding="utf-8") as fh:
-        try:
-            data = yaml.load(fh, Loader=_YamlLoader)
-        except yaml.YAMLError as err:
-            raise ConfigError(f"{path}: not valid YAML: {err}") from None
+    try:
+        with open(path, "rb") as fh:
+            raw = fh.read(YAML_LIMITS["bytes"] + 1)
+    except OSError as err:
+        raise ConfigError(f"{path}: cannot read: {err.strerror or err}") from None
+    if len(raw) > YAML_LIMITS["bytes"]:
+        raise ConfigError(f"{path}: larger than {YAML_LIMITS['bytes'] >> 10} KiB; not a config")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = raw.count(b"\n", 0, err.start) + 1
+        raise ConfigError(f"{path}: not UTF-8 text: byte {raw[err.start]:#04x} at line {line} "
+                          f"(offset {err.start})") from None
+    data = safe_load(text, path)
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -115,11 +166,68 @@ def _split_override(text: str) -> tuple[str, Any]:
         raise ConfigError(f"override {text!r}: expected key=value")
     if key.startswith("~"):
         raise ConfigError(f"override {text!r}: deleting keys (~key) is not supported")
+    return key, safe_load(raw, f"override {key}")
+
+
+def safe_load(text: str, where: str) -> Any:
+    """Parse YAML ``text`` within ``YAML_LIMITS``; any problem is a one-line ``ConfigError``
+    starting with ``where`` (the file, or the override's key)."""
     try:
-        value = yaml.load(raw, Loader=_YamlLoader)
+        _check_structure(text, where)
+        return yaml.load(text, Loader=_YamlLoader)
     except yaml.YAMLError as err:
-        raise ConfigError(f"{key}: cannot parse value {raw!r} as YAML: {err}") from None
-    return key, value
+        raise ConfigError(f"{where}: not valid YAML: {_yaml_reason(err)}") from None
+
+
+def _check_structure(text: str, where: str) -> None:
+    """Walk the event stream (iterative, builds nothing) and refuse text over the limits.
+
+    Each open collection counts the values under it, an alias adding the size its anchor
+    expanded to, so 6 levels of 10 aliases count as the million values they would build.
+    """
+    sizes: dict[str, int] = {}              # anchor -> values it expands to
+    open_: list[list] = [[None, 0]]         # [anchor, values so far] per open collection
+    for event in yaml.parse(text, Loader=_YamlLoader):
+        if isinstance(event, yaml.CollectionStartEvent):
+            open_.append([event.anchor, 1])
+            if len(open_) - 1 > YAML_LIMITS["depth"]:
+                raise ConfigError(f"{where}: nested deeper than {YAML_LIMITS['depth']} levels "
+                                  f"{_at(event)}")
+            continue
+        if isinstance(event, yaml.CollectionEndEvent):
+            anchor, size = open_.pop()
+        elif isinstance(event, yaml.ScalarEvent):
+            if len(event.value) > YAML_LIMITS["chars"]:
+                raise ConfigError(f"{where}: a value of {len(event.value)} characters "
+                                  f"{_at(event)}; at most {YAML_LIMITS['chars']}")
+            anchor, size = event.anchor, 1
+        elif isinstance(event, yaml.AliasEvent):
+            anchor, size = None, sizes.get(event.anchor, 1)
+        else:
+            continue
+        if anchor is not None:
+            sizes[anchor] = size
+        open_[-1][1] += size
+        if open_[-1][1] > YAML_LIMITS["values"]:
+            raise ConfigError(f"{where}: more than {YAML_LIMITS['values']} values with "
+                              f"aliases expanded {_at(event)}; refusing to build it")
+
+
+def _at(event: yaml.Event) -> str:
+    return f"at line {event.start_mark.line + 1}" if event.start_mark else ""
+
+
+def _yaml_reason(err: yaml.YAMLError) -> str:
+    """One line from a PyYAML error (its ``str`` spans several, with a code snippet)."""
+    if isinstance(err, yaml.MarkedYAMLError):
+        mark = err.problem_mark or err.context_mark
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        return where + ": ".join(p for p in (err.context, err.problem) if p)
+    if isinstance(err, yaml.reader.ReaderError):
+        char = err.character
+        shown = f"#x{char:04x}" if isinstance(char, int) else repr(char)
+        return f"character {err.position}: unacceptable character {shown}"
+    return str(err).splitlines()[0]
 
 
 def _expand_all(items, source: str | None) -> list[tuple[str, Any]]:
@@ -183,15 +291,25 @@ def _did_you_mean(parts: list[str], bad: int) -> str:
 
 def _apply(cfg: DictConfig, assignments: list[tuple[str, Any]], source: str | None) -> DictConfig:
     for key, value in assignments:
-        nested: Any = value
-        for part in reversed(key.split(".")):
-            nested = {part: nested}
+        if key in _BOOL_LEAVES and not isinstance(value, bool) and not _interpolation(value):
+            raise ConfigError(f"{key}: must be true or false, got {show(value)}"
+                              f"{_where(source)}")
+        if isinstance(value, str) and value == "???":
+            # omegaconf's "missing" marker: merged in, it would silently keep the old value
+            raise ConfigError(f"{key}: '???' is not a value{_where(source)}")
         try:
-            cfg = OmegaConf.merge(cfg, nested)
-        except OmegaConfBaseException as err:
+            OmegaConf.update(cfg, key, value, merge=True)  # in place, and only the one key
+        except (OmegaConfBaseException, TypeError, ValueError) as err:
+            # omegaconf raises a bare TypeError for a mapping merged onto a list and back;
+            # its reason quotes the value, which may be long
             reason = str(err).splitlines()[0]
+            reason = reason if len(reason) <= 160 else reason[:157] + "..."
             raise ConfigError(f"{key}: {reason}{_where(source)}") from None
     return cfg
+
+
+def _interpolation(value: Any) -> bool:
+    return isinstance(value, str) and value.startswith("${") and value.endswith("}")
 
 
 def _where(source: str | None) -> str:

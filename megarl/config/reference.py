@@ -13,7 +13,8 @@ import inspect
 import typing
 
 from . import schema
-from .schema import CHOICES, MegaRLConfig
+from .loader import YAML_LIMITS
+from .schema import CHOICES, RANGES, MegaRLConfig
 
 HEADER = """# Configuration reference
 
@@ -21,7 +22,14 @@ Generated from `megarl/config/schema.py` by `python tools/gen_config_reference.p
 edit by hand. Every key can be set in YAML or on the command line (`key=value`, `+key=value`).
 Aliases: `trainer.sperated_node_tasks` / `trainer.sperated_node_ratios` mean the
 `separated_*` keys.
-"""
+
+Values are checked when the config loads, before anything starts: a bool takes only
+`true`/`false` (never 0 or 1), a number must be finite (no `.nan`/`.inf`, in any key, the open
+`model.override_config` included) and inside the Range given below, and an int must fit in 64
+bits. A config file must be UTF-8 YAML of at most {bytes:,} bytes, nested at most {depth}
+deep, with at most {values:,} values once aliases are expanded and {chars:,} characters per
+value.
+""".format(**YAML_LIMITS)
 
 
 def field_docs() -> dict[str, dict[str, str]]:
@@ -71,6 +79,9 @@ def render() -> str:
             doc = docs.get(cls.__name__, {}).get(f.name, "")
             if key in CHOICES:
                 doc += " Choices: " + ", ".join(f"`{c}`" for c in CHOICES[key]) + "."
+            if key in RANGES:
+                each = " each" if typing.get_origin(tp) is list else ""
+                doc += f" Range: {RANGES[key].describe()}{each}."
             default = repr(_default(f)).replace("|", "\\|")
             rows.append(f"| `{key}` | {_type_name(tp)} | `{default}` | {doc.replace('|', '/')} |")
         if rows:

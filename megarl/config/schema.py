@@ -5,12 +5,13 @@ means (the string under each field). Defaults are small and CPU-friendly so that
 schema, with no YAML and no overrides, validates. Cross-field rules (ratios summing to one,
 TP dividing a group, ...) live in ``validate.py``; loading, overrides and aliases in
 ``loader.py``. ``CHOICES`` lists the allowed values of the string-enum fields (plain ``str``
-in the schema because several values, like ``token-mean``, are not Python identifiers).
+in the schema because several values, like ``token-mean``, are not Python identifiers);
+``RANGES`` the allowed range of every numeric field (a test keeps it complete).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 KL_TYPES = ("low_var_kl", "k1", "k2", "k3", "kl", "abs", "mse")
 
@@ -35,6 +36,131 @@ CHOICES: Dict[str, tuple] = {
     "trainer.device": ("cpu", "cuda"),
     "trainer.launcher": ("ray", "torchrun"),
     "trainer.resume_mode": ("auto", "disable", "resume_path"),
+}
+
+
+@dataclass(frozen=True)
+class Range:
+    """The values a numeric field takes: between ``low`` and ``high`` (None: unbounded), each
+    bound inclusive unless ``*_open``, plus the sentinels in ``also`` that mean something
+    (``-1``: off). For a list field it applies to every item, and ``length`` fixes the count."""
+
+    low: Optional[float] = None
+    high: Optional[float] = None
+    low_open: bool = False
+    high_open: bool = False
+    also: Tuple[int, ...] = ()
+    length: Optional[int] = None
+
+    def allows(self, value: float) -> bool:
+        if value in self.also:
+            return True
+        if self.low is not None and (value <= self.low if self.low_open else value < self.low):
+            return False
+        return self.high is None or (value < self.high if self.high_open else value <= self.high)
+
+    def describe(self) -> str:
+        low, high = _number(self.low), _number(self.high)
+        if self.low is not None and self.high is not None:
+            text = (f"in {'(' if self.low_open else '['}{low}, "
+                    f"{high}{')' if self.high_open else ']'}")
+        elif self.low is not None:
+            text = f"{'>' if self.low_open else '>='} {low}"
+        elif self.high is not None:
+            text = f"{'<' if self.high_open else '<='} {high}"
+        else:
+            text = "any finite number"
+        return " or ".join([*map(str, self.also), text])
+
+
+def _number(x: Optional[float]) -> str:
+    if isinstance(x, int) and x >= 2**16 and x & (x - 1) == 0:
+        return f"2**{x.bit_length() - 1}"
+    return f"{x:g}" if isinstance(x, float) else str(x)
+
+
+POSITIVE = Range(0, low_open=True)
+NON_NEGATIVE = Range(0)
+PROBABILITY = Range(0, 1, low_open=True)
+UNIT = Range(0, 1)
+OFF_OR_POSITIVE = Range(1, also=(-1,))
+# SGLang seeds numpy (which takes < 2**32) with trainer.seed + replica index, and sampling
+# seeds are trainer.seed * 1_000_003 + step, which must stay inside int64.
+SEED = Range(0, 2**31, high_open=True)
+
+_A = "actor_rollout_ref"
+# Keys absent here take any finite value of their type; a unit test fails when a numeric
+# field has no entry, so a new field gets a range when it is added. Null (where the type is
+# Optional) is always allowed and keeps its documented meaning.
+RANGES: Dict[str, Range] = {
+    "data.max_prompt_length": POSITIVE,
+    "data.max_response_length": POSITIVE,
+    "data.train_batch_size": POSITIVE,
+    "data.val_batch_size": POSITIVE,
+    "data.seed": SEED,
+    f"{_A}.actor.ppo_mini_batch_size": POSITIVE,
+    f"{_A}.actor.ppo_micro_batch_size_per_gpu": POSITIVE,
+    f"{_A}.actor.ppo_epochs": POSITIVE,
+    f"{_A}.actor.clip_ratio": POSITIVE,
+    f"{_A}.actor.clip_ratio_low": PROBABILITY,     # the ratio's lower bound 1 - low stays >= 0
+    f"{_A}.actor.clip_ratio_high": POSITIVE,
+    f"{_A}.actor.clip_ratio_c": Range(1, low_open=True),
+    f"{_A}.actor.entropy_coeff": NON_NEGATIVE,
+    f"{_A}.actor.kl_loss_coef": NON_NEGATIVE,
+    f"{_A}.actor.tis_imp_ratio_cap": POSITIVE,
+    f"{_A}.actor.optim.lr": NON_NEGATIVE,
+    f"{_A}.actor.optim.weight_decay": NON_NEGATIVE,
+    f"{_A}.actor.optim.betas": Range(0, 1, high_open=True, length=2),
+    f"{_A}.actor.optim.eps": POSITIVE,
+    f"{_A}.actor.optim.clip_grad": NON_NEGATIVE,    # 0 turns clipping off
+    f"{_A}.actor.optim.lr_warmup_steps": NON_NEGATIVE,
+    f"{_A}.actor.optim.total_training_steps": POSITIVE,
+    **{f"{_A}.{role}.megatron.{key}": POSITIVE
+       for role in ("actor", "ref")
+       for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                   "make_vocab_size_divisible_by")},
+    f"{_A}.actor.megatron.seed": SEED,
+    f"{_A}.ref.megatron.seed": SEED,
+    f"{_A}.ref.log_prob_micro_batch_size_per_gpu": POSITIVE,
+    f"{_A}.rollout.server_start_timeout_s": POSITIVE,
+    f"{_A}.rollout.engine_health_interval_s": POSITIVE,
+    f"{_A}.rollout.engine_health_timeout_s": POSITIVE,
+    f"{_A}.rollout.engine_max_restarts": NON_NEGATIVE,
+    f"{_A}.rollout.tensor_model_parallel_size": POSITIVE,
+    # SGLang's own rules: temperature 0 is greedy, top_p in (0, 1], top_k -1 (off) or >= 1.
+    f"{_A}.rollout.temperature": NON_NEGATIVE,
+    f"{_A}.rollout.top_p": PROBABILITY,
+    f"{_A}.rollout.top_k": OFF_OR_POSITIVE,
+    f"{_A}.rollout.n": POSITIVE,
+    f"{_A}.rollout.max_new_tokens": POSITIVE,
+    f"{_A}.rollout.gpu_memory_utilization": PROBABILITY,
+    f"{_A}.rollout.log_prob_micro_batch_size_per_gpu": POSITIVE,
+    f"{_A}.rollout.param_update_preduce_bucket_size_mb": POSITIVE,
+    f"{_A}.rollout.param_update_consume_bucket_size_mb": POSITIVE,
+    f"{_A}.rollout.over_sample_prompts": NON_NEGATIVE,
+    f"{_A}.rollout.val_kwargs.temperature": NON_NEGATIVE,
+    f"{_A}.rollout.val_kwargs.top_p": PROBABILITY,
+    f"{_A}.rollout.val_kwargs.top_k": OFF_OR_POSITIVE,
+    f"{_A}.rollout.val_kwargs.n": POSITIVE,
+    "algorithm.gamma": UNIT,
+    "algorithm.lam": UNIT,
+    "algorithm.kl_ctrl.kl_coef": NON_NEGATIVE,
+    "algorithm.kl_ctrl.target_kl": POSITIVE,
+    "algorithm.kl_ctrl.horizon": POSITIVE,
+    "algorithm.max_staleness": NON_NEGATIVE,
+    "reward.num_workers": POSITIVE,
+    "reward.timeout_s": POSITIVE,
+    "reward.failure_score": Range(),
+    "trainer.nnodes": POSITIVE,
+    "trainer.n_gpus_per_node": POSITIVE,
+    "trainer.separated_node_ratios": POSITIVE,   # the layout checks that they sum to 1
+    "trainer.generate_ahead_steps": POSITIVE,
+    "trainer.total_epochs": POSITIVE,
+    "trainer.total_training_steps": POSITIVE,
+    "trainer.test_freq": OFF_OR_POSITIVE,
+    "trainer.save_freq": OFF_OR_POSITIVE,
+    "trainer.max_actor_ckpt_to_keep": POSITIVE,
+    "trainer.seed": SEED,
 }
 
 
@@ -196,6 +322,14 @@ class RolloutConfig:
     ``[--enable-deterministic-inference]``, which SGLang needs to honour sampling seeds)."""
     server_start_timeout_s: float = 900.0
     """How long a launched server may take to answer /health before the run stops."""
+    engine_health_interval_s: float = 2.0
+    """While requests are in flight, each engine's /health is polled this often; an engine
+    whose process died, whose connection broke or whose health check fails is replaced."""
+    engine_health_timeout_s: float = 10.0
+    """A /health answer slower than this marks the engine dead (wedged)."""
+    engine_max_restarts: int = 3
+    """Replacements per engine slot (0: none); past them the run goes on with fewer engines
+    and stops with an error naming each engine once none is left."""
     tensor_model_parallel_size: int = 1
     """TP of one engine; the generate group's device count must be a multiple of it."""
     temperature: float = 1.0
@@ -329,11 +463,15 @@ class TrainerConfig:
     total_epochs: int = 1
     """Passes over the training set."""
     total_training_steps: Optional[int] = None
-    """Stop after this many steps; null means total_epochs × steps per epoch."""
+    """Stop after this many steps; null means total_epochs × steps per epoch (0 is refused,
+    not read as null)."""
     test_freq: int = -1
-    """Validate every this many steps; -1 never (besides val_before_train)."""
+    """Validate every this many steps; -1 never (besides val_before_train); 0 is refused."""
     save_freq: int = -1
-    """Checkpoint every this many steps; -1 only at the end."""
+    """Checkpoint every this many steps; -1 only at the end; 0 is refused."""
+    max_actor_ckpt_to_keep: Optional[int] = None
+    """Keep only this many newest checkpoints (null keeps all); the newest one that verifies
+    against its manifest is never deleted (docs/checkpoints.md)."""
     val_before_train: bool = False
     """Validate once before the first step."""
     val_only: bool = False
@@ -351,7 +489,7 @@ class TrainerConfig:
     resume_from_path: Optional[str] = None
     """Checkpoint to resume from when resume_mode is resume_path."""
     seed: int = 1
-    """Global seed (sampling, init)."""
+    """Global seed (sampling, init); below 2**31 so every RNG it reaches takes it."""
 
 
 @dataclass

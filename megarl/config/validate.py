@@ -1,41 +1,27 @@
 """Cross-field validation of a merged megarl config.
 
-This module owns the rules no single field's type can express: enum values, positive sizes,
-bucket ordering, and the task-group layout (via ``megarl.cluster.topology``) including that
-each group's device count is a multiple of the model parallelism of every task it hosts.
-Every ``ConfigError`` it raises starts with the dotted key at fault.
+This module owns the rules no single field's type can express: enum values (``CHOICES``),
+numeric ranges (``RANGES``: sizes, probabilities, seeds), finite numbers everywhere (NaN and
+inf are refused in every field, open ones like ``model.override_config`` included), bucket
+ordering, and the task-group layout (via ``megarl.cluster.topology``) including that each
+group's device count is a multiple of the model parallelism of every task it hosts. Every
+``ConfigError`` it raises starts with the dotted key at fault.
 """
 from __future__ import annotations
 
 import difflib
+import math
 import re
+from typing import Any, Iterator
 
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from megarl.cluster.topology import GroupPlan, TopologyError, plan_groups
 from megarl.config.errors import ConfigError
-from megarl.config.schema import CHOICES
+from megarl.config.schema import CHOICES, RANGES
 
 _ARR = "actor_rollout_ref"
-
-# Integer fields that are counts or sizes: zero or less is never meaningful.
-_POSITIVE = (
-    "data.max_prompt_length", "data.max_response_length",
-    "data.train_batch_size", "data.val_batch_size",
-    f"{_ARR}.actor.ppo_mini_batch_size", f"{_ARR}.actor.ppo_micro_batch_size_per_gpu",
-    f"{_ARR}.actor.ppo_epochs",
-    f"{_ARR}.actor.megatron.tensor_model_parallel_size",
-    f"{_ARR}.actor.megatron.pipeline_model_parallel_size",
-    f"{_ARR}.ref.megatron.tensor_model_parallel_size",
-    f"{_ARR}.ref.megatron.pipeline_model_parallel_size",
-    f"{_ARR}.ref.log_prob_micro_batch_size_per_gpu",
-    f"{_ARR}.rollout.tensor_model_parallel_size", f"{_ARR}.rollout.n",
-    f"{_ARR}.rollout.max_new_tokens", f"{_ARR}.rollout.log_prob_micro_batch_size_per_gpu",
-    f"{_ARR}.rollout.param_update_preduce_bucket_size_mb",
-    f"{_ARR}.rollout.param_update_consume_bucket_size_mb",
-    "reward.num_workers", "trainer.nnodes", "trainer.n_gpus_per_node",
-    "trainer.generate_ahead_steps", "trainer.total_epochs",
-)
 
 # Which model-parallel layout each task's workers run, as the keys whose product must divide
 # the group's device count. ``reward`` runs no model.
@@ -53,8 +39,8 @@ _PARALLEL_KEYS = {
 
 def validate_config(cfg: DictConfig) -> None:
     """Raise ``ConfigError`` naming the offending key if ``cfg`` cannot run."""
+    _check_values(_resolved(cfg))
     _check_choices(cfg)
-    _check_positive(cfg)
     _check_rollout(cfg)
     _check_actor(cfg, cfg.actor_rollout_ref.actor)
     _check_trainer(cfg.trainer, cfg.data)
@@ -88,11 +74,64 @@ def _check_choices(cfg: DictConfig) -> None:
                 f"{key}: {value!r} is not one of {', '.join(map(str, allowed))}{hint}")
 
 
-def _check_positive(cfg: DictConfig) -> None:
-    for key in _POSITIVE:
-        value = _get(cfg, key)
-        if value is not None and value <= 0:
-            raise ConfigError(f"{key}: must be > 0, got {value}")
+# Every int must fit the int64 the tensors, RNGs and C libraries it ends up in hold.
+_INT64 = 2**63
+
+
+def _resolved(cfg: DictConfig) -> dict:
+    try:
+        return OmegaConf.to_container(cfg, resolve=True)
+    except OmegaConfBaseException as err:
+        key = getattr(err, "full_key", None) or "config"
+        raise ConfigError(f"{key}: {str(err).splitlines()[0]}") from None
+
+
+def _leaves(value: Any, path: str) -> Iterator[tuple[str, Any]]:
+    if isinstance(value, dict):
+        for k, v in value.items():
+            yield from _leaves(v, f"{path}.{k}" if path else str(k))
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            yield from _leaves(v, f"{path}[{i}]")
+    else:
+        yield path, value
+
+
+def show(value: Any) -> str:
+    """``repr`` cut to a length that keeps an error message on one readable line."""
+    text = repr(value) if not isinstance(value, int) or abs(value) < 10**30 else \
+        f"{'-' if value < 0 else ''}{abs(value).bit_length()}-bit integer"
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _check_values(tree: dict) -> None:
+    """Every number finite and within int64, and each ``RANGES`` field inside its range."""
+    for path, value in _leaves(tree, ""):
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{path}: must be a finite number, got {value}")
+        if isinstance(value, int) and not isinstance(value, bool) and \
+                not -_INT64 <= value < _INT64:
+            raise ConfigError(f"{path}: {show(value)} does not fit in a 64-bit integer")
+    for key, allowed in RANGES.items():
+        value = _pick(tree, key)
+        items = value if isinstance(value, list) else [value]
+        if isinstance(value, list) and allowed.length is not None and \
+                len(value) != allowed.length:
+            raise ConfigError(f"{key}: needs {allowed.length} numbers, got {show(value)}")
+        for i, item in enumerate(items):
+            if item is None:
+                continue  # null (an Optional field) keeps its documented meaning
+            if isinstance(item, bool) or not isinstance(item, (int, float)):
+                raise ConfigError(f"{key}: must be a number, got {show(item)}")
+            if not allowed.allows(item):
+                where = f"{key}[{i}]" if isinstance(value, list) else key
+                raise ConfigError(f"{where}: must be {allowed.describe()}, got {show(item)}")
+
+
+def _pick(tree: dict, key: str) -> Any:
+    for part in key.split("."):
+        tree = tree[part]
+    return tree
 
 
 def _check_rollout(cfg: DictConfig) -> None:
@@ -104,9 +143,6 @@ def _check_rollout(cfg: DictConfig) -> None:
             f"{_ARR}.rollout.param_update_preduce_bucket_size_mb="
             f"{r.param_update_preduce_bucket_size_mb} MiB; a received bucket is consumed in "
             "pieces no larger than itself")
-    if not 0 < r.gpu_memory_utilization <= 1:
-        raise ConfigError(f"{_ARR}.rollout.gpu_memory_utilization: must be in (0, 1], "
-                          f"got {r.gpu_memory_utilization}")
     _check_servers(r)
 
 
@@ -122,13 +158,10 @@ def _check_servers(r) -> None:
     for i, url in enumerate(r.server_urls or []):
         if not re.fullmatch(r"https?://[^/\s:]+:\d+/?", str(url)):
             raise ConfigError(f"{key}.server_urls[{i}]: {url!r} is not http://host:port")
-    if r.server_start_timeout_s <= 0:
-        raise ConfigError(f"{key}.server_start_timeout_s: must be > 0, got "
-                          f"{r.server_start_timeout_s}")
 
 
 def _check_staleness(cfg: DictConfig) -> None:
-    alg, r, t = cfg.algorithm, cfg.actor_rollout_ref.rollout, cfg.trainer
+    alg, t = cfg.algorithm, cfg.trainer
     ahead = t.generate_ahead_steps if cfg.actor_rollout_ref.async_pipeline else 1
     if alg.max_staleness is not None and alg.max_staleness < ahead - 1:
         # GENERATE(k) starts on version k - ahead + 1 and TRAIN(k) uses version k: every
@@ -137,9 +170,6 @@ def _check_staleness(cfg: DictConfig) -> None:
             f"algorithm.max_staleness: {alg.max_staleness} is below the lag the pipeline "
             f"itself introduces (trainer.generate_ahead_steps - 1 = {ahead - 1}); every "
             "sample would be too stale")
-    if r.over_sample_prompts is not None and r.over_sample_prompts < 0:
-        raise ConfigError(f"{_ARR}.rollout.over_sample_prompts: must be >= 0, got "
-                          f"{r.over_sample_prompts}")
 
 
 def _check_actor(cfg: DictConfig, actor: DictConfig) -> None:
@@ -147,9 +177,11 @@ def _check_actor(cfg: DictConfig, actor: DictConfig) -> None:
         raise ConfigError(
             f"{_ARR}.actor.ppo_mini_batch_size: {actor.ppo_mini_batch_size} does not divide "
             f"data.train_batch_size={cfg.data.train_batch_size}")
-    if actor.clip_ratio_c <= 1:
-        raise ConfigError(f"{_ARR}.actor.clip_ratio_c: dual-clip bound must be > 1, "
-                          f"got {actor.clip_ratio_c}")
+    if actor.clip_ratio_low is None and actor.clip_ratio > 1:
+        # clip_ratio stands in for the low bound, and 1 - low below 0 clips nothing
+        raise ConfigError(f"{_ARR}.actor.clip_ratio: {actor.clip_ratio} is also the lower clip "
+                          f"(1 - {actor.clip_ratio} < 0); keep it <= 1 or set "
+                          f"{_ARR}.actor.clip_ratio_low")
 
 
 def _check_trainer(t: DictConfig, data: DictConfig) -> None:

@@ -116,6 +116,8 @@ class Driver:
         tokens = sum(len(s.response_ids) for s in samples)
         self.steps[k] = {"samples": samples, "scores": scores, "dropped": dropped}
         self.metrics.update(k, extra)
+        # engines alive, failed, replaced and requests sent again during this GENERATE
+        self.metrics.update(k, r.manager.pop_metrics())
         self.metrics.update(k, {"rollout/gen_tokens_per_s": tokens / dt if dt else 0.0,
                                 "rollout/generate_s": dt,
                                 "response/length_mean": tokens / max(1, len(samples)),
@@ -273,9 +275,12 @@ class Driver:
         owed = self.loader_states.get(k + 1) or {
             "loader": self.r.loader.state_dict(),
             "partial": self.partial.state_dict() if self.partial else None}
-        ckpt.commit(root, k, {"step": k, "weight_version": k + 1, "loader": owed["loader"],
-                              "partial": owed["partial"], "kl_coef": self.kl_coef,
-                              "rng": ckpt.rng_state()})
+        state = {"step": k, "weight_version": k + 1, "loader": owed["loader"],
+                 "partial": owed["partial"], "kl_coef": self.kl_coef, "rng": ckpt.rng_state()}
+        # every rank's files are complete (the save returned on all of them); checksumming a
+        # large checkpoint takes a while, so it runs off the event loop
+        await asyncio.to_thread(ckpt.commit, root, k, state,
+                                keep=self.cfg.trainer.max_actor_ckpt_to_keep)
         for old in [s for s in self.loader_states if s <= k]:
             self.loader_states.pop(old)
 

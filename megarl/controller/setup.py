@@ -81,6 +81,19 @@ def prepare_assets(cfg) -> None:
                           "(set actor_rollout_ref.model.make_tiny to make a tiny one)")
 
 
+def _replacer(rollout, actor):
+    """The manager's way to replace a dead engine: a new server on the same devices, which the
+    trainer's update group takes in at the next version."""
+    async def replace(i: int):
+        from megarl.backends.sglang.engine import SGLangEngine
+
+        url = await rollout.restart(i)
+        if actor is not None and actor.sync_initialised:
+            await actor.replace_engine(i, rollout.engines[i])
+        return SGLangEngine(url)
+    return replace
+
+
 def _total_steps(cfg, loader, val_only: bool, start_step: int) -> int:
     if val_only:
         return start_step  # nothing left to train: validate the weights of that step
@@ -111,6 +124,14 @@ async def setup_run(cfg, val_only: bool) -> Run:
         from megarl.cluster.torchrun import TorchrunRolloutGroup as RolloutGroup
         from megarl.cluster.torchrun import no_ray as init_ray
     arr, t = cfg.actor_rollout_ref, cfg.trainer
+    # Pick and verify the checkpoint first: a damaged one is named, with the fallback, before
+    # any model, data or worker is loaded (and before Ray, under either launcher).
+    root = Path(t.default_local_dir) / t.project_name / t.experiment_name
+    found = None
+    if t.resume_mode == "auto":
+        found = ckpt.resume_point(root)
+    elif t.resume_mode == "resume_path":
+        found = ckpt.resume_from(t.resume_from_path)
     prepare_assets(cfg)
     plans = plan_task_groups(cfg)
     if _hosts(plans, "logp") is not _hosts(plans, "actor-train"):
@@ -134,22 +155,20 @@ async def setup_run(cfg, val_only: bool) -> Run:
                        "actor_rollout_ref.async_pipeline is off (synchronous, on-policy)",
                        t.generate_ahead_steps)
 
-    # Resume before any worker starts, so a bad checkpoint fails fast.
     start_step, state = 0, None
-    root = Path(t.default_local_dir) / t.project_name / t.experiment_name
-    found = None
-    if t.resume_mode == "auto":
-        found = ckpt.latest(root)
-    elif t.resume_mode == "resume_path":
-        d = Path(t.resume_from_path)
-        found = (ckpt.read_driver_state(d)["step"], d)
     if found is not None:
-        state = ckpt.read_driver_state(found[1])
+        state = found.state
         start_step = state["step"] + 1
         loader.load_state_dict(state["loader"])
         ckpt.set_rng_state(state["rng"])
-        logger.info("resuming after step %d from %s", state["step"], found[1])
+        logger.info("resuming after step %d from %s", state["step"], found.path)
     total = _total_steps(cfg, loader, val_only, start_step)
+    if start_step > total:  # a finished run's checkpoint under a smaller step budget
+        raise ConfigError(
+            f"trainer.total_training_steps: this run ends after step {total - 1}, but the "
+            f"checkpoint it resumes ({found.path}) has trained through step {start_step - 1}; "
+            f"raise trainer.total_training_steps, or start afresh with "
+            f"trainer.resume_mode=disable or another trainer.experiment_name")
 
     init_ray(cfg)
     dgs = {p.name: DeviceGroup(p, t.device) for p in plans if p.tasks != ("reward",)}
@@ -174,10 +193,14 @@ async def setup_run(cfg, val_only: bool) -> Run:
             ref = MegatronGroup(ref_dg, cfg, "ref", share[ref_dg.name], count[ref_dg.name])
         await actor.init_weight_sync(rollout.engines)
         if state is not None:
-            await actor.load(str(found[1] / "actor"))
+            await actor.load(str(found.path / "actor"))
             await actor.sync_weights(start_step)  # engines start from the HF weights
             await actor.wait_weight_sync()
-    manager = RolloutManager([SGLangEngine(u) for u in rollout.urls])
+    manager = RolloutManager([SGLangEngine(u) for u in rollout.urls],
+                             replace=_replacer(rollout, actor),
+                             health_interval_s=arr.rollout.engine_health_interval_s,
+                             health_timeout_s=arr.rollout.engine_health_timeout_s,
+                             max_restarts=arr.rollout.engine_max_restarts)
     loggers = make_loggers(list(t.logger), root, total_steps=total, start_step=start_step)
     groups = task_groups([list(g) if not isinstance(g, str) else g
                           for g in t.separated_node_tasks])

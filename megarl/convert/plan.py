@@ -14,29 +14,25 @@ dist-checkpoint's `.metadata`. The shapes of every tensor on both sides follow f
   output layer).
 
 The same checks run before a real conversion, so a bad TP/PP or a missing tensor fails before
-any rank starts, with an error naming the field, file or tensor.
+any rank starts, with an error naming the field, file or tensor (inputs.py holds the checks).
 """
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
-import os
 from pathlib import Path
 
 import torch
 
 from megarl.backends.megatron.model import DTYPES, ModelArgs, padded_vocab_size
 
-from . import mapping
+from . import inputs, mapping
+from .inputs import META, SAFETENSORS_ITEMSIZE, ConvertError, read_meta
+
+__all__ = ["META", "ConvertError", "check_layout", "plan_hf2mcore", "plan_mcore2hf",
+           "plan_reshard", "read_meta"]
 
 logger = logging.getLogger(__name__)
-
-META = "megarl_meta.json"  # same name as megarl.backends.megatron.checkpoint.META
-
-
-class ConvertError(ValueError):
-    """Bad input to a conversion (message names the flag, file, field or tensor)."""
 
 
 def itemsize(dtype: str) -> int:
@@ -116,44 +112,21 @@ def mcore_checkpoint_bytes(a: ModelArgs, padded_vocab: int, dtype: str) -> int:
 
 
 # ------------------------------------------------------------------------- validation
-def check_layout(a: ModelArgs, tp: int, pp: int, divisible_by: int) -> int:
-    """Raise ConvertError unless the model splits over TP×PP; returns the padded vocab."""
-    if tp < 1 or pp < 1:
-        raise ConvertError(f"--tp {tp} --pp {pp}: both must be at least 1")
+def check_layout(a: ModelArgs, tp: int, pp: int, divisible_by: int,
+                 where: str = "config.json") -> int:
+    """Raise ConvertError unless the model splits over TP×PP (inputs.check_layout, the rules
+    the Megatron worker applies too); returns the padded vocab."""
     if divisible_by < 1:
         raise ConvertError(f"--make-vocab-size-divisible-by {divisible_by}: must be at least 1")
-    rules = [("num_attention_heads", a.num_heads, tp, "--tp"),
-             ("num_key_value_heads", a.num_kv_heads, tp, "--tp"),
-             ("intermediate_size", a.ffn_hidden_size, tp, "--tp"),
-             ("num_hidden_layers", a.num_layers, pp, "--pp")]
-    for field, value, by, flag in rules:
-        if value % by:
-            raise ConvertError(f"config.json {field}={value} is not divisible by {flag} {by}")
+    inputs.check_layout(a, tp, pp, where)
     # The vocabulary never blocks a split: Megatron pads it to a multiple of divisible_by×TP.
     return padded_vocab_size(a.vocab_size, divisible_by, tp)
-
-
-def _read_args(model_dir: Path, what: str) -> ModelArgs:
-    cfg = model_dir / "config.json"
-    if not cfg.is_file():
-        raise ConvertError(f"{what} {model_dir}: no config.json")
-    try:
-        with open(cfg) as f:
-            hf = json.load(f)
-        return ModelArgs.from_hf(hf)
-    except json.JSONDecodeError as err:
-        raise ConvertError(f"{cfg}: not valid JSON ({err})") from None
-    except KeyError as err:
-        raise ConvertError(f"{cfg}: missing field {err.args[0]!r}") from None
-    except ValueError as err:
-        raise ConvertError(f"{cfg}: {err}") from None
 
 
 def _check_out(out: Path, source: Path) -> None:
     if out.resolve() == source.resolve():
         raise ConvertError(f"--out {out}: must differ from the source directory")
-    if out.exists() and not out.is_dir():
-        raise ConvertError(f"--out {out}: exists and is not a directory")
+    inputs.check_out_dir(out)
 
 
 # ------------------------------------------------------------------------- the report
@@ -219,61 +192,18 @@ def human(n: int) -> str:
 
 
 def _hf_source(hf_dir: Path, a: ModelArgs) -> tuple[int, int]:
-    """Check every expected tensor is present with its shape; (file bytes, tensor bytes)."""
-    from safetensors import safe_open
-
-    from .hf_io import HFReader
-
-    try:
-        reader = HFReader(hf_dir)
-    except FileNotFoundError as err:
-        raise ConvertError(f"--hf-dir {err}") from None
-    want = hf_shapes(a)
-    tensor_bytes = 0
-    for path in sorted(set(reader.where.values())):
-        with safe_open(path, "pt") as f:
-            for name in f.keys():  # safe_open handle, not a dict
-                sl = f.get_slice(name)
-                shape = tuple(sl.get_shape())
-                if name in want and shape != want[name]:
-                    raise ConvertError(f"{path.name}: tensor {name} has shape {shape}, "
-                                       f"config.json implies {want[name]}")
-                tensor_bytes += numel(shape) * _safetensors_itemsize(sl.get_dtype())
-    missing = [n for n in want if n not in reader.where]
-    if missing:
-        raise ConvertError(f"--hf-dir {hf_dir}: {len(missing)} tensor(s) that config.json "
-                           f"implies are missing, e.g. {missing[:3]}")
-    files = sum(p.stat().st_size for p in set(reader.where.values()))
+    """Check every weight file and expected tensor; (file bytes, tensor bytes)."""
+    _, weights = inputs.check_hf_dir(hf_dir, what="--hf-dir")
+    tensor_bytes = sum(numel(shape) * SAFETENSORS_ITEMSIZE[dtype]
+                       for _, dtype, shape in weights.values())
+    files = sum(p.stat().st_size for p in {path for path, _, _ in weights.values()})
     return files, tensor_bytes
 
 
-def _safetensors_itemsize(code: str) -> int:
-    sizes = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2,
-             "I16": 2, "U16": 2, "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
-    return sizes[code]
-
-
-def read_meta(ckpt: Path) -> dict:
-    f = ckpt / META
-    if not ckpt.is_dir():
-        raise ConvertError(f"--ckpt {ckpt}: no such directory (a megarl checkpoint with "
-                           f"{META} expected)")
-    if not f.is_file():
-        raise ConvertError(f"--ckpt {ckpt}: not a megarl Megatron checkpoint (no {META})")
-    with open(f) as fh:
-        return json.load(fh)
-
-
-def mcore_tensor_bytes(ckpt: Path) -> int:
+def mcore_tensor_bytes(md) -> int:
     """Tensor payload recorded in a dist-checkpoint's metadata (no tensor is read)."""
-    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    try:
-        md = FileSystemReader(os.fspath(ckpt)).read_metadata()
-    except (OSError, EOFError) as err:
-        raise ConvertError(f"--ckpt {ckpt}: cannot read the dist-checkpoint .metadata "
-                           f"({err})") from None
     return sum(numel(v.size) * v.properties.dtype.itemsize
                for v in md.state_dict_metadata.values()
                if isinstance(v, TensorStorageMetadata))
@@ -282,19 +212,17 @@ def mcore_tensor_bytes(ckpt: Path) -> int:
 def _mcore_source(ckpt: Path, tp: int, pp: int) -> tuple[dict, ModelArgs, int, int, int]:
     """(meta, args, padded vocab at tp, weight file bytes, tensor bytes), layout checked first."""
     meta = read_meta(ckpt)
-    a = _read_args(ckpt / "hf", "--ckpt")
-    padded = check_layout(a, tp, pp, int(meta.get("make_vocab_size_divisible_by", 128)))
+    a = inputs.read_model_args(ckpt / "hf", "--ckpt")
+    padded = check_layout(a, tp, pp, meta.get("make_vocab_size_divisible_by", 128),
+                          str(ckpt / "hf" / "config.json"))
+    md = inputs.check_dist_checkpoint(ckpt)
     # Weights only: the optimizer state and the hf/ side copy are not model tensors.
     files = sum(p.stat().st_size for p in ckpt.iterdir() if p.is_file() and p.name != META)
-    return meta, a, padded, files, mcore_tensor_bytes(ckpt)
+    return meta, a, padded, files, mcore_tensor_bytes(md)
 
 
 def _ckpt_dtype(meta: dict, ckpt: Path) -> str:
-    dtype = meta.get("params_dtype", "float32")
-    if dtype not in DTYPES:
-        raise ConvertError(f"{ckpt / META}: params_dtype={dtype!r} is not one of "
-                           f"{sorted(DTYPES)}")
-    return dtype
+    return meta.get("params_dtype", "float32")  # checked by inputs.read_meta
 
 
 def _counts(a: ModelArgs) -> tuple[int, int, int]:
@@ -306,10 +234,8 @@ def _counts(a: ModelArgs) -> tuple[int, int, int]:
 def plan_hf2mcore(hf_dir, out, tp: int = 1, pp: int = 1, params_dtype: str = "float32",
                   make_vocab_size_divisible_by: int = 128) -> Plan:
     hf_dir, out = Path(hf_dir), Path(out)
-    if not hf_dir.is_dir():
-        raise ConvertError(f"--hf-dir {hf_dir}: no such directory (config.json expected)")
-    a = _read_args(hf_dir, "--hf-dir")
-    padded = check_layout(a, tp, pp, make_vocab_size_divisible_by)
+    a = inputs.read_model_args(hf_dir, "--hf-dir")
+    padded = check_layout(a, tp, pp, make_vocab_size_divisible_by, str(hf_dir / "config.json"))
     _check_out(out, hf_dir)
     files, tensors = _hf_source(hf_dir, a)
     n_hf, n_mc, params = _counts(a)

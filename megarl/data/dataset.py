@@ -13,17 +13,23 @@ step. A row is a JSON object (jsonl line, or parquet row) with:
 
 Row numbers are 1-based in both formats (for jsonl they are line numbers; blank lines are
 not rows but still counted, so numbers match an editor). Bad rows are reported as
-``file:row: field: problem``. Everything is loaded into memory: the sample buffer and the
-streaming of huge corpora are deliberately left out.
+``file:row: field: problem``. A file that cannot be read at all (missing, binary, a broken
+parquet, empty, or with no usable row) is a ``ConfigError`` naming it, whatever
+``data.bad_rows`` says. Every error is one line, so the CLI prints it without a traceback.
+Everything is loaded into memory: the sample buffer and the streaming of huge corpora are
+deliberately left out.
 """
 from __future__ import annotations
 
 import json
 import logging
 import os
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
+
+from omegaconf import DictConfig, ListConfig
 
 from megarl.config.errors import ConfigError
 
@@ -33,6 +39,11 @@ TRUNCATIONS = ("error", "left", "right")
 BAD_ROWS = ("skip", "error")
 # How many bad rows a log line or an error message spells out before summarising.
 _SHOWN = 5
+# Magic numbers of files that are sometimes given a .jsonl name by mistake.
+_BINARY_MAGIC = {b"PAR1": "a parquet file", b"\x1f\x8b": "gzip data", b"PK\x03\x04": "a zip file",
+                 b"\x28\xb5\x2f\xfd": "zstd data", b"BZh": "bzip2 data"}
+# A problem text quotes values; a huge one must not flood the one-line message.
+_MAX_PROBLEM = 200
 
 
 @dataclass(frozen=True)
@@ -48,8 +59,9 @@ class Prompt:
     extra_info: dict = field(default_factory=dict)
 
 
-class BadRowError(ValueError):
-    """A data file has malformed rows; the message names file:row and field of each."""
+class BadRowError(ConfigError):
+    """A data file has malformed rows (with ``data.bad_rows=error``) or none usable; the
+    one-line message names file:row and field of the first, and where the others are."""
 
 
 def _as_paths(files, key: str) -> list[Path]:
@@ -57,38 +69,95 @@ def _as_paths(files, key: str) -> list[Path]:
         raise ConfigError(f"{key}: no data files given")
     if isinstance(files, (str, os.PathLike)):
         files = [files]
-    paths = [Path(f) for f in files]
+    paths = []
+    for f in files:
+        if not isinstance(f, (str, os.PathLike)) or "\x00" in str(f):
+            raise ConfigError(f"{key}: {f!r} is not a file path")
+        paths.append(Path(f))
     if not paths:
         raise ConfigError(f"{key}: no data files given")
     for p in paths:
-        if not p.is_file():
-            raise ConfigError(f"{key}: no such data file: {p}")
-        if p.suffix not in (".jsonl", ".json", ".parquet"):
-            raise ConfigError(f"{key}: {p}: unknown format {p.suffix!r} "
-                              f"(expected .jsonl or .parquet)")
+        try:
+            _check_file(p, key)
+        except OSError as err:  # a name too long, a loop of links: not a usable path
+            raise ConfigError(f"{key}: {p}: {err.strerror or err}") from None
     return paths
 
 
-def _read_rows(path: Path) -> Iterator[tuple[int, Any, Optional[str]]]:
-    """Yield (row number, row, JSON error) for each row of one file."""
-    if path.suffix == ".parquet":
-        import pyarrow.parquet as pq
+def _check_file(p: Path, key: str) -> None:
+    if p.is_dir():
+        raise ConfigError(f"{key}: {p} is a directory, not a data file")
+    if not p.exists():
+        raise ConfigError(f"{key}: no such data file: {p}")
+    if not stat.S_ISREG(p.stat().st_mode):
+        raise ConfigError(f"{key}: {p} is not a regular file")
+    if not os.access(p, os.R_OK):
+        raise ConfigError(f"{key}: {p}: cannot read it (permission denied)")
+    if p.suffix not in (".jsonl", ".json", ".parquet"):
+        raise ConfigError(f"{key}: {p}: unknown format {p.suffix!r} "
+                          f"(expected .jsonl or .parquet)")
 
-        try:
-            table = pq.read_table(path)
-        except Exception as err:  # a corrupt file is not a bad row: nothing in it is usable
-            raise ValueError(f"{path}: cannot read parquet file: {err}") from err
-        for i, row in enumerate(table.to_pylist()):
-            yield i + 1, row, None
-        return
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+
+def _read_rows(path: Path, key: str) -> Iterator[tuple[int, Any, Optional[str]]]:
+    """Yield (row number, row, problem) for each row of one file; a problem makes the row bad.
+
+    Raises ``ConfigError`` when the file as a whole is unreadable.
+    """
+    try:
+        if path.suffix == ".parquet":
+            yield from _read_parquet(path, key)
+        else:
+            yield from _read_jsonl(path, key)
+    except OSError as err:  # removed or unreadable between the checks and the read
+        raise ConfigError(f"{key}: {path}: cannot read it ({err.strerror or err})") from None
+
+
+def _read_parquet(path: Path, key: str) -> Iterator[tuple[int, Any, Optional[str]]]:
+    import pyarrow.parquet as pq
+
+    try:
+        rows = pq.read_table(path).to_pylist()
+    except Exception as err:  # a corrupt file is not a bad row: nothing in it is usable
+        reason = _first_line(err) or type(err).__name__
+        raise ConfigError(f"{key}: {path}: not a readable parquet file ({reason})") from None
+    for i, row in enumerate(rows):
+        yield i + 1, row, None
+
+
+def _read_jsonl(path: Path, key: str) -> Iterator[tuple[int, Any, Optional[str]]]:
+    with open(path, "rb") as f:
+        head = f.read(8192)
+        kind = next((what for magic, what in _BINARY_MAGIC.items() if head.startswith(magic)),
+                    "binary data" if b"\x00" in head else None)
+        if kind:
+            raise ConfigError(f"{key}: {path}: is {kind}, not JSON-lines text")
+        f.seek(0)
+        # Lines are decoded one by one (not by a text-mode reader), so a bad byte is reported
+        # with its row, and only that row is bad.
+        for lineno, raw in enumerate(f, start=1):
+            if lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):
+                raw = raw[3:]  # a UTF-8 byte-order mark, as some editors write
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                yield lineno, None, (f"not UTF-8 text (byte 0x{raw[err.start]:02x} at column "
+                                     f"{err.start + 1})")
+                continue
             if not line.strip():
                 continue
             try:
                 yield lineno, json.loads(line), None
             except json.JSONDecodeError as err:
                 yield lineno, None, f"line is not valid JSON ({err.msg} at column {err.colno})"
+            except RecursionError:
+                yield lineno, None, "line is not usable JSON (nested too deeply)"
+            except ValueError as err:  # e.g. an integer longer than Python converts
+                yield lineno, None, f"line is not usable JSON ({_first_line(err)})"
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0][:_MAX_PROBLEM] if text else ""
 
 
 def _check_messages(msgs: list) -> Optional[str]:
@@ -101,9 +170,20 @@ def _check_messages(msgs: list) -> Optional[str]:
             return f"message {j} has no string 'role'"
         if not isinstance(m.get("content"), str):
             return f"message {j} has no string 'content'"
+        if not _is_text(m["content"]):
+            return f"message {j}: 'content' holds a lone surrogate (JSON \\ud8xx), not text"
     if not any(m["content"].strip() for m in msgs):
         return "every message is empty"
     return None
+
+
+def _is_text(s: str) -> bool:
+    # JSON may spell half a surrogate pair (\ud800); no tokenizer can encode the result.
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def check_row(row: Any, prompt_key: str = "prompt") -> Optional[tuple[str, str]]:
@@ -116,6 +196,8 @@ def check_row(row: Any, prompt_key: str = "prompt") -> Optional[tuple[str, str]]
     if isinstance(prompt, str):
         if not prompt.strip():
             return prompt_key, "empty prompt"
+        if not _is_text(prompt):
+            return prompt_key, "holds a lone surrogate (JSON \\ud8xx), not text"
     elif isinstance(prompt, list):
         problem = _check_messages(prompt)
         if problem:
@@ -165,6 +247,7 @@ class RLDataset:
         if max_prompt_length <= 0:
             raise ConfigError(f"data.max_prompt_length: must be positive, got {max_prompt_length}")
         self.paths = _as_paths(files, config_key)
+        self.config_key = config_key
         self.tokenizer = tokenizer
         self.prompt_key = prompt_key
         self.max_prompt_length = max_prompt_length
@@ -187,23 +270,8 @@ class RLDataset:
         return iter(self.items)
 
     def _load_rows(self, bad_rows: str) -> list[tuple[str, str, dict]]:
-        """(uid, where, row) for each good row; bad rows skipped or raised per ``bad_rows``."""
-        good, bad = [], []
-        for path, stem in zip(self.paths, _stems(self.paths)):
-            for rowno, row, json_err in _read_rows(path):
-                problem = ("<row>", json_err) if json_err else check_row(row, self.prompt_key)
-                if problem:
-                    bad.append(f"{path}:{rowno}: {problem[0]}: {problem[1]}")
-                else:
-                    good.append((f"{stem}:{rowno}", f"{path}:{rowno}", row))
-        if bad:
-            shown = "\n  ".join(bad[:_SHOWN])
-            more = f"\n  ... and {len(bad) - _SHOWN} more" if len(bad) > _SHOWN else ""
-            if bad_rows == "error":
-                raise BadRowError(f"{len(bad)} bad row(s) (data.bad_rows=error):\n  {shown}{more}")
-            logger.warning("skipped %d bad row(s) (data.bad_rows=skip):\n  %s%s",
-                           len(bad), shown, more)
-        self.num_bad_rows = len(bad)
+        good, self.num_bad_rows = read_rows(self.paths, self.config_key, self.prompt_key,
+                                            bad_rows)
         return good
 
     def _encode(self, rows: list[tuple[str, str, dict]]) -> list[list[int]]:
@@ -212,19 +280,32 @@ class RLDataset:
         text = [i for i, (_, _, r) in enumerate(rows) if isinstance(r[self.prompt_key], str)]
         ids: list[Optional[list[int]]] = [None] * len(rows)
         if chat:
-            rendered = [self.tokenizer.apply_chat_template(
-                rows[i][2][self.prompt_key], add_generation_prompt=True, tokenize=False)
-                for i in chat]
+            rendered = [self._call(rows[i][1], self.tokenizer.apply_chat_template,
+                                   rows[i][2][self.prompt_key], add_generation_prompt=True,
+                                   tokenize=False) for i in chat]
             # The template already holds any BOS the model wants: add no more special tokens.
-            enc = self.tokenizer(rendered, add_special_tokens=False)["input_ids"]
-            for i, e in zip(chat, enc):
-                ids[i] = list(e)
+            for i, e in zip(chat, self._batch([rows[i][1] for i in chat], rendered, False)):
+                ids[i] = e
         if text:
-            enc = self.tokenizer([rows[i][2][self.prompt_key] for i in text],
-                                 add_special_tokens=True)["input_ids"]
-            for i, e in zip(text, enc):
-                ids[i] = list(e)
+            prompts = [rows[i][2][self.prompt_key] for i in text]
+            for i, e in zip(text, self._batch([rows[i][1] for i in text], prompts, True)):
+                ids[i] = e
         return ids  # type: ignore[return-value]
+
+    def _batch(self, wheres: list[str], texts: list[str], special: bool) -> list[list[int]]:
+        try:
+            return [list(e) for e in self.tokenizer(texts, add_special_tokens=special)["input_ids"]]
+        except Exception:
+            # Find the row the tokenizer refuses (a lone surrogate, say) and name it.
+            return [list(self._call(w, self.tokenizer, t, add_special_tokens=special)["input_ids"])
+                    for w, t in zip(wheres, texts)]
+
+    def _call(self, where: str, fn, *args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except Exception as err:
+            raise ConfigError(f"{where}: {self.prompt_key}: the tokenizer cannot encode it "
+                              f"({type(err).__name__}: {_first_line(err)})") from None
 
     def _tokenize(self, rows, filter_overlong: bool, truncation: str) -> list[Prompt]:
         items: list[Prompt] = []
@@ -235,7 +316,7 @@ class RLDataset:
                     self.num_filtered += 1
                     continue
                 if truncation == "error":
-                    raise ValueError(
+                    raise ConfigError(
                         f"{where}: {self.prompt_key}: prompt is {len(ids)} tokens, longer than "
                         f"data.max_prompt_length={limit} (set data.filter_overlong_prompts=True "
                         f"or data.truncation=left|right)")
@@ -252,11 +333,44 @@ class RLDataset:
         return items
 
 
-def load_split(data_cfg, tokenizer, split: str = "train") -> Optional[RLDataset]:
-    """The ``train`` or ``val`` dataset described by the ``data`` config section.
+def read_rows(paths: Sequence[Path], config_key: str, prompt_key: str = "prompt",
+              bad_rows: str = "skip") -> tuple[list[tuple[str, str, dict]], int]:
+    """((uid, where, row) for each good row of ``paths``, number of bad rows); bad rows are
+    skipped or raised per ``bad_rows``. A file with no rows, or none usable, is an error
+    either way."""
+    good, bad = [], []
+    for path, stem in zip(paths, _stems(paths)):
+        n_rows, n_good, first_bad = 0, 0, None
+        for rowno, row, read_err in _read_rows(path, config_key):
+            n_rows += 1
+            problem = ("<row>", read_err) if read_err else check_row(row, prompt_key)
+            if problem:
+                text = f"{path}:{rowno}: {problem[0]}: {problem[1][:_MAX_PROBLEM]}"
+                bad.append((f"{path}:{rowno}", text))
+                first_bad = first_bad or text
+            else:
+                n_good += 1
+                good.append((f"{stem}:{rowno}", f"{path}:{rowno}", row))
+        if n_rows == 0:
+            raise ConfigError(f"{config_key}: {path}: the file has no rows")
+        if n_good == 0:
+            raise BadRowError(f"{first_bad} ({config_key}: none of the {n_rows} row(s) of "
+                              f"{path} is usable)")
+    if bad:
+        if bad_rows == "error":
+            others = [where for where, _ in bad[1:_SHOWN + 1]]
+            more = f" and {len(bad) - 1 - len(others)} more" if len(bad) - 1 > len(others) else ""
+            also = f"; also at {', '.join(others)}{more}" if others else ""
+            raise BadRowError(f"{bad[0][1]} ({config_key}: {len(bad)} bad row(s), "
+                              f"data.bad_rows=error{also})")
+        shown = "\n  ".join(text for _, text in bad[:_SHOWN])
+        more = f"\n  ... and {len(bad) - _SHOWN} more" if len(bad) > _SHOWN else ""
+        logger.warning("%s: skipped %d bad row(s) (data.bad_rows=skip):\n  %s%s",
+                       config_key, len(bad), shown, more)
+    return good, len(bad)
 
-    Returns None for ``val`` when ``data.val_files`` is null.
-    """
+
+def _split_args(data_cfg, split: str) -> Optional[dict]:
     if split not in ("train", "val"):
         raise ValueError(f"split must be 'train' or 'val', got {split!r}")
     key = f"{split}_files"
@@ -267,10 +381,35 @@ def load_split(data_cfg, tokenizer, split: str = "train") -> Optional[RLDataset]
     files = get(key)
     if split == "val" and files is None:
         return None
-    if files is not None and not isinstance(files, (str, os.PathLike)):
+    if isinstance(files, (list, tuple, ListConfig)):
         files = list(files)  # an omegaconf ListConfig
-    return RLDataset(files, tokenizer, prompt_key=get("prompt_key"),
-                     max_prompt_length=get("max_prompt_length"),
-                     filter_overlong_prompts=get("filter_overlong_prompts"),
-                     truncation=get("truncation"), bad_rows=get("bad_rows"),
-                     config_key=f"data.{key}")
+    elif files is not None and not isinstance(files, (str, os.PathLike)):
+        what = "a mapping" if isinstance(files, (dict, DictConfig)) else repr(files)
+        raise ConfigError(f"data.{key}: expected a path or a list of paths, got {what}")
+    return dict(files=files, prompt_key=get("prompt_key"),
+                max_prompt_length=get("max_prompt_length"),
+                filter_overlong_prompts=get("filter_overlong_prompts"),
+                truncation=get("truncation"), bad_rows=get("bad_rows"),
+                config_key=f"data.{key}")
+
+
+def scan_split(data_cfg, split: str = "train") -> int:
+    """Read and check every row of the ``train`` or ``val`` files without tokenizing them;
+    returns the number of usable rows (0 for ``val`` with no files). Raises what loading
+    would raise, except for prompt lengths (which need the tokenizer)."""
+    args = _split_args(data_cfg, split)
+    if args is None:
+        return 0
+    paths = _as_paths(args["files"], args["config_key"])
+    return len(read_rows(paths, args["config_key"], args["prompt_key"], args["bad_rows"])[0])
+
+
+def load_split(data_cfg, tokenizer, split: str = "train") -> Optional[RLDataset]:
+    """The ``train`` or ``val`` dataset described by the ``data`` config section.
+
+    Returns None for ``val`` when ``data.val_files`` is null.
+    """
+    args = _split_args(data_cfg, split)
+    if args is None:
+        return None
+    return RLDataset(args.pop("files"), tokenizer, **args)

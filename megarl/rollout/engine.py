@@ -29,9 +29,11 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import contextlib
 import hashlib
 import logging
 import random
+import socket
 import time
 from pathlib import Path
 
@@ -39,12 +41,40 @@ import torch
 
 from megarl.rollout.batch import DecodeBatch, Sequence
 from megarl.rollout.protocol import (PAUSE_MODES, BadRequest, GenerateOutput,
-                                     GenerateRequest)
+                                     GenerateRequest, short_repr)
 from megarl.rollout.weights import (LOAD_FORMAT, EngineRanks, WeightStore, bucket_layout,
                                     in_daemon_thread, overall_checksum, parse_dtype,
                                     tensor_checksum, unpack_bucket)
 
 logger = logging.getLogger(__name__)
+
+
+UPDATE_BACKENDS = ("gloo", "nccl")  # torch backends an update group is built with here
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _close_late_join(join: concurrent.futures.Future) -> None:
+    if join.exception() is None:
+        logger.warning("an update-group join completed after its deadline; leaving the group")
+        join.result().close()
+
+
+def _first_line(e: BaseException) -> str:
+    """torch's distributed errors append a C++ stack trace to their message."""
+    return short_repr((str(e).strip().splitlines() or [type(e).__name__])[0], 300, quote=False)
+
+
+@contextlib.contextmanager
+def _allocation(field: str, what: str):
+    """A receive buffer the request's shapes ask for, refused (naming `field`) when torch
+    cannot make it: a negative or over-64-bit dimension, or more memory than there is."""
+    try:
+        yield
+    except (RuntimeError, ValueError, TypeError, OverflowError, MemoryError) as e:
+        raise BadRequest(field, f"cannot allocate {what}: {_first_line(e)}") from None
 
 
 class UpdateRefused(BadRequest):
@@ -119,6 +149,8 @@ class EmbeddedEngine:
         self._txn: dict[str, torch.Tensor] | None = None  # the open update session's staging
         self._txn_version: str | None = None
         self._groups: dict[str, EngineRanks] = {}
+        self._joining: set[str] = set()  # groups whose rendezvous is under way
+        self._join_threads: set[concurrent.futures.Future] = set()  # incl. abandoned ones
         self._recv_bufs: dict[str, torch.Tensor] = {}  # flattened-bucket receive, per group
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task | None = None
@@ -343,20 +375,76 @@ class EmbeddedEngine:
 
     async def init_weights_update_group(self, master_address, master_port, rank_offset,
                                         world_size, group_name, backend="gloo") -> None:
+        """Join the trainer's update group. Everything is checked before any connection is
+        tried; the rendezvous runs on a daemon thread and is given `update_group_timeout_s`.
+        A join that misses it is abandoned (a peer that accepts but never answers can hold
+        torch's TCPStore past its own timeout); should it complete later, its group is closed.
+        """
         self._ensure_started()
-        if group_name in self._groups:
-            raise BadRequest("group_name", f"update group {group_name!r} already exists")
+        if group_name in self._groups or group_name in self._joining:
+            raise BadRequest("group_name", f"update group {group_name!r} already exists"
+                             + (" (its rendezvous is under way)" if group_name in self._joining
+                                else ""))
+        self._check_group_args(master_address, master_port, rank_offset, world_size, backend)
+        timeout = self.update_group_timeout_s
+        where = f"{master_address}:{master_port}"
+
+        def rendezvous() -> EngineRanks:
+            try:  # a name that does not resolve is the address's fault, not the port's
+                socket.getaddrinfo(master_address, master_port, type=socket.SOCK_STREAM)
+            except (OSError, UnicodeError) as e:
+                raise BadRequest("master_address", f"cannot resolve {master_address!r}: "
+                                 f"{e}") from None
+            return EngineRanks.join(master_address, master_port, rank_offset, world_size,
+                                    group_name, backend, self.tp_size, timeout)
+
+        join = in_daemon_thread(rendezvous)
+        self._join_threads.add(join)
+        join.add_done_callback(self._join_threads.discard)
+        self._joining.add(group_name)
+        try:
+            # The join's own steps give up at `timeout` with a more specific error; a second
+            # more is the hard bound for the steps that can outlive it (see the docstring).
+            waiter = asyncio.wrap_future(join)
+            done, _ = await asyncio.wait([waiter], timeout=timeout + 1.0)
+        finally:
+            self._joining.discard(group_name)
+        if not done:
+            waiter.cancel()  # nobody reads its outcome now; the running join is not stopped
+            join.add_done_callback(_close_late_join)
+            raise BadRequest("master_port", f"no weight-update group {group_name!r} formed at "
+                             f"{where} within {timeout:g} s (update_group_timeout_s)")
+        try:
+            self._groups[group_name] = waiter.result()
+        except BadRequest:
+            raise
+        except Exception as e:  # noqa: BLE001 - the transport's failure, answered as stock does
+            raise BadRequest("master_port", f"failed to join weight-update group "
+                             f"{group_name!r} at {where}: {_first_line(e)}") from None
+
+    def _check_group_args(self, master_address, master_port, rank_offset, world_size,
+                          backend) -> None:
+        if backend not in UPDATE_BACKENDS:
+            raise BadRequest("backend", f"{backend!r}; the embedded engine joins with one of "
+                             f"{list(UPDATE_BACKENDS)}")
         if backend == "nccl" and self.device.type != "cuda":
             raise BadRequest("backend", "nccl needs a CUDA engine; this one runs on "
                              f"{self.device.type}, use gloo")
-        if not (isinstance(world_size, int) and isinstance(rank_offset, int)
-                and 0 < rank_offset and rank_offset + self.tp_size <= world_size):
+        if not isinstance(master_address, str) or not master_address:
+            raise BadRequest("master_address", f"must be a host name or address, got "
+                             f"{short_repr(master_address)}")
+        if not _is_int(master_port) or not 1 <= master_port <= 65535:
+            raise BadRequest("master_port", f"must be a TCP port in [1, 65535], got "
+                             f"{short_repr(master_port)}")
+        if not _is_int(world_size) or not self.tp_size < world_size < 2**31:
+            raise BadRequest("world_size", f"must be an integer in ({self.tp_size}, 2**31): "
+                             f"the trainer and this engine's {self.tp_size} TP ranks at least, "
+                             f"got {short_repr(world_size)}")
+        if not (_is_int(rank_offset) and 0 < rank_offset
+                and rank_offset + self.tp_size <= world_size):
             raise BadRequest("rank_offset", f"need 0 < rank_offset and rank_offset + tp_size "
-                             f"({self.tp_size}) <= world_size, got {rank_offset!r} of "
-                             f"{world_size!r} (rank 0 is the trainer)")
-        self._groups[group_name] = await asyncio.to_thread(
-            EngineRanks.join, master_address, master_port, rank_offset, world_size, group_name,
-            backend, self.tp_size, self.update_group_timeout_s)
+                             f"({self.tp_size}) <= world_size ({world_size}), got "
+                             f"{short_repr(rank_offset)} (rank 0 is the trainer)")
 
     async def destroy_weights_update_group(self, group_name: str) -> None:
         self._ensure_started()
@@ -364,7 +452,8 @@ class EmbeddedEngine:
         if group is None:
             raise BadRequest("group_name", f"no update group {group_name!r}")
         self._recv_bufs.pop(group_name, None)  # a receive left pending may still hold it
-        group.close()
+        # Tearing a process group down waits on its transport: not on the event loop.
+        await asyncio.wrap_future(in_daemon_thread(group.close))
 
     async def update_weights_from_distributed(self, names, dtypes, shapes, group_name,
                                               weight_version=None, flush_cache=True,
@@ -383,12 +472,15 @@ class EmbeddedEngine:
                              f"null (one broadcast per tensor) and {LOAD_FORMAT!r}")
         if load_format == LOAD_FORMAT:
             layout = bucket_layout(list(names), list(dtypes), list(shapes))
-            flat = self._receive_buffer(group_name, layout[-1][4])
+            with _allocation("shapes", f"a {layout[-1][4]}-byte bucket"):
+                flat = self._receive_buffer(group_name, layout[-1][4])
         else:
             if not (len(names) == len(dtypes) == len(shapes)):
                 raise BadRequest("names", "names, dtypes and shapes differ in length")
-            bufs = [torch.empty(tuple(s), dtype=parse_dtype(d), device=self.device)
-                    for d, s in zip(dtypes, shapes)]
+            bufs = []
+            for n, d, s in zip(names, dtypes, shapes):
+                with _allocation("shapes", f"{n!r} of shape {short_repr(s)}"):
+                    bufs.append(torch.empty(tuple(s), dtype=parse_dtype(d), device=self.device))
         # A worker thread, not the model thread: generation may go on during the transfer.
         t0 = time.perf_counter()
         try:
@@ -483,3 +575,13 @@ class EmbeddedEngine:
         for group in self._groups.values():
             group.close()
         self._groups.clear()
+        if self._join_threads:
+            # A join that returns from torch's C++ while the interpreter shuts down aborts the
+            # process ("terminate called without an active exception"): give those still
+            # running a little time to end. One whose peer never answers may not; it is then
+            # left, as it does no harm unless that peer goes away during the exit.
+            _, left = await asyncio.to_thread(concurrent.futures.wait, list(self._join_threads),
+                                              min(self.update_group_timeout_s, 10.0))
+            if left:
+                logger.warning("closing with %d update-group joins still waiting on their peer",
+                               len(left))

@@ -34,12 +34,30 @@ from typing import Any, Protocol, runtime_checkable
 PAUSE_MODES = ("abort", "retract", "in_place")
 
 
+I64_MAX = 2**63 - 1  # stock SGLang reads its integers as 64-bit
+
+
 class BadRequest(ValueError):
-    """A request the engine refuses; `field` names the offending input (HTTP 400)."""
+    """A request the engine refuses; `field` names the offending input (HTTP `status`)."""
+
+    status = 400
 
     def __init__(self, field: str, message: str):
         super().__init__(f"{field}: {message}")
         self.field = field
+
+
+def short_repr(value: Any, limit: int = 80, quote: bool = True) -> str:
+    """`repr(value)` (or `str` with quote=False) cut to `limit` characters, for error messages
+    that echo client input: a message must not be as large as the body it refuses."""
+    if isinstance(value, (list, dict)) and len(value) > limit:
+        text = f"<{type(value).__name__} of {len(value)} items>"
+    else:
+        try:
+            text = repr(value) if quote else str(value)
+        except (RecursionError, ValueError):  # deep nesting; ints past str()'s digit limit
+            text = f"<{type(value).__name__}>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 @dataclass
@@ -88,27 +106,35 @@ class SamplingParams:
         def is_num(v):
             return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
-        need(is_int(self.max_new_tokens) and self.max_new_tokens > 0, "max_new_tokens",
-             f"must be an integer > 0, got {self.max_new_tokens!r}")
+        def is_count(v, lo):  # an int that fits stock's i64
+            return is_int(v) and lo <= v <= I64_MAX
+
+        need(is_count(self.max_new_tokens, 1), "max_new_tokens",
+             f"must be an integer > 0, got {short_repr(self.max_new_tokens)}")
         need(is_num(self.temperature) and self.temperature >= 0, "temperature",
-             f"must be a number >= 0, got {self.temperature!r}")
+             f"must be a number >= 0, got {short_repr(self.temperature)}")
         need(is_num(self.top_p) and 0 < self.top_p <= 1, "top_p",
-             f"must be in (0, 1], got {self.top_p!r}")
-        need(is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 1), "top_k",
-             f"must be -1 (off) or >= 1, got {self.top_k!r}")
+             f"must be in (0, 1], got {short_repr(self.top_p)}")
+        need(is_int(self.top_k) and (self.top_k == -1 or is_count(self.top_k, 1)), "top_k",
+             f"must be -1 (off) or an integer >= 1, got {short_repr(self.top_k)}")
         need(is_num(self.min_p) and 0 <= self.min_p < 1, "min_p",
-             f"must be in [0, 1), got {self.min_p!r}")
-        need(is_int(self.min_new_tokens) and 0 <= self.min_new_tokens <= self.max_new_tokens,
+             f"must be in [0, 1), got {short_repr(self.min_p)}")
+        need(is_count(self.min_new_tokens, 0) and self.min_new_tokens <= self.max_new_tokens,
              "min_new_tokens", f"must be an integer in [0, max_new_tokens], got "
-             f"{self.min_new_tokens!r}")
-        need(is_int(self.n) and self.n >= 1, "n", f"must be an integer >= 1, got {self.n!r}")
+             f"{short_repr(self.min_new_tokens)}")
+        need(is_count(self.n, 1), "n", f"must be an integer >= 1, got {short_repr(self.n)}")
         need(isinstance(self.stop_token_ids, (list, tuple))
-             and all(is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
-             f"must be a list of token ids, got {self.stop_token_ids!r}")
+             and all(is_count(t, 0) for t in self.stop_token_ids), "stop_token_ids",
+             f"must be a list of token ids, got {short_repr(self.stop_token_ids)}")
         self.stop_token_ids = list(self.stop_token_ids)
-        need(isinstance(self.ignore_eos, bool), "ignore_eos", "must be a boolean")
-        need(self.sampling_seed is None or is_int(self.sampling_seed), "sampling_seed",
-             f"must be an integer or null, got {self.sampling_seed!r}")
+        for name in ("ignore_eos", "skip_special_tokens", "no_stop_trim"):
+            need(isinstance(getattr(self, name), bool), name,
+                 f"must be true or false, got {short_repr(getattr(self, name))}")
+        # torch.Generator.manual_seed and stock's i64 both stop at 64 bits.
+        need(self.sampling_seed is None or (is_int(self.sampling_seed)
+                                            and -I64_MAX - 1 <= self.sampling_seed <= I64_MAX),
+             "sampling_seed", f"must be a 64-bit signed integer or null, got "
+             f"{short_repr(self.sampling_seed)}")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -3,8 +3,11 @@
 Owns the wire: request parsing and validation, response shapes, and the process entry point
 `python -m megarl.rollout.server --model-path DIR [--port N]`, which accepts the server
 arguments megarl's SGLang launcher passes, so one launcher starts either server. Bad input
-(malformed JSON, unknown fields, bad sampling params, rejected weight updates) is answered
-with HTTP 400 and `{"error": {"message", "field"}}`; the server stays up.
+(malformed or over-deep JSON, numbers past 64 bits, unknown fields, wrong types, bad sampling
+params, ports or backends, rejected weight updates) is answered with HTTP 400, a body over
+its endpoint's size limit with 413, each as `{"error": {"message", "field"}}`; the server
+stays up. Update-group calls (join, receive, teardown) run on daemon threads, never on the
+event loop, and a join is given the engine's `update_group_timeout_s`.
 
 Paths: /health, /health_generate, /model_info (/get_model_info), /server_info
 (/get_server_info), /generate, /pause_generation, /continue_generation, /abort_request,
@@ -32,30 +35,18 @@ import threading
 from aiohttp import web
 
 from megarl.rollout.engine import EmbeddedEngine
-from megarl.rollout.protocol import PAUSE_MODES, BadRequest, GenerateRequest, SamplingParams
+from megarl.rollout.protocol import (I64_MAX, PAUSE_MODES, BadRequest, GenerateRequest,
+                                     SamplingParams, short_repr)
 from megarl.rollout.weights import deserialize_named_tensors
+from megarl.rollout.wire import Fields, describe, parse_object, read_body
 
 logger = logging.getLogger(__name__)
 
 GENERATE_FIELDS = {"input_ids", "text", "sampling_params", "return_logprob", "rid", "stream",
                    "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs"}
-
-
-async def _body(request: web.Request, allowed: set[str] | None = None) -> dict:
-    raw = await request.read()
-    if not raw:
-        return {}
-    try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise BadRequest("body", f"malformed JSON: {e}") from None
-    if not isinstance(body, dict):
-        raise BadRequest("body", "expected a JSON object")
-    if allowed is not None:
-        unknown = sorted(set(body) - allowed)
-        if unknown:
-            raise BadRequest(unknown[0], f"unknown field; expected some of {sorted(allowed)}")
-    return body
+DEFAULT_GROUP = "weight_update_group"
+SELECTORS = ("target", "draft", "all")  # stock's `selector`; one model here, so all alike
+RAW_BODY = web.RequestKey("raw_body", bytes)  # what _fields read, for the recording middleware
 
 
 def _per_item(value, count: int, name: str, default=None) -> list:
@@ -67,18 +58,41 @@ def _per_item(value, count: int, name: str, default=None) -> list:
     return [default if value is None else value] * count
 
 
+def _shapes(value) -> list[list[int]]:
+    """`shapes`: one list of non-negative 64-bit dimensions per tensor."""
+    if value is None:
+        raise BadRequest("shapes", "missing")
+    if not isinstance(value, list) or not all(
+            isinstance(s, list) and all(isinstance(d, int) and not isinstance(d, bool)
+                                        and 0 <= d <= I64_MAX for d in s) for s in value):
+        raise BadRequest("shapes", f"must be a list of shapes (lists of integers >= 0), got "
+                         f"{describe(value)}")
+    return value
+
+
 class RolloutServer:
-    """aiohttp application around one engine."""
+    """aiohttp application around one engine.
+
+    Every body is read within a size limit (`max_body_bytes`; `max_weights_body_bytes` for
+    `/update_weights_from_tensor`, which carries whole tensors) and parsed within the
+    structure limits of megarl.rollout.wire before a handler reads a field of it.
+    """
 
     def __init__(self, engine: EmbeddedEngine, skip_tokenizer_init: bool = False,
-                 record: list | None = None):
+                 record: list | None = None, max_body_bytes: int = 256 << 20,
+                 max_weights_body_bytes: int = 1 << 34, max_samples_per_call: int = 16384):
         self.engine = engine
         self.skip_tokenizer_init = skip_tokenizer_init or engine.tokenizer is None
+        self.max_body_bytes, self.max_weights_body_bytes = max_body_bytes, max_weights_body_bytes
+        self.max_samples_per_call = max_samples_per_call  # n × prompts of one /generate
         # record: (path, request JSON, status, response JSON) of every call, for the contract
         # tests that check what megarl sends against stock SGLang's own request types.
         self.record = record
         middlewares = [self._errors] if record is None else [self._record, self._errors]
-        self.app = web.Application(client_max_size=1 << 34, middlewares=middlewares)
+        # Bodies are read by read_body under the limits above; aiohttp's own cap stays out of
+        # the way.
+        self.app = web.Application(client_max_size=max(max_body_bytes, max_weights_body_bytes),
+                                   middlewares=middlewares)
         r = self.app.router
         for path, fn in [("/health", self.health), ("/health_generate", self.health),
                          ("/model_info", self.model_info), ("/get_model_info", self.model_info),
@@ -102,16 +116,32 @@ class RolloutServer:
             r.add_get(path, fn)
             r.add_post(path, fn)
 
+    async def _fields(self, request: web.Request, allowed: set[str],
+                      limit: int | None = None) -> Fields:
+        """The body as a JSON object (empty: `{}`), with only `allowed` keys."""
+        raw = await read_body(request, self.max_body_bytes if limit is None else limit)
+        request[RAW_BODY] = raw
+        body = parse_object(raw)
+        unknown = sorted(set(body) - allowed)
+        if unknown:
+            raise BadRequest(short_repr(unknown[0], 64, quote=False),
+                             f"unknown field; expected some of {sorted(allowed)}")
+        return Fields(body)
+
     @web.middleware
     async def _record(self, request, handler):
-        raw = await request.read()  # aiohttp keeps it for the handler
         resp = await handler(request)
+        try:
+            raw = request.get(RAW_BODY)
+            sent = json.loads(raw) if raw else None
+        except ValueError:
+            sent = None
         body = getattr(resp, "body", None)
         try:
             out = json.loads(body) if body else None
         except (TypeError, ValueError):
             out = None
-        self.record.append((request.path, json.loads(raw) if raw else None, resp.status, out))
+        self.record.append((request.path, sent, resp.status, out))
         return resp
 
     @web.middleware
@@ -119,9 +149,10 @@ class RolloutServer:
         try:
             return await handler(request)
         except BadRequest as e:
-            logger.info("400 on %s: %s", request.path, e)
+            logger.info("%d on %s: %s", e.status, request.path, e)
             return web.json_response({"success": False, "message": str(e),
-                                      "error": {"message": str(e), "field": e.field}}, status=400)
+                                      "error": {"message": str(e), "field": e.field}},
+                                     status=e.status)
 
     @staticmethod
     def _ok(message: str = "Success", **extra) -> web.Response:
@@ -143,12 +174,17 @@ class RolloutServer:
                                   "max_running_requests": self.engine.max_running_requests})
 
     # -- generation -------------------------------------------------------------------------
-    def _requests(self, body: dict) -> tuple[list[GenerateRequest], bool]:
-        if body.get("stream"):
+    def _requests(self, f: Fields) -> tuple[list[GenerateRequest], bool]:
+        if f.get_bool("stream", False):
             raise BadRequest("stream", "streaming is not supported by the embedded server")
-        if body.get("logprob_start_len") not in (None, -1) or body.get("top_logprobs_num"):
-            raise BadRequest("logprob_start_len", "input/top log-probs are not supported; "
+        if f.get_int("logprob_start_len", -1) != -1:
+            raise BadRequest("logprob_start_len", "input log-probs are not supported; "
                              "output_token_logprobs come with return_logprob")
+        if f.get_int("top_logprobs_num", 0) != 0:
+            raise BadRequest("top_logprobs_num", "top log-probs are not supported; "
+                             "output_token_logprobs come with return_logprob")
+        f.get_bool("return_text_in_logprobs")
+        body = f.body
         ids, text = body.get("input_ids"), body.get("text")
         if (ids is None) == (text is None):
             raise BadRequest("input_ids", "give exactly one of input_ids and text")
@@ -169,18 +205,26 @@ class RolloutServer:
         sps = _per_item(body.get("sampling_params"), n, "sampling_params", {})
         lps = _per_item(body.get("return_logprob"), n, "return_logprob", False)
         rids = _per_item(body.get("rid"), n, "rid", None)
+        if not all(isinstance(sp, dict) for sp in sps):
+            raise BadRequest("sampling_params", "must be an object (or a list of them)")
+        if not all(isinstance(lp, bool) for lp in lps):
+            raise BadRequest("return_logprob", "must be true or false (or a list of them)")
+        if not all(rid is None or isinstance(rid, str) for rid in rids):
+            raise BadRequest("rid", "must be a string (or a list of them)")
+        params = [SamplingParams.from_dict(sp) for sp in sps]
+        if sum(p.n for p in params) > self.max_samples_per_call:
+            raise BadRequest("sampling_params.n", f"{sum(p.n for p in params)} samples in one "
+                             f"call; this server takes at most {self.max_samples_per_call}")
         reqs = []
-        for i, (p, sp, lp, rid) in enumerate(zip(ids, sps, lps, rids)):
-            if not isinstance(sp, dict):
-                raise BadRequest("sampling_params", "must be an object (or a list of them)")
-            r = GenerateRequest(p, SamplingParams.from_dict(sp), bool(lp))
+        for p, sp, lp, rid in zip(ids, params, lps, rids):
+            r = GenerateRequest(p, sp, lp)
             if rid is not None:
-                r.rid = str(rid)
+                r.rid = rid
             reqs.extend(r.expand())
         return reqs, single and len(reqs) == 1
 
     async def generate(self, request):
-        reqs, single = self._requests(await _body(request, GENERATE_FIELDS))
+        reqs, single = self._requests(await self._fields(request, GENERATE_FIELDS))
         for r in reqs:  # refuse the whole batch before any of it starts
             self.engine.check(r)
         if len({r.rid for r in reqs}) != len(reqs):
@@ -195,21 +239,18 @@ class RolloutServer:
         return web.json_response(payload[0] if single else payload)
 
     async def pause(self, request):
-        body = await _body(request, {"mode"})
-        if body.get("mode", "abort") not in PAUSE_MODES:
-            raise BadRequest("mode", f"{body['mode']!r}; expected one of {list(PAUSE_MODES)}")
-        await self.engine.pause(body.get("mode", "abort"))
+        f = await self._fields(request, {"mode"})
+        await self.engine.pause(f.get_str("mode", "abort", choices=PAUSE_MODES))
         return self._ok("Generation paused")
 
     async def resume(self, request):
-        await _body(request, {"torch_empty_cache"})
+        (await self._fields(request, {"torch_empty_cache"})).get_bool("torch_empty_cache")
         await self.engine.resume()
         return self._ok("Generation continued")
 
     async def abort(self, request):
-        body = await _body(request, {"rid", "abort_all"})
-        await self.engine.abort(str(body.get("rid") or ""),
-                                abort_all=bool(body.get("abort_all", False)))
+        f = await self._fields(request, {"rid", "abort_all"})
+        await self.engine.abort(f.get_str("rid", ""), abort_all=f.get_bool("abort_all", False))
         return web.Response(status=200)
 
     async def flush_cache(self, request):
@@ -218,93 +259,100 @@ class RolloutServer:
         return web.Response(text="Cache not flushed: requests are in flight.\n", status=400)
 
     # -- weights ----------------------------------------------------------------------------
-    # Field sets are stock SGLang's request structs (io_struct.py of the pinned release), so a
-    # request the stock server would read in part is refused here as a whole.
+    # Field sets and types are stock SGLang's request structs (io_struct.py of the pinned
+    # release), so a request the stock server would read in part is refused here as a whole.
+    # Values the engine alone can judge (ports, backends, rank layout) it checks itself,
+    # before any connection.
     async def init_group(self, request):
-        b = await _body(request, {"master_address", "master_port", "rank_offset", "world_size",
-                                  "group_name", "backend"})
-        for key in ("master_address", "master_port", "rank_offset", "world_size"):
-            if key not in b:
-                raise BadRequest(key, "missing")
+        f = await self._fields(request, {"master_address", "master_port", "rank_offset",
+                                         "world_size", "group_name", "backend"})
         await self.engine.init_weights_update_group(
-            b["master_address"], int(b["master_port"]), b["rank_offset"], b["world_size"],
-            b.get("group_name", "weight_update_group"), b.get("backend", "nccl"))
+            f.get_str("master_address", required=True),
+            f.get_int("master_port", required=True), f.get_int("rank_offset", required=True),
+            f.get_int("world_size", required=True), f.get_str("group_name", DEFAULT_GROUP),
+            f.get_str("backend", "nccl"))
         return self._ok("Succeeded to initialize custom process group.")
 
     async def destroy_group(self, request):
-        b = await _body(request, {"group_name"})
-        await self.engine.destroy_weights_update_group(b.get("group_name", "weight_update_group"))
+        f = await self._fields(request, {"group_name"})
+        await self.engine.destroy_weights_update_group(f.get_str("group_name", DEFAULT_GROUP))
         return self._ok()
 
     async def update_distributed(self, request):
-        b = await _body(request, {"names", "dtypes", "shapes", "group_name", "flush_cache",
-                                  "abort_all_requests", "weight_version", "load_format",
-                                  "selector", "torch_empty_cache"})
-        for key in ("names", "dtypes", "shapes"):
-            if not isinstance(b.get(key), list):
-                raise BadRequest(key, "missing or not a list")
-        if b.get("abort_all_requests"):
+        f = await self._fields(request, {"names", "dtypes", "shapes", "group_name",
+                                         "flush_cache", "abort_all_requests", "weight_version",
+                                         "load_format", "selector", "torch_empty_cache"})
+        names = f.get_str_list("names", required=True)
+        dtypes = f.get_str_list("dtypes", required=True)
+        shapes = _shapes(f.body.get("shapes"))
+        group = f.get_str("group_name", DEFAULT_GROUP)
+        flush, version = f.get_bool("flush_cache", True), f.get_str("weight_version")
+        load_format = f.get_str("load_format")
+        f.get_str("selector", choices=SELECTORS)  # checked, not used: one model here
+        f.get_bool("torch_empty_cache")
+        if f.get_bool("abort_all_requests", False):
             await self.engine.abort(abort_all=True, message="aborted for a weight update")
-        await self.engine.update_weights_from_distributed(
-            b["names"], b["dtypes"], b["shapes"], b.get("group_name", "weight_update_group"),
-            _version(b), b.get("flush_cache", True), b.get("load_format"))
+        await self.engine.update_weights_from_distributed(names, dtypes, shapes, group, version,
+                                                          flush, load_format)
         return self._ok("Succeeded to update parameter online.")
 
     async def update_tensor(self, request):
-        b = await _body(request, {"serialized_named_tensors", "load_format", "flush_cache",
-                                  "weight_version", "abort_all_requests", "selector",
-                                  "torch_empty_cache"})
-        data = b.get("serialized_named_tensors")
+        f = await self._fields(request, {"serialized_named_tensors", "load_format",
+                                         "flush_cache", "weight_version", "abort_all_requests",
+                                         "selector", "torch_empty_cache"},
+                               limit=self.max_weights_body_bytes)
+        data = f.body.get("serialized_named_tensors")
         if isinstance(data, list):
             if len(data) != 1:  # one entry per TP rank; the embedded engine has one
                 raise BadRequest("serialized_named_tensors", f"{len(data)} TP shards for 1 rank")
             data = data[0]
         if not isinstance(data, str):
             raise BadRequest("serialized_named_tensors", "missing or not a base64 string")
-        if b.get("load_format") not in (None, "direct"):
-            raise BadRequest("load_format", f"{b['load_format']!r} is not supported")
+        if f.get_str("load_format") not in (None, "direct"):
+            raise BadRequest("load_format", f"{short_repr(f.body['load_format'])} is not "
+                             "supported")
+        flush, version = f.get_bool("flush_cache", True), f.get_str("weight_version")
+        abort_all = f.get_bool("abort_all_requests", False)
+        f.get_str("selector", choices=SELECTORS)  # checked, not used: one model here
+        f.get_bool("torch_empty_cache")
         named = await asyncio.to_thread(deserialize_named_tensors, data)
-        if b.get("abort_all_requests"):
+        if abort_all:
             await self.engine.abort(abort_all=True, message="aborted for a weight update")
-        await self.engine.update_weights_from_tensor(named, _version(b), b.get("flush_cache", True))
+        await self.engine.update_weights_from_tensor(named, version, flush)
         return self._ok("Succeeded to update model weights.")
 
     async def begin_update(self, request):
-        await _body(request, {"selector"})
+        (await self._fields(request, {"selector"})).get_str("selector", choices=SELECTORS)
         await self.engine.begin_weight_update()
         return self._ok()
 
     async def end_update(self, request):
-        await _body(request, set())  # stock's EndWeightUpdateReqInput has no fields
+        await self._fields(request, set())  # stock's EndWeightUpdateReqInput has no fields
         await self.engine.end_weight_update()
         return self._ok()
 
     async def update_version(self, request):
-        b = await _body(request, {"new_version", "abort_all_requests"})
-        if not isinstance(b.get("new_version"), str):
-            raise BadRequest("new_version", "missing or not a string")
-        await self.engine.update_weight_version(b["new_version"],
-                                                bool(b.get("abort_all_requests", True)))
-        return web.json_response({"success": True, "new_version": b["new_version"],
-                                  "message": f"Weight version updated to {b['new_version']}"})
+        f = await self._fields(request, {"new_version", "abort_all_requests"})
+        version = f.get_str("new_version", required=True)
+        await self.engine.update_weight_version(version,
+                                                f.get_bool("abort_all_requests", True))
+        return web.json_response({"success": True, "new_version": version,
+                                  "message": f"Weight version updated to {version}"})
 
     async def get_weights(self, request):
-        b = await _body(request, {"name", "truncate_size"})
-        if not isinstance(b.get("name"), str):
-            raise BadRequest("name", "missing or not a string")
+        f = await self._fields(request, {"name", "truncate_size"})
+        name = f.get_str("name", required=True)
         return web.json_response(self.engine.get_weights_by_name(
-            b["name"], int(b.get("truncate_size", 100))))
+            name, f.get_int("truncate_size", 100, lo=0)))
 
     async def weights_checker(self, request):
-        b = await _body(request, {"action", "allow_quant_error", "skip_tensor_list", "selector"})
-        out = await self.engine.check_weights(b.get("action", "checksum"),
-                                              b.get("skip_tensor_list"))
+        f = await self._fields(request, {"action", "allow_quant_error", "skip_tensor_list",
+                                         "selector"})
+        action, skip = f.get_str("action", "checksum"), f.get_str_list("skip_tensor_list")
+        f.get_bool("allow_quant_error")  # checked, not used: no quantized weights here
+        f.get_str("selector", choices=SELECTORS)
+        out = await self.engine.check_weights(action, skip)
         return self._ok("Success", **out)
-
-
-def _version(body: dict) -> str | None:
-    v = body.get("weight_version")
-    return None if v is None else str(v)
 
 
 class ServerThread:
@@ -314,8 +362,10 @@ class ServerThread:
     """
 
     def __init__(self, engine: EmbeddedEngine, host: str = "127.0.0.1", port: int = 0,
-                 record: list | None = None):
+                 record: list | None = None, **server_options):
+        """`server_options`: RolloutServer's limits (max_body_bytes, ...)."""
         self.engine, self.host, self.port, self.record = engine, host, port, record
+        self.server_options = server_options
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, name="megarl-rollout-server",
@@ -327,7 +377,8 @@ class ServerThread:
 
     def _run(self) -> None:
         asyncio.set_event_loop(self._loop)
-        runner = web.AppRunner(RolloutServer(self.engine, record=self.record).app,
+        runner = web.AppRunner(RolloutServer(self.engine, record=self.record,
+                                             **self.server_options).app,
                                access_log=None)
         self._loop.run_until_complete(runner.setup())
         site = web.TCPSite(runner, self.host, self.port)
@@ -375,6 +426,9 @@ def build_arg_parser() -> argparse.ArgumentParser:
     ap.add_argument("--fail-update-at", type=int, default=None,
                     help="fault injection for tests: refuse the Nth weight-update call")
     ap.add_argument("--log-level", default="info")
+    ap.add_argument("--update-group-timeout", type=float, default=300.0,
+                    help="seconds a weight-update group's rendezvous, and each of its "
+                    "operations, may take")
     ap.add_argument("--tp-size", type=int, default=1,
                     help="update-group ranks to hold (one model runs; see EngineRanks)")
     # SGLang server arguments the launcher passes that mean nothing for one in-process model.
@@ -393,6 +447,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.tp_size < 1:
         logger.error("--tp-size: must be >= 1, got %d", args.tp_size)
         return 2
+    if not 0 < args.update_group_timeout < float("inf"):
+        logger.error("--update-group-timeout: must be a number of seconds > 0, got %s",
+                     args.update_group_timeout)
+        return 2
     device = args.device
     if device == "cuda" and args.base_gpu_id is not None:
         device = f"cuda:{args.base_gpu_id}"
@@ -404,7 +462,8 @@ def main(argv: list[str] | None = None) -> int:
                             live_updates=args.sglang_contract,
                             honour_seeds=(not args.sglang_contract
                                           or args.enable_deterministic_inference),
-                            fail_update_at=args.fail_update_at)
+                            fail_update_at=args.fail_update_at,
+                            update_group_timeout_s=args.update_group_timeout)
     app = RolloutServer(engine, skip_tokenizer_init=args.skip_tokenizer_init).app
 
     async def close_engine(_app):

@@ -23,10 +23,14 @@ from __future__ import annotations
 import base64
 import concurrent.futures
 import datetime
+import functools
 import hashlib
 import io
 import logging
+import math
+import socket
 import threading
+import time
 from dataclasses import dataclass
 
 import torch
@@ -81,7 +85,7 @@ def bucket_layout(names: list[str], dtypes: list[str], shapes: list[list[int]]
         if at % dtype.itemsize:
             raise BadRequest("dtypes", f"Unaligned received tensor {name}: byte offset {at}, "
                              f"dtype {dt}")
-        size = torch.Size(shape).numel() * dtype.itemsize
+        size = math.prod(shape) * dtype.itemsize  # exact: torch.Size.numel wraps at 64 bits
         out.append((name, dtype, tuple(shape), at, at + size))
         at += size
     if not out:
@@ -164,12 +168,36 @@ class UpdateGroup:
         self.store = None
 
 
+def wait_for_listener(host: str, port: int, timeout_s: float) -> None:
+    """Poll until something accepts TCP connections at host:port, for up to `timeout_s`.
+
+    The trainer hosts the rendezvous store only after it has fired the engines' init
+    requests, so an engine waits for it; this wait is plain Python, bounded and quiet, where
+    torch's TCPStore client retries inside C++ past its own timeout and logs every retry. A
+    connection that is accepted and closed unused is ignored by the store."""
+    deadline = time.monotonic() + timeout_s
+    delay = 0.05
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            with socket.create_connection((host, port), timeout=max(0.1, min(1.0, left))):
+                return
+        except OSError as e:
+            if time.monotonic() + delay >= deadline:
+                raise TimeoutError(f"nothing accepted a connection at {host}:{port} within "
+                                   f"{timeout_s:g} s ({e})") from None
+        time.sleep(delay)
+        delay = min(2 * delay, 0.5)
+
+
 def in_daemon_thread(fn) -> concurrent.futures.Future:
     """`fn()` on a fresh daemon thread. For gloo waits: one stuck until its group's timeout
     must hold up nothing queued behind it, nor block the process's exit."""
     fut: concurrent.futures.Future = concurrent.futures.Future()
 
     def run():
+        if not fut.set_running_or_notify_cancel():  # its waiter gave up before the start
+            return
         try:
             fut.set_result(fn())
         except BaseException as e:  # noqa: BLE001 - handed to the waiter
@@ -196,12 +224,21 @@ class EngineRanks:
     def join(cls, master_address: str, master_port: int, rank_offset: int, world_size: int,
              group_name: str, backend: str, tp_size: int, timeout_s: float = 300.0
              ) -> "EngineRanks":
-        # Each join blocks until the whole group has formed: all TP ranks join at once.
-        with concurrent.futures.ThreadPoolExecutor(tp_size) as pool:
-            futs = [pool.submit(new_update_group, master_address, master_port, rank_offset + r,
-                                world_size, group_name, backend, timeout_s)
-                    for r in range(tp_size)]
-            return cls([f.result() for f in futs])
+        wait_for_listener(master_address, master_port, timeout_s)
+        # Each join blocks until the whole group has formed: all TP ranks join at once. On
+        # daemon threads, not a pool: a join whose peer accepts the connection but never
+        # answers can wait past any timeout, and must not hold up the process's exit.
+        futs = [in_daemon_thread(functools.partial(
+                    new_update_group, master_address, master_port, rank_offset + r, world_size,
+                    group_name, backend, timeout_s)) for r in range(tp_size)]
+        concurrent.futures.wait(futs)
+        failed = [f.exception() for f in futs if f.exception() is not None]
+        if failed:  # leave no rank joined behind a failed one
+            for f in futs:
+                if f.exception() is None:
+                    f.result().close()
+            raise failed[0]
+        return cls([f.result() for f in futs])
 
     def _scratch(self, rank: int, like: torch.Tensor) -> torch.Tensor:
         """Where extra TP rank `rank` receives: kept between calls for flattened buckets

@@ -109,6 +109,10 @@ class WeightProducer:
         self.sent_checksums: dict[str, str] = {}  # verify mode: the version being sent
         self.stale: dict[str, str] = {}  # engine -> why
         self._retired: set[str] = set()  # stale engines already given STALE_VERSION
+        # Replacements for dead engines (slot -> link), taken in at the start of a version:
+        # set from the caller's thread while a background delivery may be using `links`.
+        self._swaps: dict[int, EngineLink] = {}
+        self._swap_lock = threading.Lock()
         self._address = "127.0.0.1"
         self._io = _LoopThread()
         self._snap_bufs: dict[int, torch.Tensor] = {}
@@ -189,10 +193,32 @@ class WeightProducer:
             logger.error("engine %s marked stale (stage %d): %s", n, self.stage, why)
         self.stale.update(new)
 
+    def replace_link(self, index: int, link: EngineLink) -> None:
+        """Engine slot `index` has a new engine (the old one died): from the next version on,
+        the group is rebuilt with it and it receives every bucket like the others."""
+        with self._swap_lock:
+            self._swaps[index] = link
+
+    def _take_swaps(self) -> None:
+        with self._swap_lock:
+            swaps, self._swaps = self._swaps, {}
+        for i, link in swaps.items():
+            old = self.links[i]
+            self.stale.setdefault(old.name, "replaced")  # never addressed again
+            self._retired.add(old.name)
+            self.links[i] = link
+            self.stale.pop(link.name, None)
+            self._retired.discard(link.name)
+            self._each([old], lambda l: l.close(), timeout=5)
+            logger.info("engine slot %d: %s replaces %s in %s", i, link.name, old.name,
+                        self.group_name)
+
     def exclude(self, engines: dict[str, str]) -> None:
-        """Leave out engines another stage found stale (a new group if they are in ours)."""
+        """Leave out engines another stage found stale, take in replacements (a new group
+        when the members change)."""
+        self._take_swaps()
         self.mark_stale(engines)
-        if self._members & set(self.stale):
+        if self._members != {l.name for l in self.live()}:
             self._rebuild()
 
     def _try(self, links, fn, what: str) -> None:

@@ -195,6 +195,11 @@ class TrainerWeightSync:
         stats.blocking_s = time.perf_counter() - t0
         return stats if self.sender else None
 
+    def replace_engine(self, index: int, link) -> None:
+        """A new engine in slot `index`; it joins the update group at the next version."""
+        if self.producer is not None:
+            self.producer.replace_link(index, link)
+
     def close(self) -> None:
         if self.producer is not None:
             self.producer.close()

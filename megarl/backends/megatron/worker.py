@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from megarl.convert import live
 from megarl.convert.hf_io import HFReader
-from megarl.utils.tiny_model import read_hf_config
+from megarl.convert.inputs import check_layout, read_model_args
 
 from . import model as mmodel
 from .logprobs import vocab_parallel_logprobs
@@ -45,12 +45,15 @@ class MegatronWorker:
     def __init__(self, model_dir: str, tp: int = 1, pp: int = 1, *, params_dtype="float32",
                  optim: OptimConfig | None = None, make_vocab_size_divisible_by: int = 128,
                  seed: int = 1234, load_hf: bool = True, trainable: bool = True):
+        # The converter's checks and layout rules, before any collective: a model that cannot
+        # split over TP×PP fails here with the converter's message, not a Megatron assertion.
+        self.args = read_model_args(model_dir)
+        check_layout(self.args, tp, pp, os.path.join(model_dir, "config.json"))
         init_distributed(tp, pp, seed=seed)
         from megatron.core import parallel_state as ps
 
         self.ps = ps
         self.model_dir = model_dir
-        self.args = mmodel.ModelArgs.from_hf(read_hf_config(model_dir))
         self.config = mmodel.transformer_config(self.args, tp, pp, params_dtype)
         self.model = mmodel.build_gpt_model(self.args, self.config, make_vocab_size_divisible_by)
         if load_hf:

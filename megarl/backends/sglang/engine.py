@@ -75,6 +75,9 @@ class SGLangEngine:
     async def flush_cache(self) -> bool:
         return await self.client.flush_cache()
 
+    async def health(self) -> bool:
+        return await self.client.health()
+
     async def get_weight_version(self) -> str:
         return str((await self.client.model_info()).get("weight_version", "default"))
 

@@ -42,7 +42,8 @@ def test_ratio_sum_within_tolerance_is_fine():
 def test_ratio_must_be_positive(ratios):
     msg = error_of(*four_devices("trainer.separated_node_tasks=[[logp,actor-train,ref_logp],"
                                  "generate]", f"trainer.separated_node_ratios={ratios}"))
-    assert msg.startswith("trainer.separated_node_ratios:") and "> 0" in msg
+    # the message names the item at fault: trainer.separated_node_ratios[1]: ...
+    assert msg.startswith("trainer.separated_node_ratios") and "> 0" in msg
 
 
 def test_tasks_and_ratios_lengths_differ():

@@ -73,9 +73,9 @@ def _fake_ckpt(tmp_path, src, **meta):
 
 
 @pytest.mark.parametrize("main,argv,needle", [
-    (hf_to_megatron_main, ["--tp", "3"], "num_attention_heads=4 is not divisible by --tp 3"),
-    (hf_to_megatron_main, ["--tp", "4"], "num_key_value_heads=2 is not divisible by --tp 4"),
-    (hf_to_megatron_main, ["--pp", "3"], "num_hidden_layers=2 is not divisible by --pp 3"),
+    (hf_to_megatron_main, ["--tp", "3"], "num_attention_heads=4 is not divisible by TP=3"),
+    (hf_to_megatron_main, ["--tp", "8"], "num_attention_heads=4 is not divisible by TP=8"),
+    (hf_to_megatron_main, ["--pp", "3"], "num_hidden_layers=2 is not divisible by PP=3"),
     (hf_to_megatron_main, ["--tp", "0"], "at least 1"),
     (reshard_main, ["--tp", "3"], "num_attention_heads=4"),
     (reshard_main, [], ".metadata"),

@@ -100,8 +100,9 @@ def test_bad_parquet_rows_and_summary(tmp_path, tokenizer):
     with pytest.raises(BadRowError) as err:
         RLDataset(path, tokenizer, bad_rows="error")
     msg = str(err.value)
-    assert msg.startswith("8 bad row(s)") and f"{path}:2: reward_model.ground_truth" in msg
-    assert "and 3 more" in msg
+    # One line: the first bad row in full, then the count and where the others are.
+    assert msg.startswith(f"{path}:2: reward_model.ground_truth: missing") and "\n" not in msg
+    assert "8 bad row(s)" in msg and f"also at {path}:3, {path}:4" in msg and "and 2 more" in msg
     assert len(RLDataset(path, tokenizer)) == 1
 
 

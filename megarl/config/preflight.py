@@ -1,0 +1,237 @@
+"""Checks of what a run reads and writes on disk, made before Ray or any worker starts.
+
+``preflight(cfg)`` runs in ``megarl train`` / ``megarl validate`` right after the config is
+loaded, on every rank under torchrun (so no rank waits in a rendezvous for one that has
+already failed). It owns the file half of "bad input fails early": the output directory, the
+resume checkpoint's presence, the model directory's presence, the tokenizer and the data
+files. Every failure is a ``ConfigError`` whose one line names the key and the file (and row).
+
+The model directory's contents and the TP/PP layout against it are checked with
+``megarl.convert.inputs``, the converter's and the Megatron worker's own checks. Left to
+others: value types and ranges (``validate.py``), checkpoint integrity. Assets a
+run makes itself when absent (the quickstart's tiny model and synthetic task, see
+``megarl.controller.setup.prepare_assets``) are not read here; only their directory must be
+writable.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+from pathlib import Path
+
+from omegaconf import ListConfig
+
+from megarl.config.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+_MODEL = "actor_rollout_ref.model"
+# Any one of these makes a directory look like a saved tokenizer to transformers.
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json",
+                    "vocab.txt", "spiece.model")
+
+
+def preflight(cfg) -> None:
+    """Raise ``ConfigError`` for the first missing, unreadable or malformed input or
+    unwritable output of the run ``cfg`` describes; starts nothing."""
+    t = cfg.trainer
+    _check_path_texts(cfg)
+    _check_writable_dir(Path(t.default_local_dir) / t.project_name / t.experiment_name,
+                        "trainer.default_local_dir")
+    _check_resume(cfg)
+    model_dir = _check_model_dir(cfg)
+    tokenizer_dir = _check_tokenizer_dir(cfg)
+    # Cheapest first: the rows need neither torch (the model files' checks) nor transformers
+    # (the tokenizer), whose imports take seconds.
+    _check_data(cfg, None)
+    if model_dir is not None:
+        _check_model_files(cfg, model_dir)
+    tokenizer = _load_tokenizer(cfg, tokenizer_dir) if tokenizer_dir is not None else None
+    if tokenizer is not None and _lengths_can_fail(cfg.data):
+        _check_data(cfg, tokenizer)
+
+
+def _check_path_texts(cfg) -> None:
+    """Refuse, by key, a path holding a NUL byte: every file call on it raises ValueError."""
+    t, model, d = cfg.trainer, cfg.actor_rollout_ref.model, cfg.data
+    values = [("trainer.default_local_dir", t.default_local_dir),
+              ("trainer.project_name", t.project_name),
+              ("trainer.experiment_name", t.experiment_name),
+              ("trainer.resume_from_path", t.resume_from_path),
+              (f"{_MODEL}.path", model.path), (f"{_MODEL}.tokenizer_path", model.tokenizer_path)]
+    for key in ("train_files", "val_files"):
+        files = d[key]
+        for f in files if isinstance(files, (list, ListConfig)) else [files]:
+            values.append((f"data.{key}", f))
+    for key, value in values:
+        if isinstance(value, str) and "\x00" in value:
+            raise ConfigError(f"{key}: {value!r} is not a usable path (it holds a NUL byte)")
+
+
+def _check_writable_dir(path: Path, key: str) -> None:
+    """Create ``path`` (as the run would) and prove it writable with a temp file."""
+    # The nearest existing ancestor says why a mkdir would fail better than errno does.
+    ancestor = path
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if ancestor.exists() and not ancestor.is_dir():
+        raise ConfigError(f"{key}: cannot use {path}: {ancestor} is a file, not a directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".megarl-preflight-", dir=path)
+        os.close(fd)
+        os.unlink(tmp)
+    except OSError as err:
+        raise ConfigError(f"{key}: {path} is not a writable directory "
+                          f"({err.strerror or type(err).__name__})") from None
+
+
+def _check_resume(cfg) -> None:
+    """The checkpoint that ``resume_mode=resume_path`` names exists and is a megarl step
+    directory. (Whether its files are intact is the checkpoint module's to verify.)"""
+    t = cfg.trainer
+    if t.resume_mode != "resume_path":
+        return
+    key, d = "trainer.resume_from_path", Path(t.resume_from_path)
+    if not d.exists():
+        raise ConfigError(f"{key}: no such checkpoint directory: {d}")
+    if not d.is_dir():
+        raise ConfigError(f"{key}: {d} is a file; give a checkpoint directory "
+                          f"(<default_local_dir>/<project>/<experiment>/global_step_<k>)")
+    state = d / "driver_state.json"
+    if not state.is_file():
+        raise ConfigError(f"{key}: {d} has no driver_state.json, so it is not a megarl "
+                          f"checkpoint (<default_local_dir>/<project>/<experiment>/"
+                          f"global_step_<k>)")
+    try:
+        data = json.loads(state.read_bytes().decode("utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as err:
+        raise ConfigError(f"{key}: {state}: not readable JSON "
+                          f"({str(err).splitlines()[0] if str(err) else type(err).__name__})"
+                          ) from None
+    if not isinstance(data, dict) or type(data.get("step")) is not int:
+        raise ConfigError(f"{key}: {state}: expected an object with an integer `step`")
+
+
+def _made_by_run(model) -> bool:
+    """True when the run will make the tiny model at ``model.path`` itself."""
+    return bool(model.make_tiny) and not (Path(model.path) / "config.json").is_file()
+
+
+def _check_model_dir(cfg) -> Path | None:
+    """The model directory is there; None when the run makes it (its parent is writable)."""
+    model = cfg.actor_rollout_ref.model
+    path = Path(model.path)
+    if _made_by_run(model):
+        _check_writable_dir(path.parent, f"{_MODEL}.path")
+        return None
+    if not path.exists():
+        raise ConfigError(f"{_MODEL}.path: no such model directory: {path} (set {_MODEL}."
+                          f"make_tiny to make a tiny one)")
+    if not path.is_dir():
+        raise ConfigError(f"{_MODEL}.path: {path} is a file, not a model directory")
+    return path
+
+
+def _check_model(cfg) -> None:
+    """The model directory and its files, as the run will use them."""
+    path = _check_model_dir(cfg)
+    if path is not None:
+        _check_model_files(cfg, path)
+
+
+def _check_model_files(cfg, path: Path) -> None:
+    """config.json, every weight file's header and the TP/PP layouts of the Megatron models,
+    with the checks and words of the converter and the Megatron worker (convert/inputs.py)."""
+    from megarl.convert.inputs import ConvertError, check_hf_dir, layout_error
+
+    arr = cfg.actor_rollout_ref
+    try:
+        args, _ = check_hf_dir(path)
+    except ConvertError as err:
+        raise ConfigError(f"{_MODEL}.path: {err}") from None
+    layouts = [("actor_rollout_ref.actor.megatron", arr.actor.megatron)]
+    if arr.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:  # the run builds a ref model
+        layouts.append(("actor_rollout_ref.ref.megatron", arr.ref.megatron))
+    for prefix, m in layouts:
+        problem = layout_error(args, m.tensor_model_parallel_size,
+                               m.pipeline_model_parallel_size)
+        if problem:
+            knob = "tensor" if "TP=" in problem else "pipeline"
+            raise ConfigError(f"{prefix}.{knob}_model_parallel_size: {path / 'config.json'}: "
+                              f"{problem}")
+
+
+def _tokenizer_key(model) -> str:
+    return f"{_MODEL}.tokenizer_path" if model.tokenizer_path is not None else f"{_MODEL}.path"
+
+
+def _check_tokenizer_dir(cfg) -> Path | None:
+    """The tokenizer directory, if it holds a tokenizer; None when the run makes it."""
+    model = cfg.actor_rollout_ref.model
+    if model.tokenizer_path is None and _made_by_run(model):
+        return None
+    key = _tokenizer_key(model)
+    path = Path(model.tokenizer_path or model.path)
+    if not path.exists():
+        raise ConfigError(f"{key}: no such tokenizer directory: {path}")
+    if not path.is_dir():
+        raise ConfigError(f"{key}: {path} is a file, not a tokenizer directory")
+    if not any((path / name).is_file() for name in _TOKENIZER_FILES):
+        raise ConfigError(f"{key}: {path} holds no tokenizer (none of "
+                          f"{', '.join(_TOKENIZER_FILES)})")
+    return path
+
+
+def _load_tokenizer(cfg, path: Path):
+    """Load the tokenizer as the run will. Loading, not just looking for its files, is what
+    finds a corrupt ``tokenizer.json``; the run imports transformers anyway, so the cost here
+    is one small file read."""
+    from transformers import AutoTokenizer
+
+    model = cfg.actor_rollout_ref.model
+    try:
+        return AutoTokenizer.from_pretrained(str(path),
+                                             trust_remote_code=model.trust_remote_code)
+    except Exception as err:  # transformers raises many kinds for a broken tokenizer
+        reason = str(err).strip().splitlines()[0][:200] if str(err).strip() else ""
+        raise ConfigError(f"{_tokenizer_key(model)}: {path}: cannot load the tokenizer "
+                          f"({type(err).__name__}: {reason})") from None
+
+
+def _lengths_can_fail(d) -> bool:
+    """Only this setting makes a prompt's length an error (else long prompts are dropped or
+    cut), and only the tokenizer can tell a length."""
+    return not d.filter_overlong_prompts and d.truncation == "error"
+
+
+def _check_data(cfg, tokenizer) -> None:
+    """Read every row of the train and val files (the run loads both, even to validate);
+    with a tokenizer, tokenize them too.
+
+    Tokenizing here means the files are tokenized again when the run loads them, so it is
+    done only when lengths can fail. A full pass over local files is cheap at the sizes megarl
+    loads into memory, and failing now beats failing after the workers are up.
+    """
+    from megarl.data.dataset import load_split, scan_split
+
+    d = cfg.data
+    made = [f for f in (d.train_files, d.val_files) if isinstance(f, str)]
+    if d.synthetic_task and not all(Path(f).exists() for f in made):
+        # The run writes the synthetic task next to train_files before it loads it. (Under
+        # torchrun, rank 0 may be writing it now: train, then val, each renamed into place,
+        # so "not both there yet" is the state to leave alone.)
+        _check_writable_dir(Path(str(d.train_files)).parent, "data.train_files")
+        return
+    for split in ("train", "val"):
+        if tokenizer is not None:
+            ds = load_split(d, tokenizer, split)
+            n = 0 if ds is None else len(ds)
+        else:
+            n = scan_split(d, split)
+        if split == "train" and n < d.train_batch_size:
+            raise ConfigError(f"data.train_batch_size: {d.train_batch_size} is larger than the "
+                              f"{n} usable prompt(s) in data.train_files, so no full batch "
+                              f"exists")

@@ -1,0 +1,263 @@
+"""Engines that die or wedge mid-generation: the rollout manager over real server processes.
+
+Each engine is `python -m megarl.rollout.server` (SGLang's contract) in its own process, killed
+with SIGKILL (dead) or stopped with SIGSTOP (wedged: the socket accepts, nothing answers).
+The requests on it must finish on the other engine with exactly the tokens an undisturbed
+engine gives (greedy, same weights), a replacement must stay out of rotation until it serves
+the live engines' weight version, and with no engine left the error names each one.
+"""
+import asyncio
+import os
+import signal
+
+import pytest
+
+from megarl.backends.sglang.engine import SGLangEngine
+from megarl.backends.sglang.launcher import ServerArgs, find_free_port, launch_server
+from megarl.rollout.manager import NoEngineLeft, RolloutManager
+from megarl.rollout.protocol import GenerateRequest, SamplingParams
+
+LENGTH = 48
+
+
+def _server(model, tmp_path, version="3"):
+    args = ServerArgs(model_path=str(model), port=find_free_port(), load_format="auto",
+                      weight_version=version, random_seed=0, log_level="warning",
+                      extra_args=["--sglang-contract"])
+    return launch_server(args, module="megarl.rollout.server", timeout_s=120,
+                         log_path=tmp_path / f"server-{args.port}.log")
+
+
+@pytest.fixture
+def servers(qwen_dir, tmp_path):
+    started = []
+
+    def start(version="3"):
+        started.append(_server(qwen_dir, tmp_path, version))
+        return started[-1]
+    yield start
+    for s in started:
+        try:
+            os.kill(s.proc.pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+        s.stop()
+
+
+def _requests(tag):
+    sp = SamplingParams(max_new_tokens=LENGTH, temperature=0.0, ignore_eos=True)
+    return [GenerateRequest([11 + i, 7, 5 + i], sp, True, f"{tag}-{i}") for i in range(8)]
+
+
+async def _reference(url):
+    """What one undisturbed engine answers to every request."""
+    m = RolloutManager([SGLangEngine(url)])
+    try:
+        return {o.rid: o.output_ids for o in await asyncio.gather(
+            *[m.generate(r) for r in _requests("ref")])}
+    finally:
+        await m.close()
+
+
+async def _kill_when_busy(manager, i, sig, proc):
+    while manager.load()[i] == 0:
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.2)  # tokens are being produced on it
+    os.kill(proc.pid, sig)
+
+
+def test_a_killed_engine_is_replaced_and_its_requests_finish_elsewhere(servers):
+    a, b = servers(), servers()
+    spare = []
+
+    async def replace(i):
+        spare.append(await asyncio.to_thread(servers, "0"))  # fresh weights report v0
+        return SGLangEngine(spare[-1].url)
+
+    async def go():
+        ref = await _reference(b.url)
+        m = RolloutManager([SGLangEngine(a.url), SGLangEngine(b.url)], replace=replace,
+                           health_interval_s=0.2, health_timeout_s=2.0)
+        try:
+            assert await m.weight_versions() == ["3", "3"]
+            reqs = _requests("ref")
+            killer = asyncio.ensure_future(_kill_when_busy(m, 0, signal.SIGKILL, a.proc))
+            outs = await asyncio.gather(*[m.generate(r) for r in reqs])
+            await killer
+            during = m.pop_metrics()
+            while 0 in m._replacing:  # the replacement server is still starting
+                await asyncio.sleep(0.1)
+            # v0 weights: not routed to while the live engine serves v3
+            assert m.joining == {0} and await m.weight_versions() == ["3"]
+            again = await asyncio.gather(*[m.generate(r) for r in _requests("again")])
+            assert all(o.weight_version_spans[0][0] == "3" for o in again)
+            # the next weight sync reaches it: live again
+            await m.engines[0].client.update_weight_version("3")
+            assert sorted(await m.weight_versions()) == ["3", "3"] and m.joining == set()
+            after = m.pop_metrics()
+            return ref, outs, during, after
+        finally:
+            await m.close()
+
+    ref, outs, during, after = asyncio.run(go())
+    assert {o.rid: o.output_ids for o in outs} == ref
+    assert all(len(o.output_ids) == LENGTH for o in outs)
+    assert during["rollout/engine_failures"] == 1 and during["rollout/requeued_requests"] >= 1
+    assert during["rollout/engines_alive_min"] == 1
+    assert after["rollout/engines_alive"] == 2 and after["rollout/engines_replaced"] == 1
+    assert len(spare) == 1
+
+
+def test_a_wedged_engine_fails_its_health_check_and_loses_nothing(servers):
+    a, b = servers(), servers()
+
+    async def go():
+        ref = await _reference(b.url)
+        m = RolloutManager([SGLangEngine(a.url), SGLangEngine(b.url)],
+                           health_interval_s=0.2, health_timeout_s=1.0)
+        try:
+            stopper = asyncio.ensure_future(_kill_when_busy(m, 0, signal.SIGSTOP, a.proc))
+            outs = await asyncio.wait_for(
+                asyncio.gather(*[m.generate(r) for r in _requests("ref")]), 60)
+            await stopper
+            return ref, outs, dict(m.dead), m.pop_metrics()
+        finally:
+            await m.close()
+
+    ref, outs, dead, metrics = asyncio.run(go())
+    assert {o.rid: o.output_ids for o in outs} == ref
+    assert list(dead) == [0] and "/health" in dead[0]
+    assert metrics["rollout/engines_alive"] == 1
+
+
+def test_with_no_engine_left_the_error_names_each_engine(servers):
+    a = servers()
+
+    async def go():
+        m = RolloutManager([SGLangEngine(a.url)], health_interval_s=0.2, health_timeout_s=1.0)
+        try:
+            killer = asyncio.ensure_future(_kill_when_busy(m, 0, signal.SIGKILL, a.proc))
+            with pytest.raises(NoEngineLeft) as e:
+                await asyncio.gather(*[m.generate(r) for r in _requests("x")])
+            await killer
+            return str(e.value)
+        finally:
+            await m.close()
+
+    msg = asyncio.run(go())
+    assert a.url in msg and "dead" in msg
+
+
+# ---------------------------------------------------------------- whole runs
+def _wait_trained(run_dir, steps, proc, timeout=300):
+    import time
+
+    f = run_dir / "megarl" / "t" / "trained_prompts.jsonl"
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None:
+        if f.exists() and len(f.read_text().splitlines()) >= steps:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"the run did not train {steps} steps (exit {proc.poll()})")
+
+
+def _engine_processes(root_pid, marker):
+    import psutil
+
+    # Ray's raylet (and so its workers) descend from the driver it was started by.
+    procs = psutil.Process(root_pid).children(recursive=True)
+    out = []
+    for p in procs:
+        try:
+            cmd = p.cmdline()
+            if (marker == "server" and cmd[1:3] == ["-m", "megarl.rollout.server"]) or (
+                    marker == "ray" and "ray::RolloutActor" in " ".join(cmd)):
+                out.append(p)
+        except psutil.Error:
+            pass
+    return out
+
+
+def _check_recovered(run_dir, out, assets, steps):
+    from test_train_e2e import fresh_loader, scalars, trained
+
+    assert sorted(scalars(run_dir, "reward/mean")) == list(range(1, steps + 1)), out[-3000:]
+    # every step trained exactly the prompts an undisturbed run draws: none lost, none twice
+    loader = fresh_loader(assets)
+    want = {k: sorted(p.uid for p in loader.next_batch()) for k in range(steps)}
+    assert trained(run_dir) == want
+    alive = scalars(run_dir, "rollout/engines_alive")
+    low = scalars(run_dir, "rollout/engines_alive_min")
+    assert min(low.values()) == 1, low  # the dip ...
+    assert alive[steps] == 2, alive  # ... and the recovery
+    assert sum(scalars(run_dir, "rollout/engines_replaced").values()) == 1
+    # the replacement took part in a weight sync and serves the version the others serve
+    assert "replaces" in out and "is live again at weight version" in out, out[-3000:]
+
+
+STEPS = 40
+# Longer answers than the quickstart's: the replacement (a new process loading the model) must
+# come back well before the run ends, on a loaded 2-core machine too.
+LONGER = "data.max_response_length=24"
+
+
+def test_ray_run_replaces_a_killed_embedded_engine(quickstart_assets, tmp_path):
+    """Two embedded engines under Ray; one engine's process is SIGKILLed after step 1."""
+    from test_train_e2e import _args, megarl
+
+    proc = megarl("train", _args(
+        quickstart_assets, tmp_path, "trainer.save_freq=-1", "trainer.test_freq=-1",
+        "trainer.val_before_train=False", f"trainer.total_training_steps={STEPS}",
+        "trainer.n_gpus_per_node=4", "actor_rollout_ref.rollout.engine_health_interval_s=0.5",
+        LONGER),
+        start_new_session=True)
+    try:
+        _wait_trained(tmp_path, 1, proc)
+        victims = _engine_processes(proc.pid, "ray")
+        assert len(victims) == 2, victims
+        victims[0].kill()
+        out, _ = proc.communicate(timeout=400)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    (tmp_path / "run.log").write_text(out)
+    assert proc.returncode == 0, out[-4000:]
+    _check_recovered(tmp_path, out, quickstart_assets, STEPS)
+
+
+def test_torchrun_run_replaces_a_killed_sglang_server(quickstart_assets, tmp_path):
+    """`rollout.name=sglang` under torchrun (no Ray): two launched servers (megarl's in its
+    SGLang-contract mode); one server process is SIGKILLed after step 1 and its rank starts a
+    new one."""
+    import subprocess
+    import sys
+
+    from test_train_e2e import _args
+
+    from launch_helpers import ROOT
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
+           "-m", "megarl.cli", "train", *_args(
+               quickstart_assets, tmp_path, "trainer.save_freq=-1", "trainer.test_freq=-1",
+               "trainer.val_before_train=False", f"trainer.total_training_steps={STEPS}",
+               "trainer.n_gpus_per_node=4", "trainer.launcher=torchrun",
+               "trainer.logger=[console,tensorboard]",
+               "actor_rollout_ref.rollout.name=sglang",
+               "actor_rollout_ref.rollout.server_module=megarl.rollout.server",
+               "actor_rollout_ref.rollout.server_extra_args=[--sglang-contract]",
+               "actor_rollout_ref.rollout.engine_health_interval_s=0.5", LONGER)]
+    proc = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        _wait_trained(tmp_path, 1, proc)
+        victims = _engine_processes(proc.pid, "server")
+        assert len(victims) == 2, victims
+        victims[0].kill()
+        out, _ = proc.communicate(timeout=400)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    (tmp_path / "run.log").write_text(out)
+    assert proc.returncode == 0, out[-4000:]
+    _check_recovered(tmp_path, out, quickstart_assets, STEPS)

@@ -1,0 +1,76 @@
+"""preflight: good inputs pass and are left as they were; assets the run makes are not required.
+
+(The bad inputs are in tests/fuzz/test_fuzz_data.py.)
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from megarl.config import ConfigError, load_config
+from megarl.config.preflight import preflight
+
+
+def _row(i: int) -> dict:
+    return {"data_source": "megarl/quickstart", "reward_model": {"ground_truth": str(i)},
+            "prompt": [{"role": "user", "content": f"What is {i} + 0?"}]}
+
+
+def _cfg(tmp_path, model, *extra):
+    return load_config(None, [f"actor_rollout_ref.model.path={model}",
+                              f"trainer.default_local_dir={tmp_path / 'runs'}", *extra])
+
+
+@pytest.fixture()
+def data(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    train = tmp_path / "train.jsonl"
+    # A bad row among good ones is skipped (data.bad_rows=skip), not an error.
+    train.write_text("\n".join([json.dumps(_row(i)) for i in range(5)] + ["{not json"]) + "\n")
+    val = tmp_path / "val.parquet"
+    pq.write_table(pa.Table.from_pylist([_row(i) for i in range(3)]), val)
+    return train, val
+
+
+def test_good_inputs_pass_and_leave_only_the_run_dir(tmp_path, qwen_dir, data):
+    train, val = data
+    before = {p: p.read_bytes() for p in (train, val)}
+    overlong = "data.max_prompt_length=8"  # every prompt is longer, and filtered by default
+    for extra in ([], [overlong], ["trainer.resume_mode=disable"]):
+        preflight(_cfg(tmp_path, qwen_dir, f"data.train_files={train}",
+                       f"data.val_files={val}", *extra))
+    run_dir = tmp_path / "runs" / "megarl" / "default"
+    assert run_dir.is_dir() and list(run_dir.iterdir()) == []  # the probe file is gone
+    assert {p: p.read_bytes() for p in (train, val)} == before
+
+
+def test_lengths_are_checked_only_when_they_can_fail(tmp_path, qwen_dir, data):
+    train, val = data
+    base = [f"data.train_files={train}", f"data.val_files={val}",
+            "data.filter_overlong_prompts=False", "data.max_prompt_length=8"]
+    preflight(_cfg(tmp_path, qwen_dir, *base, "data.truncation=left"))
+    with pytest.raises(ConfigError, match=rf"{train}:1: prompt: prompt is \d+ tokens"):
+        preflight(_cfg(tmp_path, qwen_dir, *base, "data.truncation=error"))
+
+
+def test_quickstart_assets_the_run_makes_are_not_required(tmp_path):
+    cfg = _cfg(tmp_path, tmp_path / "tiny", "actor_rollout_ref.model.make_tiny=qwen2",
+               "data.synthetic_task=quickstart", f"data.train_files={tmp_path}/d/train.jsonl",
+               f"data.val_files={tmp_path}/d/val.jsonl")
+    preflight(cfg)
+    assert not (tmp_path / "tiny").exists() and not (tmp_path / "d" / "train.jsonl").exists()
+    # Without make_tiny the same missing model is an error.
+    with pytest.raises(ConfigError, match="actor_rollout_ref.model.path: no such model"):
+        preflight(_cfg(tmp_path, tmp_path / "tiny", "data.synthetic_task=quickstart",
+                       f"data.train_files={tmp_path}/d/train.jsonl"))
+
+
+def test_resume_path_with_a_driver_state_passes(tmp_path, qwen_dir, data):
+    step = tmp_path / "runs" / "megarl" / "default" / "global_step_2"
+    step.mkdir(parents=True)
+    (step / "driver_state.json").write_text(json.dumps({"step": 2, "loader": {}}))
+    preflight(_cfg(tmp_path, qwen_dir, f"data.train_files={data[0]}",
+                   "trainer.resume_mode=resume_path", f"trainer.resume_from_path={step}"))

@@ -1,0 +1,159 @@
+"""convert/inputs.py: the shared TP×PP layout rule and the model-directory checks, seen from
+the converter, the Megatron worker and the train preflight alike."""
+import dataclasses
+import json
+import shutil
+
+import pytest
+import torch
+import torch.distributed as dist
+from omegaconf import OmegaConf
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from megarl.backends.megatron.model import ModelArgs
+from megarl.config.errors import ConfigError
+from megarl.convert import inputs
+from megarl.convert.cli import hf_to_megatron_main
+from megarl.convert.hf_io import save_hf
+from megarl.convert.inputs import ConvertError, layout_error
+from megarl.convert.plan import hf_shapes, plan_hf2mcore
+
+BASE = ModelArgs(arch="qwen2", vocab_size=300, hidden_size=64, num_layers=2, num_heads=4,
+                 num_kv_heads=2, head_dim=16, ffn_hidden_size=128, norm_eps=1e-6,
+                 rope_theta=1e4, max_position_embeddings=1024, tie_word_embeddings=True,
+                 qkv_bias=True)
+
+
+@pytest.mark.parametrize("change,tp,pp,needle", [
+    ({}, 1, 1, None),
+    ({}, 2, 2, None),
+    ({}, 4, 1, None),  # 2 KV heads over 4 ranks: each KV head replicated on 2
+    ({"num_kv_heads": 1}, 2, 1, None),
+    ({"num_kv_heads": 1}, 4, 1, None),
+    ({}, 0, 1, "TP=0 PP=1: both must be at least 1"),
+    ({}, 1, -1, "TP=1 PP=-1: both must be at least 1"),
+    ({}, 3, 1, "num_attention_heads=4 is not divisible by TP=3"),
+    ({"num_heads": 6, "num_kv_heads": 3, "head_dim": 8}, 2, 1,
+     "num_key_value_heads=3 is neither a multiple nor a divisor of TP=2"),
+    ({"num_kv_heads": 1, "head_dim": 3}, 4, 1,
+     "= 18 rows) is not divisible by TP=4"),
+    ({"ffn_hidden_size": 130}, 4, 1, "intermediate_size=130 is not divisible by TP=4"),
+    ({"num_layers": 3}, 1, 2, ("num_hidden_layers=3 is not divisible by PP=2 (every pipeline "
+                               "stage holds the same number of layers; uneven stages are not "
+                               "supported)")),
+])
+def test_layout_rules(change, tp, pp, needle):
+    problem = layout_error(dataclasses.replace(BASE, **change), tp, pp)
+    if needle is None:
+        assert problem is None
+    else:
+        assert problem is not None and needle in problem
+
+
+def _fake_model(src, dst, **config):
+    """An HF directory with `src`'s config.json changed by `config` and zero weights of the
+    shapes that config implies (fast: no tokenizer training)."""
+    dst.mkdir(parents=True)
+    cfg = {**json.loads((src / "config.json").read_text()), **config}
+    (dst / "config.json").write_text(json.dumps(cfg))
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(src / f, dst / f)
+    a = ModelArgs.from_hf(cfg)
+    save_file({k: torch.zeros(s) for k, s in hf_shapes(a).items()}, dst / "model.safetensors")
+    return dst
+
+
+def test_one_kv_head_plans_at_tp2(tiny_qwen2, tmp_path):
+    """What the worker runs (Megatron replicates the KV head), the converter accepts."""
+    src = _fake_model(tiny_qwen2, tmp_path / "kv1", num_key_value_heads=1)
+    p = plan_hf2mcore(src, tmp_path / "out", tp=2)
+    assert (p.tp, p.hf_tensors) == (2, 26) and not (tmp_path / "out").exists()
+
+
+def _preflight_cfg(model_dir, **megatron):
+    from megarl.config.schema import MegaRLConfig
+
+    cfg = OmegaConf.structured(MegaRLConfig)
+    cfg.actor_rollout_ref.model.path = str(model_dir)
+    for k, v in megatron.items():
+        cfg.actor_rollout_ref.actor.megatron[k] = v
+    return cfg
+
+
+def _preflight_error(cfg) -> str:
+    from megarl.config.preflight import _check_model
+
+    with pytest.raises(ConfigError) as e:
+        _check_model(cfg)
+    return str(e.value)
+
+
+def test_uneven_layers_refused_with_one_message_everywhere(tiny_qwen2, tmp_path, capsys):
+    src = _fake_model(tiny_qwen2, tmp_path / "three", num_hidden_layers=3)
+    cfg_path = src / "config.json"
+    msg = ("num_hidden_layers=3 is not divisible by PP=2 (every pipeline stage holds the same "
+           "number of layers; uneven stages are not supported)")
+    # the converter
+    assert hf_to_megatron_main(["--hf-dir", str(src), "--out", str(tmp_path / "o"),
+                                "--pp", "2"]) == 2
+    assert capsys.readouterr().err.strip() == f"error: {cfg_path}: {msg}"
+    # the Megatron worker: refused before it joins any process group
+    from megarl.backends.megatron.worker import MegatronWorker
+
+    with pytest.raises(ConvertError) as e:
+        MegatronWorker(str(src), 1, 2, trainable=False, load_hf=False)
+    assert str(e.value) == f"{cfg_path}: {msg}"
+    assert not dist.is_initialized()
+    # the train preflight, naming the key
+    err = _preflight_error(_preflight_cfg(src, pipeline_model_parallel_size=2))
+    assert err == (f"actor_rollout_ref.actor.megatron.pipeline_model_parallel_size: "
+                   f"{cfg_path}: {msg}")
+
+
+def test_preflight_checks_the_model_directory(tiny_qwen2, tmp_path):
+    key = "actor_rollout_ref.model.path"
+    ok = _preflight_cfg(tiny_qwen2)
+    from megarl.config.preflight import _check_model
+
+    _check_model(ok)  # the real tiny model passes
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny_qwen2, bad)
+    (bad / "config.json").write_text('{"hidden_size": ')
+    assert _preflight_error(_preflight_cfg(bad)).startswith(
+        f"{key}: {bad / 'config.json'}: not valid JSON")
+    shutil.copy(tiny_qwen2 / "config.json", bad / "config.json")
+    (bad / "model.safetensors").unlink()
+    assert _preflight_error(_preflight_cfg(bad)) == (
+        f"{key}: {bad}: no model.safetensors or model.safetensors.index.json (no weights)")
+    err = _preflight_error(_preflight_cfg(tiny_qwen2, tensor_model_parallel_size=3))
+    assert err == (f"actor_rollout_ref.actor.megatron.tensor_model_parallel_size: "
+                   f"{tiny_qwen2 / 'config.json'}: num_attention_heads=4 is not divisible by "
+                   f"TP=3")
+    # The quickstart's model is made by the run itself: nothing to read yet, nothing refused.
+    later = _preflight_cfg(tmp_path / "made-later" / "tiny")
+    later.actor_rollout_ref.model.make_tiny = "qwen2"
+    _check_model(later)
+    assert not (tmp_path / "made-later" / "tiny").exists()
+
+
+def test_headers_of_sharded_bf16_files_read_like_the_library(tmp_path):
+    """No false alarms: a sharded, bf16 model written by save_hf passes, with the library's
+    own view of names, dtypes and shapes."""
+    tensors = [(f"t{i}", torch.randn(3 + i, 5).to(torch.bfloat16)) for i in range(6)]
+    tensors.append(("empty", torch.zeros(0, 4)))
+    out = save_hf(tmp_path / "m", iter(tensors), shard_bytes=64)
+    weights = inputs.hf_weights(out)
+    assert len({p for p, _, _ in weights.values()}) > 1  # really sharded
+    for name, (path, dtype, shape) in weights.items():
+        with safe_open(path, "pt") as f:
+            sl = f.get_slice(name)
+            assert (sl.get_dtype(), tuple(sl.get_shape())) == (dtype, shape)
+
+
+def test_out_dir_probe_leaves_nothing(tmp_path):
+    inputs.check_out_dir(tmp_path / "a" / "b" / "out")
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ConvertError, match=r"cannot be created \(.*file is not a directory\)"):
+        inputs.check_out_dir(tmp_path / "file" / "out")
