@@ -26,7 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from megarl.config.errors import ConfigError
-from megarl.config.schema import MegaRLConfig
+from megarl.config.schema import MegaRLConfig, leaf_types
 from megarl.config.validate import show, validate_config
 
 # The feature request that started the project spelled these "sperated"; both spellings work.
@@ -73,18 +73,8 @@ _SECTIONS, _LEAVES, _OPEN_LEAVES = _schema_paths(MegaRLConfig)
 _ALL_PATHS = sorted(_SECTIONS | _LEAVES)
 
 
-def _bool_leaves(cls: type, prefix: str = "") -> set[str]:
-    """Dotted paths of the ``bool`` fields: omegaconf would turn 2 or "yes" into True."""
-    out = set()
-    for name, hint in typing.get_type_hints(cls).items():
-        if dataclasses.is_dataclass(hint):
-            out |= _bool_leaves(hint, f"{prefix}{name}.")
-        elif hint is bool or hint == Optional[bool]:
-            out.add(prefix + name)
-    return out
-
-
-_BOOL_LEAVES = _bool_leaves(MegaRLConfig)
+# omegaconf would turn 2 or "yes" into True for these: they take only true/false
+_BOOL_LEAVES = {p for p, hint in leaf_types().items() if hint is bool or hint == Optional[bool]}
 _DEFAULTS = OmegaConf.structured(MegaRLConfig)  # copied per load: building it is the slow part
 
 # A megarl config is a few KiB with a few hundred values; these bounds are far above any real

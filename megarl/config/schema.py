@@ -504,3 +504,17 @@ class MegaRLConfig:
     """Reward function and its process pool."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     """Cluster shape, task placement, schedule, logging and checkpoints."""
+
+
+def leaf_types(cls: type = MegaRLConfig, prefix: str = "") -> dict[str, Any]:
+    """Dotted path -> type hint of every leaf field of the schema, sections walked into."""
+    import dataclasses
+    import typing
+
+    out: dict[str, Any] = {}
+    for name, hint in typing.get_type_hints(cls).items():
+        if dataclasses.is_dataclass(hint):
+            out.update(leaf_types(hint, f"{prefix}{name}."))
+        else:
+            out[prefix + name] = hint
+    return out

@@ -118,6 +118,8 @@ class Driver:
         self.metrics.update(k, extra)
         # engines alive, failed, replaced and requests sent again during this GENERATE
         self.metrics.update(k, r.manager.pop_metrics())
+        for _, engine, what in r.manager.pop_events():
+            self.p.incident(k, "generate", f"{engine}: {what}")
         self.metrics.update(k, {"rollout/gen_tokens_per_s": tokens / dt if dt else 0.0,
                                 "rollout/generate_s": dt,
                                 "response/length_mean": tokens / max(1, len(samples)),
@@ -302,7 +304,8 @@ async def _run(cfg, val_only: bool) -> dict:
         await d.main(pipeline)
         await r.actor_wait()
         summary = {"steps": r.total_steps, "start_step": r.start_step,
-                   "seconds": time.perf_counter() - t0, "validation": d.val_results}
+                   "seconds": time.perf_counter() - t0, "validation": d.val_results,
+                   "incidents": len(pipeline.incidents)}
         logger.info("run finished: %s", {k: v for k, v in summary.items() if k != "validation"})
         return summary
     finally:

@@ -164,6 +164,14 @@ def task_groups(separated_node_tasks: Sequence[Union[str, Sequence[str]]]) -> di
     return mapping
 
 
+@dataclasses.dataclass(frozen=True)
+class Incident:
+    step: int
+    task: str
+    what: str
+    at: float  # seconds since the pipeline started
+
+
 class Pipeline:
     """Phase state of a run: step machines, validation, busy groups, timeline. See module doc.
 
@@ -198,10 +206,18 @@ class Pipeline:
         self.val_scored: set[int] = set()
         self.busy: dict[str, Action] = {}
         self.timeline: list[Interval] = []
+        self.incidents: list[Incident] = []
+        """What went wrong under a state and how it was mended (an engine died, was
+        replaced, went live again), in the order it happened."""
         self.t0 = clock()
         self._first = start_step  # every step before it is DONE
         if val_only or val_before_train:
             self.val_queue.append(start_step)
+
+    def incident(self, step: int, task: str, what: str) -> None:
+        """Record a failure (or its recovery) met by `task`'s work for `step`."""
+        self.incidents.append(Incident(step, task, what, self.clock() - self.t0))
+        logger.warning("step %d %s: %s", step, task, what)
 
     @staticmethod
     def _resolve_groups(groups: Mapping[str, str] | None) -> dict[str, str]:

@@ -201,9 +201,12 @@ def _hf_source(hf_dir: Path, a: ModelArgs) -> tuple[int, int]:
 
 
 def mcore_tensor_bytes(md) -> int:
-    """Tensor payload recorded in a dist-checkpoint's metadata (no tensor is read)."""
+    """Tensor payload recorded in a dist-checkpoint's metadata (no tensor is read); `md` is
+    the metadata, or the checkpoint directory (then checked and read)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+    if isinstance(md, (str, Path)):
+        md = inputs.dist_checkpoint_metadata(Path(md))
     return sum(numel(v.size) * v.properties.dtype.itemsize
                for v in md.state_dict_metadata.values()
                if isinstance(v, TensorStorageMetadata))

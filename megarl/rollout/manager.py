@@ -98,7 +98,7 @@ class RolloutManager:
         self._replacing: dict[int, asyncio.Task] = {}
         self._stats = {"failures": 0, "requeued": 0, "replaced": 0}
         self._alive_min = len(self.engines)
-        self.events: list[tuple[float, int, str]] = []  # (time, engine, what): failures
+        self.events: list[tuple[float, str, str]] = []  # (time, engine, what): failures
 
     # -- engine states ------------------------------------------------------------------------
     def label(self, i: int) -> str:
@@ -109,7 +109,7 @@ class RolloutManager:
                 if i not in self.stale and i not in self.dead and i not in self.joining]
 
     def _event(self, i: int, what: str) -> None:
-        self.events.append((time.time(), i, what))
+        self.events.append((time.time(), self.label(i), what))
         self._alive_min = min(self._alive_min, len(self.live()))
         _resolve(self._changed)
 
@@ -258,6 +258,12 @@ class RolloutManager:
                "rollout/engines_replaced": float(self._stats["replaced"])}
         self._stats = dict.fromkeys(self._stats, 0)
         self._alive_min = alive
+        return out
+
+    def pop_events(self) -> list[tuple[float, str, str]]:
+        """Engine state changes (time, engine label, "dead" / "stale" / "replaced" / "live" /
+        "replace-failed") since the last call."""
+        out, self.events = self.events, []
         return out
 
     # -- generation ---------------------------------------------------------------------------

@@ -9,7 +9,6 @@ cases also run as a subprocess for the real exit status.
 """
 from __future__ import annotations
 
-import dataclasses
 import random
 import subprocess
 import sys
@@ -20,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from megarl.cli import main
-from megarl.config.schema import CHOICES, RANGES, MegaRLConfig
+from megarl.config.schema import CHOICES, RANGES, leaf_types
 
 REPO = Path(__file__).resolve().parents[2]
 QUICKSTART = REPO / "configs" / "quickstart.yaml"
@@ -28,15 +27,7 @@ SEED = 17
 A = "actor_rollout_ref"
 
 
-def _leaves(cls=MegaRLConfig, prefix=""):
-    for name, hint in typing.get_type_hints(cls).items():
-        if dataclasses.is_dataclass(hint):
-            yield from _leaves(hint, f"{prefix}{name}.")
-        else:
-            yield prefix + name, hint
-
-
-LEAVES = dict(_leaves())
+LEAVES = leaf_types()
 
 
 def _base(hint):

@@ -193,6 +193,8 @@ def _check_recovered(run_dir, out, assets, steps):
     assert sum(scalars(run_dir, "rollout/engines_replaced").values()) == 1
     # the replacement took part in a weight sync and serves the version the others serve
     assert "replaces" in out and "is live again at weight version" in out, out[-3000:]
+    # the state machine's record of it: the failure and the recovery, under GENERATE
+    assert "generate: rollout engine" in out and "): dead" in out and "): live" in out
 
 
 STEPS = 40
@@ -201,28 +203,34 @@ STEPS = 40
 LONGER = "data.max_response_length=24"
 
 
-def test_ray_run_replaces_a_killed_embedded_engine(quickstart_assets, tmp_path):
-    """Two embedded engines under Ray; one engine's process is SIGKILLed after step 1."""
-    from test_train_e2e import _args, megarl
-
-    proc = megarl("train", _args(
-        quickstart_assets, tmp_path, "trainer.save_freq=-1", "trainer.test_freq=-1",
-        "trainer.val_before_train=False", f"trainer.total_training_steps={STEPS}",
-        "trainer.n_gpus_per_node=4", "actor_rollout_ref.rollout.engine_health_interval_s=0.5",
-        LONGER),
-        start_new_session=True)
+def _kill_one_and_finish(proc, run_dir, assets, marker):
+    """Once step 0 has trained, SIGKILL one of the run's two engines; the run must finish
+    and recover (see _check_recovered)."""
     try:
-        _wait_trained(tmp_path, 1, proc)
-        victims = _engine_processes(proc.pid, "ray")
+        _wait_trained(run_dir, 1, proc)
+        victims = _engine_processes(proc.pid, marker)
         assert len(victims) == 2, victims
         victims[0].kill()
         out, _ = proc.communicate(timeout=400)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    (tmp_path / "run.log").write_text(out)
+    (run_dir / "run.log").write_text(out)
     assert proc.returncode == 0, out[-4000:]
-    _check_recovered(tmp_path, out, quickstart_assets, STEPS)
+    _check_recovered(run_dir, out, assets, STEPS)
+
+
+RUN = ("trainer.save_freq=-1", "trainer.test_freq=-1", "trainer.val_before_train=False",
+       f"trainer.total_training_steps={STEPS}", "trainer.n_gpus_per_node=4",
+       "actor_rollout_ref.rollout.engine_health_interval_s=0.5", LONGER)
+
+
+def test_ray_run_replaces_a_killed_embedded_engine(quickstart_assets, tmp_path):
+    """Two embedded engines under Ray; one engine's process is SIGKILLed after step 1."""
+    from test_train_e2e import _args, megarl
+
+    proc = megarl("train", _args(quickstart_assets, tmp_path, *RUN), start_new_session=True)
+    _kill_one_and_finish(proc, tmp_path, quickstart_assets, "ray")
 
 
 def test_torchrun_run_replaces_a_killed_sglang_server(quickstart_assets, tmp_path):
@@ -239,25 +247,11 @@ def test_torchrun_run_replaces_a_killed_sglang_server(quickstart_assets, tmp_pat
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
            "-m", "megarl.cli", "train", *_args(
-               quickstart_assets, tmp_path, "trainer.save_freq=-1", "trainer.test_freq=-1",
-               "trainer.val_before_train=False", f"trainer.total_training_steps={STEPS}",
-               "trainer.n_gpus_per_node=4", "trainer.launcher=torchrun",
+               quickstart_assets, tmp_path, *RUN, "trainer.launcher=torchrun",
                "trainer.logger=[console,tensorboard]",
                "actor_rollout_ref.rollout.name=sglang",
                "actor_rollout_ref.rollout.server_module=megarl.rollout.server",
-               "actor_rollout_ref.rollout.server_extra_args=[--sglang-contract]",
-               "actor_rollout_ref.rollout.engine_health_interval_s=0.5", LONGER)]
+               "actor_rollout_ref.rollout.server_extra_args=[--sglang-contract]")]
     proc = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        _wait_trained(tmp_path, 1, proc)
-        victims = _engine_processes(proc.pid, "server")
-        assert len(victims) == 2, victims
-        victims[0].kill()
-        out, _ = proc.communicate(timeout=400)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    (tmp_path / "run.log").write_text(out)
-    assert proc.returncode == 0, out[-4000:]
-    _check_recovered(tmp_path, out, quickstart_assets, STEPS)
+    _kill_one_and_finish(proc, tmp_path, quickstart_assets, "server")

@@ -1,26 +1,17 @@
 """Value rules: the RANGES table covers every numeric field, bools are strict, and the YAML
 structure limits hold exactly at their bounds."""
-import dataclasses
 import typing
 
 import pytest
 
-from megarl.config import ConfigError, MegaRLConfig, load_config
+from megarl.config import ConfigError, load_config
 from megarl.config.loader import YAML_LIMITS
-from megarl.config.schema import RANGES, Range
+from megarl.config.schema import RANGES, Range, leaf_types
 
 A = "actor_rollout_ref"
 
 
-def _leaves(cls=MegaRLConfig, prefix=""):
-    for name, hint in typing.get_type_hints(cls).items():
-        if dataclasses.is_dataclass(hint):
-            yield from _leaves(hint, f"{prefix}{name}.")
-        else:
-            yield prefix + name, hint
-
-
-LEAVES = dict(_leaves())
+LEAVES = leaf_types()
 
 
 def _is_numeric(hint) -> bool:
