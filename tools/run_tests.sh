@@ -3,4 +3,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} TOKENIZERS_PARALLELISM=false
-python -m pytest tests -q -p no:cacheprovider --timeout=900 "$@"
+python -m pytest tests -q -p no:cacheprovider --timeout=900 --durations=25 "$@"

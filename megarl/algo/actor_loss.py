@@ -16,8 +16,12 @@ the micro-batch dict carries, all [b, S] in the same alignment:
 
 each term aggregated with ``loss_agg_mode`` and the batch-level ``denom``
 (`megarl.algo.aggregate.global_denom` of the whole mini-batch's response mask; None = this
-micro-batch's own mean), so the returned loss and metrics are this micro-batch's *shares*
-and the worker's sum over micro-batches is the mini-batch value. Metrics (all shares):
+micro-batch's own mean), the diagnostics with ``stats_denom`` (`global_denom` of the mask
+under `stats_mode(loss_agg_mode)`; None = ``denom``, which only the count modes allow), so
+the returned loss and metrics are this micro-batch's *shares* and the worker's sum over
+micro-batches is the mini-batch value. ``actor/entropy`` and ``actor/kl_loss`` are the terms
+added to the loss, so they are aggregated like it (sums under the constant-normaliser modes,
+as verl's ``agg_loss``). Metrics (all shares):
 ``actor/pg_loss``, ``actor/pg_clipfrac``, ``actor/pg_clipfrac_lower`` (dual clip),
 ``actor/ppo_kl``, ``actor/ratio_mean``, ``actor/entropy`` (when entropy is given),
 ``actor/kl_loss`` (with ``use_kl_loss``), and with rollout log-probs ``actor/tis_weight_mean``,
@@ -33,7 +37,7 @@ from typing import Callable
 
 import torch
 
-from .aggregate import AGG_MODES, aggregate
+from .aggregate import AGG_MODES, CONSTANT_DENOM_MODES, aggregate
 from .kl import KL_KINDS, kl_penalty
 from .losses import TIS_LEVELS, aggregate_entropy, ppo_policy_loss
 
@@ -55,13 +59,16 @@ def make_actor_loss(*, clip_ratio_low: float, clip_ratio_high: float,
                     entropy_coeff: float = 0.0, use_kl_loss: bool = False,
                     kl_loss_coef: float = 0.001, kl_loss_type: str = "low_var_kl",
                     tis_imp_ratio_cap: float | None = 2.0, tis_level: str = "token",
-                    denom: float | None = None, with_max_metrics: bool = False
-                    ) -> ActorLossFn:
+                    denom: float | None = None, with_max_metrics: bool = False,
+                    stats_denom: float | None = None) -> ActorLossFn:
     """Build the actor loss (see the module docstring). `clip_ratio_c=None` disables dual
     clip; `tis_imp_ratio_cap=None` leaves the importance weight untruncated; `tis_level`
     ("token" | "sequence") is the granularity of that weight."""
     if loss_agg_mode not in AGG_MODES:
         raise ValueError(f"unknown loss_agg_mode {loss_agg_mode!r}; choose from {AGG_MODES}")
+    if denom is not None and stats_denom is None and loss_agg_mode in CONSTANT_DENOM_MODES:
+        raise ValueError(f"loss_agg_mode {loss_agg_mode!r} with a batch denom needs stats_denom "
+                         f"(global_denom(mask, stats_mode({loss_agg_mode!r})))")
     if use_kl_loss and kl_loss_type not in KL_KINDS:
         raise ValueError(f"unknown kl_loss_type {kl_loss_type!r}; choose from {KL_KINDS}")
     if tis_level not in TIS_LEVELS:
@@ -74,7 +81,7 @@ def make_actor_loss(*, clip_ratio_low: float, clip_ratio_high: float,
         loss, stats = ppo_policy_loss(
             logprobs, mb["old_logprobs"], mb["advantages"], mask, clip_ratio_low,
             clip_ratio_high, clip_ratio_c, behav_logp=behav, tis_cap=tis_imp_ratio_cap,
-            agg=loss_agg_mode, denom=denom, level=tis_level)
+            agg=loss_agg_mode, denom=denom, level=tis_level, stats_denom=stats_denom)
         metrics = {name: stats[key] for key, name in names.items() if key in stats}
         if entropy is not None:
             ent = aggregate_entropy(entropy, mask, loss_agg_mode, denom)
@@ -99,7 +106,8 @@ def make_actor_loss(*, clip_ratio_low: float, clip_ratio_high: float,
 
 
 def make_actor_loss_from_config(actor_cfg, denom: float | None = None,
-                                with_max_metrics: bool = False) -> ActorLossFn:
+                                with_max_metrics: bool = False,
+                                stats_denom: float | None = None) -> ActorLossFn:
     """`make_actor_loss` from the ``actor_rollout_ref.actor`` config section (null
     clip_ratio_low/high fall back to clip_ratio; a section without ``tis_level`` means
     "token")."""
@@ -114,4 +122,4 @@ def make_actor_loss_from_config(actor_cfg, denom: float | None = None,
         kl_loss_coef=actor_cfg.kl_loss_coef, kl_loss_type=actor_cfg.kl_loss_type,
         tis_imp_ratio_cap=actor_cfg.tis_imp_ratio_cap,
         tis_level=getattr(actor_cfg, "tis_level", "token"), denom=denom,
-        with_max_metrics=with_max_metrics)
+        with_max_metrics=with_max_metrics, stats_denom=stats_denom)

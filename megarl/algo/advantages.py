@@ -1,9 +1,9 @@
 """Advantage estimators: rewards in, token-level advantages [N, T] out.
 
 Owns: grouping samples by prompt uid, the outcome-reward estimators (GRPO, Dr. GRPO, RLOO,
-REINFORCE++ and REINFORCE++-baseline), spreading a sample-level advantage over its response
-tokens, and the one dispatcher `compute_advantages` keyed by ``algorithm.adv_estimator``.
-Leaves out: GAE (needs a critic's values; the dispatcher raises NotImplementedError).
+REINFORCE++ and REINFORCE++-baseline), GAE on a critic's values (`gae_advantages`), spreading a
+sample-level advantage over its response tokens, and the one dispatcher `compute_advantages`
+keyed by ``algorithm.adv_estimator``.
 
 Conventions:
 - `rewards` is [N] (one scalar score per sample) or [N, T] (token-level rewards, e.g. the score
@@ -208,24 +208,64 @@ def broadcast_to_tokens(adv: torch.Tensor, response_mask: torch.Tensor) -> torch
     return adv.unsqueeze(-1) * response_mask.to(adv.dtype)
 
 
+def gae_advantages(token_rewards: torch.Tensor, values: torch.Tensor,
+                   response_mask: torch.Tensor, gamma: float = 1.0, lam: float = 1.0,
+                   whiten: bool = True, eps: float = 1e-6
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """GAE (Schulman et al. 2016) -> (advantages, returns), both [N, T] float32, 0 off the mask.
+
+    Per row, walking the response backwards over its *valid* tokens only (verl's
+    `compute_gae_advantage_return`: a masked position neither discounts nor resets, the next
+    valid token's value and advantage carry across it):
+
+        delta_t = r_t + gamma * V_next - V_t           (V_next = 0 after the last valid token)
+        A_t     = delta_t + gamma * lam * A_next
+        R_t     = A_t + V_t                            (the critic's regression target)
+
+    `values[i, t]` is the critic's value of the state *before* token t is generated (the
+    prefix input_ids[:t]), in the same token alignment as `token_rewards` and the mask; see
+    `megarl.backends.megatron.worker.MegatronWorker.compute_values`. Advantages are then
+    whitened over every valid token of the batch (`masked_whiten`, as verl does; returns are
+    not). Pass the whole step's batch."""
+    mask = response_mask.to(torch.float32)
+    r = torch.as_tensor(token_rewards).detach().float() * mask
+    v = values.detach().float() * mask
+    adv = torch.zeros_like(r)
+    next_v = r.new_zeros(r.shape[0])
+    next_a = r.new_zeros(r.shape[0])
+    for t in range(r.shape[1] - 1, -1, -1):
+        step = mask[:, t] > 0
+        a_t = r[:, t] + gamma * next_v - v[:, t] + gamma * lam * next_a
+        next_v = torch.where(step, v[:, t], next_v)
+        next_a = torch.where(step, a_t, next_a)
+        adv[:, t] = torch.where(step, a_t, torch.zeros_like(a_t))
+    returns = (adv + v) * mask
+    if whiten:
+        adv = masked_whiten(adv, mask, eps)
+    return adv, returns
+
+
 def compute_advantages(name: str, rewards: torch.Tensor, group_ids: GroupIds | None,
                        response_mask: torch.Tensor, *, norm_by_std: bool = True,
-                       gamma: float = 1.0, eps: float = 1e-6) -> torch.Tensor:
+                       gamma: float = 1.0, eps: float = 1e-6, lam: float = 1.0,
+                       values: torch.Tensor | None = None) -> torch.Tensor:
     """Token-level advantages [N, T] (float32, 0 off the response) for estimator `name`.
 
     `name` is ``algorithm.adv_estimator``. `norm_by_std` (``norm_adv_by_std_in_grpo``) applies
-    to ``grpo`` only; `gamma` to ``reinforce_plus_plus`` only (any other estimator with
-    gamma != 1 raises rather than silently ignore it); `group_ids` may be None for
-    ``reinforce_plus_plus``. Pass the whole step's batch: the batch-normalised estimators
-    and the group baselines need all of it."""
+    to ``grpo`` only; `gamma` to ``reinforce_plus_plus`` and ``gae`` only (any other estimator
+    with gamma != 1 raises rather than silently ignore it); `lam` and the critic's `values`
+    [N, T] to ``gae`` only (its returns come from `gae_advantages`); `group_ids` may be None
+    for ``reinforce_plus_plus`` and ``gae``. Pass the whole step's batch: the
+    batch-normalised estimators and the group baselines need all of it."""
     mask = response_mask.float()
     if name not in ADV_ESTIMATORS:
         raise ValueError(f"unknown algorithm.adv_estimator {name!r}; choose from "
                          f"{ADV_ESTIMATORS}")
     if name == "gae":
-        raise NotImplementedError("algorithm.adv_estimator='gae' needs a critic (value "
-                                  "model), which megarl does not have; use an outcome "
-                                  "estimator")
+        if values is None:
+            raise ValueError("adv_estimator='gae' needs the critic's values")
+        return gae_advantages(token_rewards(rewards, mask), values, mask, gamma, lam,
+                              eps=eps)[0]
     if gamma != 1.0 and name != "reinforce_plus_plus":
         raise ValueError(f"algorithm.gamma={gamma} has no effect with adv_estimator={name!r} "
                          "(outcome rewards, no discounting); set it to 1.0")

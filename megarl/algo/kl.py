@@ -14,6 +14,13 @@ k3 is clamped as verl does: -d is clamped to [-20, 20] before the exp (no overfl
 result to [-10, 10], so one wild token cannot dominate the loss. Values are per token [b, T];
 aggregate with `megarl.algo.aggregate.aggregate`.
 
+Straight-through kinds (verl's ``+`` suffix, e.g. ``k3+`` / ``low_var_kl+``): the value is the
+base kind's (clamps included), the gradient w.r.t. logp is k2's, d, computed as
+k2 - k2.detach() + base.detach(). The reason (Schulman's note): k1 and k3 are unbiased
+estimates of the KL's *value*, but the expected gradient of the k3 loss is not the KL's
+gradient, while k2's is; ``+`` keeps an unbiased logged value and takes k2's gradient.
+``k2+`` / ``mse+`` are k2 itself. In the reward (no gradient) a ``+`` kind is its base kind.
+
 KL in the reward (PPO style, ``algorithm.use_kl_in_reward``) instead of in the loss:
 `apply_kl_in_reward` turns scores into token rewards r[i, t] - coef * k[i, t] over the response;
 `adaptive_kl_coef` is the adaptive controller's update (Ziegler et al. 2019), a pure function
@@ -25,12 +32,22 @@ import torch
 
 from .advantages import token_rewards
 
-KL_KINDS = ("k1", "kl", "k2", "mse", "k3", "low_var_kl", "abs")
+_BASE_KINDS = ("k1", "kl", "k2", "mse", "k3", "low_var_kl", "abs")
+KL_KINDS = _BASE_KINDS + tuple(k + "+" for k in _BASE_KINDS)
 
 
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "low_var_kl"
                ) -> torch.Tensor:
-    """Per-token KL(pi || pi_ref) estimate of `kind` (see the module table)."""
+    """Per-token KL(pi || pi_ref) estimate of `kind` (see the module table; a ``+`` kind
+    has the base kind's value and k2's gradient)."""
+    if kind.endswith("+") and kind[:-1] in _BASE_KINDS:
+        value = _kl_value(logp, ref_logp, kind[:-1])
+        k2 = _kl_value(logp, ref_logp, "k2")
+        return k2 - k2.detach() + value.detach()
+    return _kl_value(logp, ref_logp, kind)
+
+
+def _kl_value(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.Tensor:
     d = logp - ref_logp
     if kind in ("k1", "kl"):
         return d

@@ -33,12 +33,14 @@ the proximal policy is assumed to have generated the data (right only for fresh,
 samples from an engine that matches the trainer). AReaL masks tokens whose weight exceeds
 the cap instead of truncating them; we truncate.
 
-Aggregation: `megarl.algo.aggregate` (token-mean, seq-mean-token-sum, seq-mean-token-mean),
-with `denom` the batch-level normaliser so a micro-batch returns its share of the batch loss.
+Aggregation: `megarl.algo.aggregate` (token-mean, seq-mean-token-sum, seq-mean-token-mean,
+seq-mean-token-sum-norm, token-sum), with `denom` the batch-level normaliser so a micro-batch
+returns its share of the batch loss.
 
 Stats (detached 0-d tensors). *Shares*, aggregated over the valid tokens with
-`aggregate.stats_mode(agg)` (token-mean for token-mean, else seq-mean-token-mean) and the
-same `denom`, so summing them over the micro-batches of a batch gives the batch value:
+`aggregate.stats_mode(agg)` (a token mean under token-mean/token-sum, else a sequence mean)
+and `stats_denom` (the loss's `denom` for the count modes), so summing them over the
+micro-batches of a batch gives the batch value:
 ``pg_loss`` (the loss itself, aggregated with `agg`), ``clip_frac`` (tokens where the clipped
 branch is active), ``dual_clip_frac`` (tokens where the dual clip is active), ``ppo_kl``
 (k1 estimate of KL(pi_prox || pi_theta), mean of old_logp - logp), ``ratio_mean``, and when
@@ -54,7 +56,7 @@ import math
 
 import torch
 
-from .aggregate import aggregate, stats_mode
+from .aggregate import CONSTANT_DENOM_MODES, aggregate, stats_mode
 
 MAX_STATS = ("ratio_max", "tis_weight_max")
 _LOG_CLAMP = 20.0  # exp(20) ~ 5e8: keeps ratios finite without touching realistic values
@@ -101,13 +103,17 @@ def ppo_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tenso
                     mask: torch.Tensor, clip_low: float, clip_high: float,
                     clip_c: float | None = None, behav_logp: torch.Tensor | None = None,
                     tis_cap: float | None = None, agg: str = "token-mean",
-                    denom: float | torch.Tensor | None = None, level: str = "token"
+                    denom: float | torch.Tensor | None = None, level: str = "token",
+                    stats_denom: float | torch.Tensor | None = None
                     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped (dual-clip, decoupled, TIS-weighted) PPO loss -> (loss, stats); see module doc.
 
     All tensors [b, T] (adv may be [b], broadcast over the row); `mask` is 1 on the tokens
     that count. Only `logp` should carry a gradient; the others are detached here anyway.
-    `level` ("token" | "sequence") picks the importance weight (`behaviour_weight`)."""
+    `level` ("token" | "sequence") picks the importance weight (`behaviour_weight`).
+    `stats_denom` is the batch normaliser of the stats (`global_denom(batch_mask,
+    stats_mode(agg))`); None means `denom`, which is right for the count modes only, so a
+    constant-normaliser mode (`CONSTANT_DENOM_MODES`) with a batch `denom` needs it."""
     if not 0 <= clip_low < 1 or clip_high < 0:
         raise ValueError(f"need 0 <= clip_low < 1 and clip_high >= 0, got {clip_low}, "
                          f"{clip_high}")
@@ -134,23 +140,30 @@ def ppo_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tenso
         per_token = torch.where(dual_hit, bound, per_token)
 
     smode = stats_mode(agg)
+    if stats_denom is None:
+        if denom is not None and agg in CONSTANT_DENOM_MODES:
+            raise ValueError(f"loss_agg_mode {agg!r} with a batch denom needs stats_denom "
+                             f"(global_denom(batch_mask, {smode!r})): its denom is no count")
+        stats_denom = denom
     stats: dict[str, torch.Tensor] = {}
     if behav_logp is not None:
         behav_logp = behav_logp.detach().float()
         w, log_w, truncated = behaviour_weight(old_logp, behav_logp, tis_cap, mask, level)
         per_token = per_token * w
-        stats["tis_weight_mean"] = aggregate(w, mask, smode, denom)
-        stats["tis_truncated_frac"] = aggregate(truncated.to(mask.dtype), mask, smode, denom)
-        stats["logp_mismatch"] = aggregate((old_logp - behav_logp).abs(), mask, smode, denom)
+        stats["tis_weight_mean"] = aggregate(w, mask, smode, stats_denom)
+        stats["tis_truncated_frac"] = aggregate(truncated.to(mask.dtype), mask, smode,
+                                                stats_denom)
+        stats["logp_mismatch"] = aggregate((old_logp - behav_logp).abs(), mask, smode,
+                                           stats_denom)
         stats["tis_weight_max"] = _masked_max(torch.exp(log_w.clamp(max=_LOG_CLAMP)), mask)
 
     loss = aggregate(per_token, mask, agg, denom)
     with torch.no_grad():
         stats["pg_loss"] = loss.detach()
-        stats["clip_frac"] = aggregate(clip_hit.to(mask.dtype), mask, smode, denom)
-        stats["dual_clip_frac"] = aggregate(dual_hit.to(mask.dtype), mask, smode, denom)
-        stats["ppo_kl"] = aggregate(-log_ratio, mask, smode, denom)
-        stats["ratio_mean"] = aggregate(ratio, mask, smode, denom)
+        stats["clip_frac"] = aggregate(clip_hit.to(mask.dtype), mask, smode, stats_denom)
+        stats["dual_clip_frac"] = aggregate(dual_hit.to(mask.dtype), mask, smode, stats_denom)
+        stats["ppo_kl"] = aggregate(-log_ratio, mask, smode, stats_denom)
+        stats["ratio_mean"] = aggregate(ratio, mask, smode, stats_denom)
         stats["ratio_max"] = _masked_max(ratio, mask)
     return loss, {k: v.detach() for k, v in stats.items()}
 

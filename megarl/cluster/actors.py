@@ -23,7 +23,8 @@ def _threads(n: int) -> None:
 
 
 class MegatronRank:
-    """One rank of a Megatron model (actor or reference) in its own torch.distributed world.
+    """One rank of a Megatron model (actor, reference or critic) in its own torch.distributed
+    world.
 
     A plain class: `MegatronActor` is its Ray shell, and torchrun mode (cluster/torchrun.py)
     runs it directly in the process torchrun started."""
@@ -64,20 +65,51 @@ class MegatronRank:
                      with_entropy: bool = False) -> dict:
         return self.worker.compute_logp(batch, temperature, micro_batch_size, with_entropy)
 
-    def train(self, mini_batches: list[dict], micro_batch_size: int, temperature: float) -> list:
-        """One optimizer step per mini-batch; the loss is built here from the config."""
+    def train(self, mini_batches: list[dict], micro_batch_size: int, temperature: float,
+              batch_masks: list | None = None) -> list:
+        """One optimizer step per mini-batch; the loss is built here from the config.
+
+        `batch_masks[j]`: the response mask of the whole mini-batch j (every data-parallel
+        shard); the loss is normalised by its count divided by the DP size, because the
+        optimizer averages gradients over the replicas. None: this shard's own count."""
         from megarl.algo.actor_loss import MAX_METRICS, make_actor_loss_from_config
-        from megarl.algo.aggregate import global_denom
+        from megarl.algo.aggregate import global_denom, stats_mode
 
         out = []
         actor = self.cfg.actor_rollout_ref.actor
-        for mb in mini_batches:
-            denom = global_denom(mb["response_mask"], actor.loss_agg_mode)
-            loss_fn = make_actor_loss_from_config(actor, denom, with_max_metrics=True)
+        mode = actor.loss_agg_mode
+        # seq-mean-token-sum-norm's constant: null means the response budget (verl pads
+        # responses to it, so it is what verl's mask.shape[-1] fallback amounts to).
+        scale = actor.get("loss_scale_factor") or self.cfg.data.max_response_length
+        dp = self.worker.ps.get_data_parallel_world_size() if batch_masks is not None else 1
+        for j, mb in enumerate(mini_batches):
+            whole = batch_masks[j] if batch_masks is not None else mb["response_mask"]
+            denom = global_denom(whole, mode, scale, dp_size=dp)
+            loss_fn = make_actor_loss_from_config(
+                actor, denom, with_max_metrics=True,
+                stats_denom=global_denom(whole, stats_mode(mode), dp_size=dp))
             # Entropy is always computed: it is a metric even when its coefficient is 0.
             out.append(self.worker.train_step(mb, loss_fn, micro_batch_size, temperature,
                                               with_entropy=True, max_metrics=MAX_METRICS))
         return out
+
+    def compute_values(self, batch: dict, micro_batch_size: int) -> dict:
+        return self.worker.compute_values(batch, micro_batch_size)
+
+    def train_critic(self, mini_batches: list[dict], micro_batch_size: int,
+                     batch_masks: list) -> list:
+        """One critic optimizer step per mini-batch with the clipped value loss; each rank
+        normalises its shard by the whole mini-batch's mask (as `train` does)."""
+        from megarl.algo.value_loss import make_critic_loss_for_batch
+
+        c = self.cfg.critic
+        mode = c.loss_agg_mode or self.cfg.actor_rollout_ref.actor.loss_agg_mode
+        dp = self.worker.ps.get_data_parallel_world_size()
+        return [self.worker.train_values(
+                    mb, make_critic_loss_for_batch(c.cliprange_value, mode, whole, dp,
+                                                     self.cfg.data.max_response_length),
+                    micro_batch_size)
+                for mb, whole in zip(mini_batches, batch_masks)]
 
     def init_weight_sync(self, engines: list[dict], address: str) -> None:
         """`engines`: {"url", "tp", "pause"} per rollout engine (see RolloutGroup.engines)."""

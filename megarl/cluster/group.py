@@ -1,9 +1,9 @@
 """Worker groups: the handles the driver calls, one per model or engine set.
 
-`MegatronGroup` is one Megatron model (the actor, or the frozen reference) as one process per
-device of its task group, forming one torch.distributed world; it shards batches over the
-data-parallel ranks and gathers the results. `RolloutGroup` is one rollout server per device.
-Calls return Ray object refs wrapped as awaitables, so the asyncio driver can overlap groups.
+`MegatronGroup` is one Megatron model (the actor, the frozen reference, or the critic) as one
+process per device of its task group, forming one torch.distributed world; it shards batches
+over the data-parallel ranks and gathers the results. `RolloutGroup` is one rollout server per
+device. Calls return Ray object refs wrapped as awaitables, so the asyncio driver can overlap groups.
 """
 from __future__ import annotations
 
@@ -72,7 +72,10 @@ class MegatronGroup:
         for mb in mini_batches:
             for i, s in enumerate(self._shards(mb)):
                 per_rank[i].append(s)
-        results = await asyncio.gather(*[a.train.remote(mbs, micro_batch_size, temperature)
+        # Every rank normalises its shard by the whole mini-batch's count (MegatronRank.train).
+        masks = [mb["response_mask"] for mb in mini_batches]
+        results = await asyncio.gather(*[a.train.remote(mbs, micro_batch_size, temperature,
+                                                        masks)
                                          for a, mbs in zip(self.actors, per_rank)])
         leaders = [res for r, res in zip(self.ranks, results) if r["tp_rank"] == 0
                    and r["pp_rank"] == 0]
@@ -83,6 +86,30 @@ class MegatronGroup:
             steps.append({k: max(l[j][k] for l in leaders) if k in MAX_METRICS
                           else sum(l[j][k] for l in leaders) / len(leaders) for k in keys})
         return steps
+
+    async def compute_values(self, batch: dict, micro_batch_size: int) -> dict:
+        """The critic's values [B, S] (`MegatronWorker.compute_values`)."""
+        refs = [a.compute_values.remote(s, micro_batch_size)
+                for a, s in zip(self.actors, self._shards(batch))]
+        results = await asyncio.gather(*refs)
+        by_dp = {}
+        for r, out in zip(self.ranks, results):
+            by_dp.setdefault(r["dp_rank"], out)
+        return {"values": torch.cat([by_dp[d]["values"] for d in range(self.dp)])}
+
+    async def train_critic(self, mini_batches: list[dict], micro_batch_size: int) -> list[dict]:
+        """One critic optimizer step per mini-batch; metrics averaged over DP replicas."""
+        per_rank = [[] for _ in self.actors]
+        for mb in mini_batches:
+            for i, s in enumerate(self._shards(mb)):
+                per_rank[i].append(s)
+        masks = [mb["response_mask"] for mb in mini_batches]
+        results = await asyncio.gather(*[a.train_critic.remote(mbs, micro_batch_size, masks)
+                                         for a, mbs in zip(self.actors, per_rank)])
+        leaders = [res for r, res in zip(self.ranks, results)
+                   if r["tp_rank"] == 0 and r["pp_rank"] == 0]
+        return [{k: sum(ld[j][k] for ld in leaders) / len(leaders) for k in leaders[0][j]}
+                for j in range(len(mini_batches))]
 
     sync_initialised = False
 

@@ -17,9 +17,10 @@ from dataclasses import dataclass
 from typing import Sequence, Union
 
 # Every task a group can host.
-TASKS = ("generate", "ref_logp", "logp", "actor-train", "reward")
-# ``reward`` is CPU-only: left out of the groups, it runs on the driver.
-OPTIONAL_TASKS = ("reward",)
+TASKS = ("generate", "ref_logp", "logp", "actor-train", "reward", "critic")
+# ``reward`` is CPU-only: left out of the groups, it runs on the driver. ``critic`` (the value
+# model of adv_estimator=gae), left out, runs beside ``actor-train`` on that group's devices.
+OPTIONAL_TASKS = ("reward", "critic")
 
 _RATIO_TOL = 1e-6
 

@@ -356,13 +356,15 @@ class TorchrunMegatronGroup(MegatronGroup):
                  processes_per_device: int = 1):
         ctl = _control()
         arr = cfg.actor_rollout_ref
-        if role == "ref" and "actor-train" in devices.plan.tasks:
-            a, r = arr.actor.megatron, arr.ref.megatron
+        if role in ("ref", "critic") and "actor-train" in devices.plan.tasks:
+            a = arr.actor.megatron
+            r = arr.ref.megatron if role == "ref" else cfg.critic.megatron
             if (a.tensor_model_parallel_size, a.pipeline_model_parallel_size) != \
                     (r.tensor_model_parallel_size, r.pipeline_model_parallel_size):
+                key = "actor_rollout_ref.ref" if role == "ref" else "critic"
                 raise ConfigError(
-                    "actor_rollout_ref.ref.megatron: with trainer.launcher=torchrun a reference "
-                    "model on the actor's devices shares its processes, so it needs the actor's "
+                    f"{key}.megatron: with trainer.launcher=torchrun a {role} model on the "
+                    "actor's devices shares its processes, so it needs the actor's "
                     "tensor/pipeline parallel sizes (or its own task group)")
         from omegaconf import OmegaConf
 

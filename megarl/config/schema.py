@@ -14,15 +14,18 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 KL_TYPES = ("low_var_kl", "k1", "k2", "k3", "kl", "abs", "mse")
+# verl's straight-through kinds: the base kind's value, k2's gradient (megarl/algo/kl.py).
+KL_TYPES = KL_TYPES + tuple(k + "+" for k in KL_TYPES)
 
 CHOICES: Dict[str, tuple] = {
     "data.truncation": ("error", "left", "right"),
-    "data.synthetic_task": (None, "quickstart"),
+    "data.synthetic_task": (None, "quickstart", "last_digit"),
     "actor_rollout_ref.model.make_tiny": (None, "qwen2", "llama"),
     "data.bad_rows": ("skip", "error"),
     "actor_rollout_ref.actor.strategy": ("megatron",),
     "actor_rollout_ref.actor.loss_agg_mode": (
-        "token-mean", "seq-mean-token-sum", "seq-mean-token-mean"),
+        "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm",
+        "token-sum"),
     "actor_rollout_ref.actor.kl_loss_type": KL_TYPES,
     "actor_rollout_ref.actor.tis_level": ("token", "sequence"),
     "actor_rollout_ref.actor.megatron.params_dtype": ("float32", "bfloat16", "float16"),
@@ -37,6 +40,10 @@ CHOICES: Dict[str, tuple] = {
     "trainer.launcher": ("ray", "torchrun"),
     "trainer.resume_mode": ("auto", "disable", "resume_path"),
 }
+
+CHOICES["critic.strategy"] = ("megatron",)
+CHOICES["critic.loss_agg_mode"] = (None, *CHOICES["actor_rollout_ref.actor.loss_agg_mode"])
+CHOICES["critic.megatron.params_dtype"] = CHOICES["actor_rollout_ref.actor.megatron.params_dtype"]
 
 
 @dataclass(frozen=True)
@@ -108,6 +115,7 @@ RANGES: Dict[str, Range] = {
     f"{_A}.actor.entropy_coeff": NON_NEGATIVE,
     f"{_A}.actor.kl_loss_coef": NON_NEGATIVE,
     f"{_A}.actor.tis_imp_ratio_cap": POSITIVE,
+    f"{_A}.actor.loss_scale_factor": POSITIVE,
     f"{_A}.actor.optim.lr": NON_NEGATIVE,
     f"{_A}.actor.optim.weight_decay": NON_NEGATIVE,
     f"{_A}.actor.optim.betas": Range(0, 1, high_open=True, length=2),
@@ -142,6 +150,23 @@ RANGES: Dict[str, Range] = {
     f"{_A}.rollout.val_kwargs.top_p": PROBABILITY,
     f"{_A}.rollout.val_kwargs.top_k": OFF_OR_POSITIVE,
     f"{_A}.rollout.val_kwargs.n": POSITIVE,
+    "critic.ppo_mini_batch_size": POSITIVE,
+    "critic.ppo_micro_batch_size_per_gpu": POSITIVE,
+    "critic.forward_micro_batch_size_per_gpu": POSITIVE,
+    "critic.ppo_epochs": POSITIVE,
+    "critic.cliprange_value": POSITIVE,
+    "critic.optim.lr": NON_NEGATIVE,
+    "critic.optim.weight_decay": NON_NEGATIVE,
+    "critic.optim.betas": Range(0, 1, high_open=True, length=2),
+    "critic.optim.eps": POSITIVE,
+    "critic.optim.clip_grad": NON_NEGATIVE,
+    "critic.optim.lr_warmup_steps": NON_NEGATIVE,
+    "critic.optim.total_training_steps": POSITIVE,
+    **{f"critic.megatron.{key}": POSITIVE
+       for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                   "make_vocab_size_divisible_by")},
+    "critic.megatron.seed": SEED,
+    "trainer.critic_warmup": NON_NEGATIVE,
     "algorithm.gamma": UNIT,
     "algorithm.lam": UNIT,
     "algorithm.kl_ctrl.kl_coef": NON_NEGATIVE,
@@ -172,7 +197,8 @@ class DataConfig:
     """Validation data: a path, a list of paths, or null for no validation set."""
     synthetic_task: Optional[str] = None
     """``quickstart``: write the synthetic arithmetic task to ``train_files``/``val_files``
-    when they do not exist yet (so a fresh machine needs no download)."""
+    when they do not exist yet (so a fresh machine needs no download); ``last_digit``: the
+    task that ``configs/quickstart_solve.yaml`` solves ("Repeat the last digit: 4 3 9")."""
     prompt_key: str = "prompt"
     """Column holding the prompt (a string or a list of chat messages)."""
     max_prompt_length: int = 256
@@ -268,7 +294,12 @@ class ActorConfig:
     clip_ratio_c: float = 3.0
     """Dual-clip bound for negative advantages; must be > 1."""
     loss_agg_mode: str = "token-mean"
-    """How per-token losses become one number."""
+    """How per-token losses become one number over the mini-batch (verl's names): token-mean,
+    seq-mean-token-sum, seq-mean-token-mean, seq-mean-token-sum-norm (sum / a constant, see
+    ``loss_scale_factor``), token-sum (docs/algorithms.md)."""
+    loss_scale_factor: Optional[float] = None
+    """The constant C of ``seq-mean-token-sum-norm`` (loss = sum of masked token losses / C);
+    null means ``data.max_response_length`` (the padded response width verl's default uses)."""
     entropy_coeff: float = 0.0
     """Weight of the entropy bonus."""
     use_kl_loss: bool = False
@@ -276,7 +307,8 @@ class ActorConfig:
     kl_loss_coef: float = 0.001
     """Weight of the KL loss."""
     kl_loss_type: str = "low_var_kl"
-    """KL estimator for the KL loss."""
+    """KL estimator for the KL loss; a ``+`` suffix (``k3+``, ``low_var_kl+``) keeps the value
+    and takes k2's gradient (straight-through)."""
     tis_imp_ratio_cap: Optional[float] = 2.0
     """Truncated importance sampling: cap on the behaviour weight pi_proximal/pi_behaviour
     (the rollout engine's own log-probs are the behaviour policy); null leaves the weight
@@ -390,6 +422,44 @@ class ActorRolloutRefConfig:
 
 
 @dataclass
+class CriticModelConfig:
+    path: Optional[str] = None
+    """HF model directory the critic's transformer starts from; null means the actor's
+    ``actor_rollout_ref.model.path``. Its value head (hidden -> 1) starts at zero."""
+
+
+def _critic_optim() -> OptimConfig:
+    return OptimConfig(lr=1e-5)
+
+
+@dataclass
+class CriticConfig:
+    """The value model of ``algorithm.adv_estimator=gae`` (unused by every other estimator):
+    the actor's architecture with a scalar head, trained with the clipped value loss."""
+    strategy: str = "megatron"
+    """Training backend; only Megatron-core."""
+    model: CriticModelConfig = field(default_factory=CriticModelConfig)
+    """Where the critic's weights start."""
+    optim: OptimConfig = field(default_factory=_critic_optim)
+    """The critic's optimizer (verl's default critic lr is 1e-5)."""
+    ppo_mini_batch_size: Optional[int] = None
+    """Prompts per critic optimizer step; null means the actor's ``ppo_mini_batch_size``."""
+    ppo_micro_batch_size_per_gpu: int = 2
+    """Sequences per critic forward/backward on one device."""
+    forward_micro_batch_size_per_gpu: Optional[int] = None
+    """Sequences per value forward (the VALUES state); null means
+    ``ppo_micro_batch_size_per_gpu``."""
+    ppo_epochs: Optional[int] = None
+    """Passes over each batch; null means the actor's ``ppo_epochs``."""
+    cliprange_value: float = 0.5
+    """Value clip: a new prediction counts as at most this far from the VALUES state's."""
+    loss_agg_mode: Optional[str] = None
+    """How per-token value losses become one number; null means the actor's mode."""
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)
+    """Parallelism of the critic (the ``critic`` task: its values and its training)."""
+
+
+@dataclass
 class KLCtrlConfig:
     type: str = "fixed"
     """KL coefficient controller for in-reward KL: fixed or adaptive."""
@@ -406,15 +476,15 @@ class AlgorithmConfig:
     adv_estimator: str = "grpo"
     """Advantage estimator."""
     gamma: float = 1.0
-    """Discount factor (gae)."""
+    """Discount factor per token (gae, reinforce_plus_plus)."""
     lam: float = 1.0
-    """GAE lambda."""
+    """GAE lambda: 1 is Monte Carlo returns minus the value, 0 the one-step TD error."""
     norm_adv_by_std_in_grpo: bool = True
     """Divide GRPO advantages by the group std (False is Dr. GRPO's choice)."""
     use_kl_in_reward: bool = False
     """Subtract a KL penalty from the reward (PPO style)."""
     kl_penalty: str = "kl"
-    """KL estimator for the in-reward penalty."""
+    """KL estimator for the in-reward penalty (no gradient there, so ``k3+`` is ``k3``)."""
     kl_ctrl: KLCtrlConfig = field(default_factory=KLCtrlConfig)
     """Controller of the in-reward KL coefficient."""
     max_staleness: Optional[int] = None
@@ -472,6 +542,8 @@ class TrainerConfig:
     max_actor_ckpt_to_keep: Optional[int] = None
     """Keep only this many newest checkpoints (null keeps all); the newest one that verifies
     against its manifest is never deleted (docs/checkpoints.md)."""
+    critic_warmup: int = 0
+    """Train only the critic for this many first steps (the actor's weights stay put)."""
     val_before_train: bool = False
     """Validate once before the first step."""
     val_only: bool = False
@@ -502,6 +574,8 @@ class MegaRLConfig:
     """Advantage estimation and in-reward KL."""
     reward: RewardConfig = field(default_factory=RewardConfig)
     """Reward function and its process pool."""
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    """The value model (``algorithm.adv_estimator=gae`` only)."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     """Cluster shape, task placement, schedule, logging and checkpoints."""
 

@@ -34,6 +34,8 @@ _PARALLEL_KEYS = {
                  f"{_ARR}.ref.megatron.pipeline_model_parallel_size"),
     "generate": (f"{_ARR}.rollout.tensor_model_parallel_size",),
     "reward": (),
+    "critic": ("critic.megatron.tensor_model_parallel_size",
+               "critic.megatron.pipeline_model_parallel_size"),
 }
 
 
@@ -46,8 +48,11 @@ def validate_config(cfg: DictConfig) -> None:
     _check_trainer(cfg.trainer, cfg.data)
     _check_reward(cfg.reward)
     _check_staleness(cfg)
-    for plan in plan_task_groups(cfg):
-        _check_group_parallelism(cfg, plan)
+    plans = plan_task_groups(cfg)
+    _check_critic(cfg, plans)
+    critic_host = critic_hosted(plans) if cfg.algorithm.adv_estimator == "gae" else None
+    for plan in plans:
+        _check_group_parallelism(cfg, plan, with_critic=plan is critic_host)
 
 
 def plan_task_groups(cfg: DictConfig) -> list[GroupPlan]:
@@ -208,8 +213,34 @@ def _check_reward(reward: DictConfig) -> None:
         raise ConfigError(f"reward.reward_fn: {fn!r} is not an import path `module:function`")
 
 
-def _check_group_parallelism(cfg: DictConfig, plan: GroupPlan) -> None:
-    for task in plan.tasks:
+def critic_hosted(plans: list[GroupPlan]) -> GroupPlan:
+    """The group the critic runs on: its own task's, else actor-train's."""
+    return next((p for p in plans if "critic" in p.tasks),
+                next(p for p in plans if "actor-train" in p.tasks))
+
+
+def _check_critic(cfg: DictConfig, plans: list[GroupPlan]) -> None:
+    listed = any("critic" in p.tasks for p in plans)
+    if cfg.algorithm.adv_estimator != "gae":
+        if listed:
+            raise ConfigError(
+                "trainer.separated_node_tasks: task `critic` is placed, but only "
+                f"algorithm.adv_estimator=gae trains a critic (it is "
+                f"{cfg.algorithm.adv_estimator!r})")
+        return
+    critic, actor = cfg.critic, cfg.actor_rollout_ref.actor
+    mini = critic.ppo_mini_batch_size or actor.ppo_mini_batch_size
+    if cfg.data.train_batch_size % mini:
+        raise ConfigError(f"critic.ppo_mini_batch_size: {mini} does not divide "
+                          f"data.train_batch_size={cfg.data.train_batch_size}")
+
+
+def _check_group_parallelism(cfg: DictConfig, plan: GroupPlan,
+                             with_critic: bool = False) -> None:
+    tasks = list(plan.tasks)
+    if with_critic and "critic" not in tasks:
+        tasks.append("critic")  # the critic runs beside actor-train when not placed itself
+    for task in tasks:
         keys = _PARALLEL_KEYS[task]
         if not keys:
             continue

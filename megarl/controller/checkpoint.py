@@ -1,5 +1,6 @@
 """Run checkpoints: `<default_local_dir>/global_step_<k>/` holding the actor's Megatron
-dist-checkpoint (model + per-rank optimizer state), `driver_state.json` (step, weight version,
+dist-checkpoint (model + per-rank optimizer state), the critic's beside it (`critic/`, gae runs
+only), `driver_state.json` (step, weight version,
 dataloader position, RNG) and `manifest.json` (every file's size and CRC32).
 
 Writing: a step directory is filled under a temp name; once every rank's files are complete

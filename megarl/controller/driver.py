@@ -14,7 +14,7 @@ import logging
 import time
 
 
-from megarl.algo.advantages import compute_advantages
+from megarl.algo.advantages import compute_advantages, gae_advantages, token_rewards
 from megarl.algo.kl import adaptive_kl_coef, apply_kl_in_reward
 from megarl.observability.metrics import (MetricsTracker, pipeline_step_metrics,
                                           staleness_metrics, throughput)
@@ -26,6 +26,7 @@ from .generation import rollout, sampling_params
 from .machine import Pipeline
 from .partial import PartialRollout
 from .setup import Run, setup_run
+from .validation import first_last_table
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +84,8 @@ class Driver:
     async def execute(self, a) -> None:
         k = a.step
         fn = {"generate": self.generate, "reward": self.reward, "ref_logp": self.ref_logp,
-              "logp": self.logp, "actor-train": self.train, "sync": self.sync,
+              "values": self.values, "logp": self.logp, "actor-train": self.train,
+              "sync": self.sync,
               "val-generate": self.val_generate, "val-score": self.val_score}[a.task]
         t0 = time.perf_counter()
         await fn(a.version if a.task.startswith("val-") else k)
@@ -172,6 +174,14 @@ class Driver:
                 self.kl_coef = adaptive_kl_coef(self.kl_coef, m["reward/kl_penalty"],
                                                 alg.kl_ctrl.target_kl, len(rewards),
                                                 alg.kl_ctrl.horizon)
+        if alg.adv_estimator == "gae":
+            mask = b["response_mask"]
+            b["advantages"], b["returns"] = gae_advantages(
+                token_rewards(rewards, mask), b["values"], mask, alg.gamma, alg.lam)
+            valid = mask > 0
+            self.metrics.update(k, {"critic/values_mean": b["values"][valid].mean().item(),
+                                    "critic/returns_mean": b["returns"][valid].mean().item()})
+            return
         b["advantages"] = compute_advantages(
             alg.adv_estimator, rewards, [s.uid for s in self.steps[k]["samples"]],
             b["response_mask"], norm_by_std=alg.norm_adv_by_std_in_grpo, gamma=alg.gamma)
@@ -184,6 +194,26 @@ class Driver:
                                             self.cfg.actor_rollout_ref.ref
                                             .log_prob_micro_batch_size_per_gpu)
         b["ref_logprobs"] = out["logprobs"]
+
+    async def values(self, k: int) -> None:
+        """VALUES(k): the critic's value of every prefix of step k's batch, for GAE."""
+        b = self.steps[k]["batch"]
+        c = self.cfg.critic
+        out = await self.r.critic.compute_values(
+            self._model_inputs(b), c.forward_micro_batch_size_per_gpu
+            or c.ppo_micro_batch_size_per_gpu)
+        b["values"] = out["values"]
+
+    async def _train_critic(self, k: int, b: dict) -> None:
+        """The critic's optimizer steps on step k's batch (clipped value loss)."""
+        c, actor = self.cfg.critic, self.cfg.actor_rollout_ref.actor
+        keys = ("input_ids", "attention_mask", "response_mask", "values", "returns")
+        mbs = mini_batches({n: b[n] for n in keys}, self.cfg.actor_rollout_ref.rollout.n,
+                           c.ppo_mini_batch_size or actor.ppo_mini_batch_size,
+                           c.ppo_epochs or actor.ppo_epochs)
+        for s in await self.r.critic.train_critic(mbs, c.ppo_micro_batch_size_per_gpu):
+            for name, v in s.items():
+                self.metrics.add(k, name if "/" in name else f"critic/{name}", v)
 
     async def logp(self, k: int) -> None:
         b = self.steps[k]["batch"]
@@ -203,8 +233,15 @@ class Driver:
         mbs = mini_batches(b, self.cfg.actor_rollout_ref.rollout.n, actor.ppo_mini_batch_size,
                            actor.ppo_epochs)
         t0 = time.perf_counter()
-        stats = await self.r.actor.train(mbs, actor.ppo_micro_batch_size_per_gpu,
-                                         self.r.temperature)
+        # trainer.critic_warmup: the first steps train the critic only (the actor's weights,
+        # hence the versions SYNC publishes, stay as they were)
+        train_actor = self.r.critic is None or k >= self.cfg.trainer.critic_warmup
+        jobs = [self.r.actor.train(mbs, actor.ppo_micro_batch_size_per_gpu, self.r.temperature)
+                if train_actor else asyncio.sleep(0, [])]
+        if self.r.critic is not None:  # on its own group, it trains while the actor does
+            jobs.append(self._train_critic(k, b))
+            self.metrics.update(k, {"critic/warmup": float(not train_actor)})
+        stats = (await asyncio.gather(*jobs))[0]
         dt = time.perf_counter() - t0
         for s in stats:
             for name, v in s.items():
@@ -247,6 +284,8 @@ class Driver:
         n = max(1, len(rewards))
         m = {"val/reward_mean": sum(rewards) / n,
              "val/exact_frac": sum(x >= 1.0 for x in rewards) / n,
+             # ended by a stop token (EOS) rather than cut at the length cap
+             "val/eos_frac": sum(s.finish == "stop" for s in d["samples"]) / n,
              "val/response_length_mean": sum(len(s.response_ids) for s in d["samples"]) / n}
         self.val_results.append({"version": version, **m})
         logger.info("validation of weights v%d: %s", version,
@@ -274,6 +313,8 @@ class Driver:
         root = self.r.ckpt_root
         tmp = ckpt.begin(root, k)
         await self.r.actor.save(str(tmp / "actor"), step=k)
+        if self.r.critic is not None:
+            await self.r.critic.save(str(tmp / "critic"), step=k)
         owed = self.loader_states.get(k + 1) or {
             "loader": self.r.loader.state_dict(),
             "partial": self.partial.state_dict() if self.partial else None}
@@ -299,7 +340,8 @@ async def _run(cfg, val_only: bool) -> dict:
     try:
         pipeline = Pipeline(r.ahead, r.total_steps, cfg.trainer.test_freq,
                             cfg.trainer.val_before_train, groups=r.groups,
-                            val_only=val_only, start_step=r.start_step)
+                            val_only=val_only, start_step=r.start_step,
+                            critic=r.critic is not None)
         t0 = time.perf_counter()
         await d.main(pipeline)
         await r.actor_wait()
@@ -307,6 +349,8 @@ async def _run(cfg, val_only: bool) -> dict:
                    "seconds": time.perf_counter() - t0, "validation": d.val_results,
                    "incidents": len(pipeline.incidents)}
         logger.info("run finished: %s", {k: v for k, v in summary.items() if k != "validation"})
+        if len(d.val_results) > 1:
+            logger.info("first vs last validation:\n%s", first_last_table(d.val_results))
         return summary
     finally:
         await r.close()

@@ -258,6 +258,12 @@ def roles(cfg: DictConfig, g: GroupPlan) -> tuple[str, ...]:
     elif "ref_logp" in g.tasks:
         out.append("reference (ref_logp): not run (no actor.use_kl_loss or "
                    "algorithm.use_kl_in_reward)")
+    if cfg.algorithm.adv_estimator == "gae":
+        from megarl.config.validate import critic_hosted, plan_task_groups
+
+        if critic_hosted(plan_task_groups(cfg)).name == g.name:
+            out.append("critic (values, value-loss training): "
+                       + _parallel(cfg.critic.megatron, g.num_devices))
     if "generate" in g.tasks:
         tp = arr.rollout.tensor_model_parallel_size
         out.append(f"rollout (generate): {arr.rollout.name}, {g.num_devices // tp} "

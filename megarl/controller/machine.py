@@ -21,6 +21,9 @@ Scheduling rules (with a = generate_ahead_steps, steps start_step .. total_steps
 - GENERATE(j) waits for SYNC(j - a) (not at all when j - a < start_step).
 - LOGP(k) waits for TRAIN(k-1): the proximal policy is the weights TRAIN(k) starts from.
 - TRAIN(k) waits for SYNC(k-1).
+- With a critic (`critic=True`), VALUES(k) runs between REF_LOGP(k) and LOGP(k), on the
+  critic's group, and waits for TRAIN(k-1), which trains the critic too: values come from
+  the critic TRAIN(k) starts from, as log-probs come from that actor.
 - SYNC(k) waits until GENERATE(k + a - 1) has started (when that step exists), and until
   every due validation of a version <= k has finished its GENERATE. This pins what generation
   sees, even when everything shares one group (there a = 2 still means one-step-off):
@@ -44,7 +47,7 @@ import time
 from collections import deque
 from typing import Callable, Iterable, Mapping, Sequence, Union
 
-from .states import WORK_STATES, IllegalTransition, StepState, check
+from .states import CRITIC_WORK_STATES, IllegalTransition, StepState, check, work_states
 from .validation import ValidationMachine, ValidationState, validates_after
 
 logger = logging.getLogger(__name__)
@@ -53,10 +56,11 @@ TRANSITION_LOG_LEVEL = logging.DEBUG
 S, V = StepState, ValidationState
 
 TASK_OF_STATE = {S.GENERATE: "generate", S.REWARD: "reward", S.REF_LOGP: "ref_logp",
-                 S.LOGP: "logp", S.TRAIN: "actor-train", S.SYNC: "sync"}
-"""The task (topology name) that does each state's work; "sync" is the trainer's export."""
+                 S.VALUES: "values", S.LOGP: "logp", S.TRAIN: "actor-train", S.SYNC: "sync"}
+"""The task (topology name) that does each state's work; "sync" is the trainer's export,
+"values" the critic's forward (on the group of the topology task "critic")."""
 VAL_TASK_OF_PHASE = {V.GENERATE: "val-generate", V.SCORE: "val-score"}
-_ORDER = {state: i for i, state in enumerate(WORK_STATES)}
+_ORDER = {state: i for i, state in enumerate(CRITIC_WORK_STATES)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +78,8 @@ class Action:
 
     @property
     def task(self) -> str:
-        """generate | reward | ref_logp | logp | actor-train | sync | val-generate | val-score"""
+        """generate | reward | ref_logp | values | logp | actor-train | sync | val-generate |
+        val-score"""
         if self.state is S.VALIDATE:
             return VAL_TASK_OF_PHASE[self.phase]
         return TASK_OF_STATE[self.state]
@@ -178,14 +183,16 @@ class Pipeline:
     `groups` maps task -> group name for generate, reward, ref_logp, logp, actor-train
     (e.g. `task_groups(cfg.trainer.separated_node_tasks)`); optional keys: "sync" (default:
     the actor-train group), "val-generate" (default: the generate group), "val-score"
-    (default: the reward group). None puts every task on one group "colocated", reward on
-    "reward". `val_only`: validate version `start_step` once and schedule no train step.
-    `start_step`: first step to run (resume); its weights are version `start_step`.
+    (default: the reward group), "values" (default: the "critic" group, else the actor-train
+    group). None puts every task on one group "colocated", reward on "reward". `critic`: the
+    steps walk VALUES (`states.CRITIC_WORK_STATES`). `val_only`: validate version
+    `start_step` once and schedule no train step. `start_step`: first step to run (resume);
+    its weights are version `start_step`.
     """
 
     def __init__(self, generate_ahead_steps: int, total_steps: int, test_freq: int = -1,
                  val_before_train: bool = False, *, groups: Mapping[str, str] | None = None,
-                 val_only: bool = False, start_step: int = 0,
+                 val_only: bool = False, start_step: int = 0, critic: bool = False,
                  clock: Callable[[], float] = time.monotonic):
         if generate_ahead_steps < 1:
             raise ValueError(f"trainer.generate_ahead_steps must be >= 1, got "
@@ -195,6 +202,7 @@ class Pipeline:
         self.ahead, self.total_steps, self.test_freq = generate_ahead_steps, total_steps, test_freq
         self.start_step, self.val_only, self.clock = start_step, val_only, clock
         self.groups = self._resolve_groups(groups)
+        self.work = work_states(critic)
         self.weight_version = start_step
         """Latest version published by a finished SYNC (what the generators serve next)."""
         self.steps: dict[int, StepMachine] = {} if val_only else {
@@ -232,6 +240,7 @@ class Pipeline:
         groups.setdefault("sync", groups["actor-train"])
         groups.setdefault("val-generate", groups["generate"])
         groups.setdefault("val-score", groups["reward"])
+        groups.setdefault("values", groups.get("critic", groups["actor-train"]))
         return groups
 
     # ---- versions ------------------------------------------------------------------------
@@ -279,13 +288,13 @@ class Pipeline:
         if m.running or m.state in (S.VALIDATE, S.DONE):
             return None
         # (a finished SYNC never waits here: `finish` moves it on to VALIDATE or DONE)
-        nxt = S.GENERATE if m.state is S.PENDING else WORK_STATES[_ORDER[m.state] + 1]
+        nxt = S.GENERATE if m.state is S.PENDING else self.work[self.work.index(m.state) + 1]
         action = Action(k, nxt, self.groups[TASK_OF_STATE[nxt]])
         if action in started or not self._past(k - 1, nxt):
             return None
         if nxt is S.GENERATE and not self._past(k - self.ahead, S.SYNC):
             return None
-        if nxt is S.LOGP and not self._past(k - 1, S.TRAIN):
+        if nxt in (S.VALUES, S.LOGP) and not self._past(k - 1, S.TRAIN):
             return None
         if nxt is S.TRAIN and not self._past(k - 1, S.SYNC):
             return None
@@ -430,7 +439,7 @@ class Pipeline:
                     f"(generate_ahead_steps={self.ahead})")
         if state is S.SYNC:
             return f"publish v{k + 1}"
-        prev = WORK_STATES[_ORDER[state] - 1]
+        prev = self.work[self.work.index(state) - 1]
         return f"{prev} finished"
 
     def _val_reason(self, version: int) -> str:

@@ -1,8 +1,8 @@
 """Everything a run needs before its first step, and its orderly teardown.
 
 Owns: the quickstart's local assets (tiny model, synthetic task), tokenizer and data, the
-reward function, Ray placement of the task groups, the Megatron actor/reference groups, the
-rollout servers and their weight-update group, loggers, and resuming from a checkpoint.
+reward function, Ray placement of the task groups, the Megatron actor/reference/critic groups,
+the rollout servers and their weight-update group, loggers, and resuming from a checkpoint.
 Bad configuration fails here, before any worker starts.
 """
 from __future__ import annotations
@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from megarl.config import ConfigError, plan_task_groups
+from megarl.config.validate import critic_hosted
 
 from . import checkpoint as ckpt
 from .machine import task_groups
@@ -43,6 +44,7 @@ class Run:
     ckpt_root: Path
     device_groups: list
     driver_state: dict | None = None   # the resumed checkpoint's driver_state.json
+    critic: Any = None                 # the value model (adv_estimator=gae), else None
 
     async def actor_wait(self) -> None:
         if self.actor is not None and self.actor.sync_initialised:
@@ -53,7 +55,7 @@ class Run:
 
         if self.manager is not None:
             await self.manager.close()
-        for g in (self.actor, self.ref, self.rollout):
+        for g in (self.actor, self.ref, self.critic, self.rollout):
             if g is not None:
                 g.shutdown()
         for dg in self.device_groups:
@@ -70,12 +72,12 @@ def prepare_assets(cfg) -> None:
         from megarl.utils.tiny_model import make_tiny_model
 
         make_tiny_model(model.path, model.make_tiny)
-    if cfg.data.synthetic_task == "quickstart":
-        from megarl.data.synthetic import make_quickstart_task
+    if cfg.data.synthetic_task:
+        from megarl.data.synthetic import make_synthetic_task
 
         train = Path(str(cfg.data.train_files))
         if not train.is_file():
-            make_quickstart_task(train.parent)
+            make_synthetic_task(cfg.data.synthetic_task, train.parent)
     if not (Path(model.path) / "config.json").is_file():
         raise ConfigError(f"actor_rollout_ref.model.path: {model.path} has no config.json "
                           "(set actor_rollout_ref.model.make_tiny to make a tiny one)")
@@ -99,6 +101,16 @@ def _total_steps(cfg, loader, val_only: bool, start_step: int) -> int:
         return start_step  # nothing left to train: validate the weights of that step
     t = cfg.trainer
     return int(t.total_training_steps or t.total_epochs * loader.steps_per_epoch)
+
+
+def _critic_dir(ckpt_dir: Path) -> Path:
+    """A checkpoint's critic; a gae run cannot resume from one saved without it."""
+    d = Path(ckpt_dir) / "critic"
+    if not d.is_dir():
+        raise ConfigError(f"algorithm.adv_estimator: `gae` trains a critic, but the checkpoint "
+                          f"{ckpt_dir} has none (saved by a run without a critic); start "
+                          "afresh with trainer.resume_mode=disable")
+    return d
 
 
 def _hosts(plans, task: str):
@@ -132,14 +144,14 @@ async def setup_run(cfg, val_only: bool) -> Run:
         found = ckpt.resume_point(root)
     elif t.resume_mode == "resume_path":
         found = ckpt.resume_from(t.resume_from_path)
+    critic_ckpt = None
+    if found is not None and cfg.algorithm.adv_estimator == "gae" and not val_only:
+        critic_ckpt = _critic_dir(found.path)  # before any worker: a gae run needs its critic
     prepare_assets(cfg)
     plans = plan_task_groups(cfg)
     if _hosts(plans, "logp") is not _hosts(plans, "actor-train"):
         raise ConfigError("trainer.separated_node_tasks: `logp` and `actor-train` must share "
                           "a group (one Megatron model serves both)")
-    if cfg.algorithm.adv_estimator == "gae":
-        raise ConfigError("algorithm.adv_estimator: `gae` needs a critic, which megarl does "
-                          "not have yet")
     tok = AutoTokenizer.from_pretrained(arr.model.tokenizer_path or arr.model.path)
     eos_ids = [tok.eos_token_id]
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
@@ -176,24 +188,34 @@ async def setup_run(cfg, val_only: bool) -> Run:
     actor_dg = dgs[_hosts(plans, "actor-train").name]
     gen_dg = dgs[_hosts(plans, "generate").name]
     ref_dg = dgs[_hosts(plans, "ref_logp").name] if need_ref else None
+    # The critic (gae only) runs on its own task group, or beside actor-train.
+    need_critic = cfg.algorithm.adv_estimator == "gae" and not val_only
+    critic_dg = dgs[critic_hosted(plans).name] if need_critic else None
     # Processes per device of each group: a device is shared by every model placed on it.
     count = {n: 0 for n in dgs}
     count[actor_dg.name] += 1
     count[gen_dg.name] += 1
     if ref_dg is not None:
         count[ref_dg.name] += 1
+    if critic_dg is not None:
+        count[critic_dg.name] += 1
     share = {n: 1.0 / max(1, c) for n, c in count.items()}
     rollout = RolloutGroup(gen_dg, cfg, share[gen_dg.name], count[gen_dg.name],
                            log_dir=str(root / "logs"))
-    actor = ref = None
+    actor = ref = critic = None
     # val_only with no checkpoint validates the HF model itself: no trainer is needed.
     if not val_only or state is not None:
         actor = MegatronGroup(actor_dg, cfg, "actor", share[actor_dg.name], count[actor_dg.name])
         if ref_dg is not None:
             ref = MegatronGroup(ref_dg, cfg, "ref", share[ref_dg.name], count[ref_dg.name])
+        if critic_dg is not None:
+            critic = MegatronGroup(critic_dg, cfg, "critic", share[critic_dg.name],
+                                   count[critic_dg.name])
         await actor.init_weight_sync(rollout.engines)
         if state is not None:
             await actor.load(str(found.path / "actor"))
+            if critic is not None:
+                await critic.load(str(critic_ckpt))
             await actor.sync_weights(start_step)  # engines start from the HF weights
             await actor.wait_weight_sync()
     manager = RolloutManager([SGLangEngine(u) for u in rollout.urls],
@@ -212,4 +234,4 @@ async def setup_run(cfg, val_only: bool) -> Run:
                manager=manager, loggers=loggers, groups=groups, ahead=ahead, total_steps=total,
                start_step=start_step, max_new_tokens=max_new,
                temperature=float(arr.rollout.temperature), ckpt_root=root,
-               device_groups=list(dgs.values()), driver_state=state)
+               device_groups=list(dgs.values()), driver_state=state, critic=critic)

@@ -5,8 +5,13 @@ This module owns the vocabulary of the controller: `StepState`, `TRANSITIONS` an
 `megarl.controller.machine.Pipeline`) or about validation's own states
 (`megarl.controller.validation`).
 
-    PENDING -> GENERATE -> REWARD -> REF_LOGP -> LOGP -> TRAIN -> SYNC -> VALIDATE -> DONE
-                                                                      \\______________/
+    PENDING -> GENERATE -> REWARD -> REF_LOGP -> [VALUES] -> LOGP -> TRAIN -> SYNC
+                                                              SYNC -> VALIDATE -> DONE
+                                                                  \\______________/
+
+VALUES (the critic's value of every prefix, for GAE) is a state of a run with a critic
+(``algorithm.adv_estimator=gae``) and of no other: such a run walks `CRITIC_WORK_STATES`, any
+other `WORK_STATES`; REF_LOGP has one edge for each.
 
 A step is in a state from the moment that state's work starts until the next state's work
 starts; whether the work of the current state has finished is the machine's business.
@@ -23,6 +28,7 @@ class StepState(enum.Enum):
     GENERATE = "generate"
     REWARD = "reward"
     REF_LOGP = "ref_logp"
+    VALUES = "values"
     LOGP = "logp"
     TRAIN = "train"
     SYNC = "sync"
@@ -42,8 +48,12 @@ _EDGES: dict[StepState, tuple[tuple[StepState, str], ...]] = {
                             "them during GENERATE; REWARD collects the tail)"),),
     S.REWARD: ((S.REF_LOGP, "the reference policy's log-probs (KL) need the final batch, "
                             "which REWARD may still filter or reorder"),),
-    S.REF_LOGP: ((S.LOGP, "the batch is complete except for the proximal policy's log-probs; "
-                          "LOGP runs last before TRAIN so it sees the weights TRAIN starts from"),),
+    S.REF_LOGP: ((S.VALUES, "GAE needs the critic's values of the final batch (a run with a "
+                            "critic); they come before LOGP so LOGP stays last before TRAIN"),
+                 (S.LOGP, "the batch is complete except for the proximal policy's log-probs; "
+                          "LOGP runs last before TRAIN so it sees the weights TRAIN starts from")),
+    S.VALUES: ((S.LOGP, "the critic's values are in; what is missing is the proximal policy's "
+                        "log-probs, taken last before TRAIN"),),
     S.LOGP: ((S.TRAIN, "advantages and the decoupled importance ratio need rewards, reference, "
                        "proximal and behaviour log-probs"),),
     S.TRAIN: ((S.SYNC, "new trainer weights are worth nothing until the generators have them"),),
@@ -60,6 +70,14 @@ TRANSITIONS: Mapping[StepState, frozenset[StepState]] = MappingProxyType(
 
 WORK_STATES: tuple[StepState, ...] = (S.GENERATE, S.REWARD, S.REF_LOGP, S.LOGP, S.TRAIN, S.SYNC)
 """States every training step works through, in order (VALIDATE only when due)."""
+
+CRITIC_WORK_STATES: tuple[StepState, ...] = (S.GENERATE, S.REWARD, S.REF_LOGP, S.VALUES, S.LOGP,
+                                             S.TRAIN, S.SYNC)
+"""The same for a run with a critic: VALUES between REF_LOGP and LOGP."""
+
+
+def work_states(critic: bool) -> tuple[StepState, ...]:
+    return CRITIC_WORK_STATES if critic else WORK_STATES
 
 
 def why(frm: StepState, to: StepState) -> str:

@@ -22,7 +22,7 @@ import enum
 import logging
 import time
 from types import MappingProxyType
-from typing import Callable, Mapping
+from typing import Callable, Mapping, Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -119,3 +119,27 @@ class ValidationMachine:
         if state in self.started and state in self.finished:
             return self.finished[state] - self.started[state]
         return None
+
+
+# The end-of-run table's rows: (metric, label, format). Metrics a run lacks are left out.
+TABLE_ROWS = (("val/exact_frac", "exact-match accuracy", "{:.3f}"),
+              ("val/eos_frac", "ended by a stop token", "{:.3f}"),
+              ("val/response_length_mean", "response length (tokens)", "{:.2f}"),
+              ("val/reward_mean", "reward mean", "{:.3f}"))
+
+
+def first_last_table(results: Sequence[Mapping]) -> str:
+    """First vs last validation pass as a small text table (empty without a pass).
+
+    ``results`` are the driver's validation records, ``{"version": v, "val/...": x}`` in the
+    order they ran; the run logs the table when it ends, so a newcomer sees in three lines
+    what training changed without opening TensorBoard.
+    """
+    if not results:
+        return ""
+    first, last = results[0], results[-1]
+    table = [("validation", f"v{first['version']}", f"v{last['version']}")]
+    table += [(label, fmt.format(first[key]), fmt.format(last[key]))
+              for key, label, fmt in TABLE_ROWS if key in first and key in last]
+    w = [max(len(row[i]) for row in table) for i in range(3)]
+    return "\n".join(f"{a:<{w[0]}}  {b:>{w[1]}}  {c:>{w[2]}}" for a, b, c in table)

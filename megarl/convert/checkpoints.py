@@ -8,6 +8,7 @@ directory beside the destination and renamed into place when complete.
 """
 from __future__ import annotations
 
+import json
 import logging
 import time
 from pathlib import Path
@@ -37,8 +38,11 @@ def hf_to_mcore(hf_dir, out_dir, tp: int = 1, pp: int = 1, params_dtype: str = "
                 make_vocab_size_divisible_by: int = 128, progress: bool | None = None) -> Path:
     if not (Path(hf_dir) / "config.json").is_file():
         raise FileNotFoundError(f"--hf-dir {hf_dir}: no config.json")
+    # an HF critic (ForTokenClassification, verl's form) becomes a Megatron critic
+    archs = json.loads((Path(hf_dir) / "config.json").read_text()).get("architectures") or []
     w = MegatronWorker(str(hf_dir), tp, pp, params_dtype=params_dtype, trainable=False,
-                       load_hf=False, make_vocab_size_divisible_by=make_vocab_size_divisible_by)
+                       load_hf=False, make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+                       value_model=any(a.endswith("ForTokenClassification") for a in archs))
     # Rank 0's own shard: every rank reads and slices the same number of tensors.
     n = sum(1 for _ in w.model.parameters())
     with Progress("hf2mcore load", n, _rank_bytes(w.model), progress) as bar:
@@ -56,7 +60,8 @@ def _load_for_export(ckpt_dir, tp: int, pp: int) -> tuple[MegatronWorker, dict, 
     side = hf_side_dir(ckpt_dir)
     w = MegatronWorker(side, tp, pp, params_dtype=meta.get("params_dtype", "float32"),
                        trainable=False, load_hf=False,
-                       make_vocab_size_divisible_by=meta.get("make_vocab_size_divisible_by", 128))
+                       make_vocab_size_divisible_by=meta.get("make_vocab_size_divisible_by", 128),
+                       value_model=bool(meta.get("value_model", False)))
     t0 = time.monotonic()
     w.load(ckpt_dir)
     if dist.get_rank() == 0:
@@ -71,6 +76,9 @@ def mcore_to_hf(ckpt_dir, out_dir, tp: int = 1, pp: int = 1, dtype: str | None =
     With PP=1 the tensors stream (one full tensor in memory at a time); with PP>1 each stage's
     tensors are gathered to every rank first, so that path is for models that fit in memory.
     Optimizer state in the checkpoint is ignored: an HF directory holds weights only.
+    A critic's checkpoint (``value_model`` in its meta) becomes `{Arch}ForTokenClassification`
+    with ``num_labels=1``: the transformer plus ``score.weight``/``score.bias``, the form
+    verl's critic loads with AutoModelForTokenClassification.
     """
     w, meta, side = _load_for_export(ckpt_dir, tp, pp)
     out_dtype = DTYPES[dtype or meta.get("params_dtype", "float32")]
@@ -87,13 +95,22 @@ def mcore_to_hf(ckpt_dir, out_dir, tp: int = 1, pp: int = 1, dtype: str | None =
                 for k, v in tensors:
                     bar.update(v.numel() * v.element_size())
                     yield k, v
-            save_hf(out_dir, counted(), side_files_from=side)
+            save_hf(out_dir, counted(), side_files_from=side,
+                    config_edit=_as_critic if meta.get("value_model") else None)
         logger.info("wrote HF model to %s", out_dir)
     else:
         for _ in tensors:  # take part in every TP gather rank 0's writer asks for
             pass
     dist.barrier()
     return Path(out_dir)
+
+
+def _as_critic(cfg: dict) -> dict:
+    from megarl.backends.megatron.model import CRITIC_ARCHS, ModelArgs
+
+    arch = ModelArgs.from_hf(cfg).arch
+    return {**cfg, "architectures": [CRITIC_ARCHS[arch]], "num_labels": 1,
+            "id2label": {"0": "LABEL_0"}, "label2id": {"LABEL_0": 0}}
 
 
 def reshard(ckpt_dir, out_dir, tp: int = 1, pp: int = 1, progress: bool | None = None) -> Path:

@@ -74,8 +74,10 @@ def commit_dir(tmp: Path, dst: str | os.PathLike) -> None:
 
 def save_hf(dst: str | os.PathLike, tensors: Iterable[tuple[str, torch.Tensor]],
             side_files_from: str | os.PathLike | None = None,
-            shard_bytes: int = 4 << 30) -> Path:
-    """Write HF-named tensors as safetensors shards (streamed: one shard in memory at a time)."""
+            shard_bytes: int = 4 << 30, config_edit=None) -> Path:
+    """Write HF-named tensors as safetensors shards (streamed: one shard in memory at a time).
+
+    `config_edit(config dict) -> dict` rewrites the copied config.json (a critic's)."""
     from safetensors.torch import save_file
 
     tmp = atomic_dir(dst)
@@ -110,6 +112,9 @@ def save_hf(dst: str | os.PathLike, tensors: Iterable[tuple[str, torch.Tensor]],
                 src = Path(side_files_from) / fname
                 if src.is_file():
                     shutil.copy2(src, tmp / fname)
+        if config_edit is not None and (tmp / "config.json").is_file():
+            cfg = json.loads((tmp / "config.json").read_text())
+            (tmp / "config.json").write_text(json.dumps(config_edit(cfg), indent=2))
         commit_dir(tmp, dst)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

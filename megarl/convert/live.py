@@ -33,21 +33,37 @@ def global_name(model, local_name: str) -> str:
     return f"decoder.layers.{number - 1}.{suffix}"
 
 
+def is_value_model(model) -> bool:
+    """A critic: its last stage ends in a value head, not the vocab-parallel output layer."""
+    from megarl.backends.megatron.model import ValueHead
+
+    return isinstance(getattr(unwrap(model), "output_layer", None), ValueHead)
+
+
 def _padded_vocab(model) -> int:
     return unwrap(model).vocab_size  # GPTModel keeps the padded size it was built with
 
 
 @torch.no_grad()
 def load_hf_into(model, args: ModelArgs, get_hf: Callable[[str], torch.Tensor],
-                 progress: Callable[[int], None] | None = None) -> None:
-    """Copy HF weights into this rank's shard of `model` (every parameter must be covered);
-    `progress(nbytes)` is called after each parameter with the bytes of this rank's shard."""
+                 progress: Callable[[int], None] | None = None,
+                 skip: Callable[[str], bool] | None = None) -> None:
+    """Copy HF weights into this rank's shard of `model` (every parameter must be covered,
+    except those whose Megatron name `skip` accepts: a critic's value head, which a causal LM
+    has no weights for); `progress(nbytes)` is called after each parameter with the bytes of
+    this rank's shard."""
     from megatron.core import parallel_state as ps
 
     tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
     padded = _padded_vocab(model)
+    value = is_value_model(model)
     for local, p in unwrap(model).named_parameters():
         name = global_name(model, local)
+        if skip is not None and skip(name):
+            continue
+        if value and name in mapping.VALUE_HEAD:  # replicated: every rank takes it whole
+            p.copy_(get_hf(mapping.VALUE_HEAD[name]).reshape(p.shape).to(p.dtype))
+            continue
         full = mapping.mcore_from_hf(name, get_hf, args, padded)
         piece = mapping.shard(name, full, tp, rank)
         if piece.shape != p.shape:
@@ -71,8 +87,13 @@ def export_hf(model, args: ModelArgs, dtype: torch.dtype | None = None
 
     tp = ps.get_tensor_model_parallel_world_size()
     group = ps.get_tensor_model_parallel_group()
+    value = is_value_model(model)
     for local, p in unwrap(model).named_parameters():
         name = global_name(model, local)
+        if value and name in mapping.VALUE_HEAD:  # a critic's head: replicated, not gathered
+            t = p.detach()
+            yield mapping.VALUE_HEAD[name], t if dtype is None else t.to(dtype)
+            continue
         if name == "output_layer.weight" and args.tie_word_embeddings:
             continue
         t = p.detach()

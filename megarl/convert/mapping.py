@@ -125,6 +125,11 @@ def mcore_from_hf(name: str, get_hf: Callable[[str], torch.Tensor], a: ModelArgs
     raise KeyError(f"{name}: no HF counterpart")
 
 
+VALUE_HEAD = {"output_layer.weight": "score.weight", "output_layer.bias": "score.bias"}
+"""A critic's value head (replicated over TP, never sharded) and its HF name in
+`{Arch}ForTokenClassification` (num_labels=1), the form verl loads a critic in."""
+
+
 def hf_from_mcore(name: str, full: torch.Tensor, a: ModelArgs) -> list[tuple[str, torch.Tensor]]:
     """HF (name, tensor) pairs for one full Megatron tensor; [] for a tied output layer."""
     if name == "embedding.word_embeddings.weight":

@@ -6,6 +6,11 @@ in a few dozen GRPO steps: "What is A + B?" with single-digit operands (every di
 token of the tiny tokenizer, answers are one or two tokens), scored by the shaped reward of
 ``megarl.reward.quickstart`` (see there for the tiers). Validation pairs are disjoint from
 training pairs while there are pairs left to keep apart.
+
+A second task, ``last_digit``, is the one a random 2-layer model solves outright with RL (see
+``configs/quickstart_solve.yaml``): "Repeat the last digit: 4 3 9" -> "9", scored by
+``megarl.reward.last_digit`` (exact answer and a stop token). Its validation prompts are
+never among the training prompts.
 """
 from __future__ import annotations
 
@@ -16,6 +21,7 @@ import random
 import tempfile
 from pathlib import Path
 
+from megarl.reward import last_digit
 from megarl.reward.quickstart import DATA_SOURCE
 
 logger = logging.getLogger(__name__)
@@ -64,30 +70,73 @@ def quickstart_rows(n_train: int, n_val: int, seed: int = 0,
     return train, val
 
 
-def make_quickstart_task(out_dir: str | os.PathLike, n_train: int = 256, n_val: int = 32,
-                         seed: int = 0, *, max_operand: int = 9, overwrite: bool = False,
-                         train_file: str | os.PathLike | None = None,
-                         val_file: str | os.PathLike | None = None) -> dict[str, Path]:
-    """Write ``train.jsonl`` and ``val.jsonl`` under ``out_dir``; returns their paths.
+def last_digit_rows(n_train: int, n_val: int, seed: int = 0,
+                    n_digits: int = 3) -> tuple[list[dict], list[dict]]:
+    """(train rows, val rows) of the last-digit task; deterministic in ``seed``.
+
+    Every prompt is a distinct digit string; validation strings are never trained on."""
+    strings = [str(i).zfill(n_digits) for i in range(10 ** n_digits)]
+    if n_train <= 0 or n_val < 0 or n_train + n_val > len(strings):
+        raise ValueError(f"last_digit_rows: need 0 < n_train, 0 <= n_val, n_train + n_val <= "
+                         f"{len(strings)} ({n_digits} digits); got {n_train}, {n_val}")
+    random.Random(seed).shuffle(strings)
+
+    def row(digits: str, split: str, index: int) -> dict:
+        # A plain-text prompt, not a chat: the answer is then the token the prompt ends
+        # with, which a random model's residual stream already carries to the next position.
+        return {"data_source": last_digit.DATA_SOURCE,
+                "prompt": f"Repeat the last digit: {' '.join(digits)}",
+                "ability": "copy",
+                "reward_model": {"style": "rule", "ground_truth": digits[-1]},
+                "extra_info": {"split": split, "index": index, "digits": digits}}
+
+    val = [row(d, "val", i) for i, d in enumerate(strings[:n_val])]
+    train = [row(d, "train", i) for i, d in enumerate(strings[n_val:n_val + n_train])]
+    return train, val
+
+
+# data.synthetic_task -> its rows maker
+TASKS = {"quickstart": quickstart_rows, "last_digit": last_digit_rows}
+
+
+def make_synthetic_task(task: str, out_dir: str | os.PathLike, n_train: int = 256,
+                        n_val: int = 32, seed: int = 0, *, overwrite: bool = False,
+                        train_file: str | os.PathLike | None = None,
+                        val_file: str | os.PathLike | None = None,
+                        **task_kwargs) -> dict[str, Path]:
+    """Write ``train.jsonl`` and ``val.jsonl`` of ``task`` under ``out_dir``; their paths.
 
     ``train_file`` / ``val_file`` name the files instead (e.g. ``data.train_files``). When
-    both files already exist they are kept (and returned) unless ``overwrite``: the
-    quickstart calls this on every start and must not rewrite data under a resumed run.
+    both files already exist they are kept (and returned) unless ``overwrite``: a run calls
+    this on every start and must not rewrite data under a resumed run. ``task_kwargs`` go to
+    the task's rows maker (``max_operand`` for the arithmetic task).
     """
+    if task not in TASKS:
+        raise ValueError(f"synthetic task {task!r}: unknown; expected one of {sorted(TASKS)}")
     out = Path(out_dir)
     paths = {"train": Path(train_file) if train_file else out / "train.jsonl",
              "val": Path(val_file) if val_file else out / "val.jsonl"}
     if not overwrite and all(p.is_file() for p in paths.values()):
-        logger.info("quickstart task: using existing %s and %s", paths["train"], paths["val"])
+        logger.info("%s task: using existing %s and %s", task, paths["train"], paths["val"])
         return paths
+    train, val = TASKS[task](n_train, n_val, seed, **task_kwargs)
+    for p in paths.values():
+        p.parent.mkdir(parents=True, exist_ok=True)
+    _write_jsonl_atomic(paths["train"], train)
+    _write_jsonl_atomic(paths["val"], val)
+    logger.info("%s task: wrote %d train and %d val prompts to %s",
+                task, len(train), len(val), paths["train"].parent)
+    return paths
+
+
+def make_quickstart_task(out_dir: str | os.PathLike, n_train: int = 256, n_val: int = 32,
+                         seed: int = 0, *, max_operand: int = 9, overwrite: bool = False,
+                         train_file: str | os.PathLike | None = None,
+                         val_file: str | os.PathLike | None = None) -> dict[str, Path]:
+    """The arithmetic task of ``configs/quickstart.yaml`` (see ``make_synthetic_task``)."""
     if n_train <= 0 or n_val < 0 or max_operand < 0:
         raise ValueError(f"make_quickstart_task: need n_train > 0, n_val >= 0, max_operand >= 0; "
                          f"got {n_train}, {n_val}, {max_operand}")
-    for p in paths.values():
-        p.parent.mkdir(parents=True, exist_ok=True)
-    train, val = quickstart_rows(n_train, n_val, seed, max_operand)
-    _write_jsonl_atomic(paths["train"], train)
-    _write_jsonl_atomic(paths["val"], val)
-    logger.info("quickstart task: wrote %d train and %d val prompts to %s",
-                len(train), len(val), paths["train"].parent)
-    return paths
+    return make_synthetic_task("quickstart", out_dir, n_train, n_val, seed,
+                               overwrite=overwrite, train_file=train_file, val_file=val_file,
+                               max_operand=max_operand)

@@ -177,8 +177,14 @@ class RewardPool:
             except RuntimeError:  # the loop was closed while we scored; nobody waits
                 pass
 
-        self._enqueue((sample.data_source, sample.response_text, sample.ground_truth,
-                       getattr(sample, "extra_info", None)), done)
+        extra = getattr(sample, "extra_info", None)
+        finish = getattr(sample, "finish", None)
+        if extra is not None and finish is not None:
+            # how the response ended ("stop": a stop token; "length": cut at the cap), for
+            # rewards that demand a stop; verl adds keys to extra_info the same way (num_turns)
+            extra = {**extra, "finish_reason": finish}
+        self._enqueue((sample.data_source, sample.response_text, sample.ground_truth, extra),
+                      done)
         return fut
 
     def score(self, data_source: str, solution_str: str, ground_truth,

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 from megarl.config.errors import ConfigError
-from megarl.reward import code_exec, math_exact, quickstart
+from megarl.reward import code_exec, last_digit, math_exact, quickstart
 
 logger = logging.getLogger(__name__)
 
@@ -27,6 +27,7 @@ RewardFn = Callable[..., object]
 # Exact data_source names with a built-in scorer (verl's names for the math sets).
 DATA_SOURCES: dict[str, RewardFn] = {
     quickstart.DATA_SOURCE: quickstart.compute_score,
+    last_digit.DATA_SOURCE: last_digit.compute_score,
     "openai/gsm8k": math_exact.compute_score,
     "gsm8k": math_exact.compute_score,
     "lighteval/MATH": math_exact.compute_score,

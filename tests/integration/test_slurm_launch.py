@@ -297,14 +297,15 @@ def test_cancelled_job_stops_megarl_and_ray(slurm, assets, train_job):
 
 
 def test_megarl_failure_is_the_job_status_and_ray_still_stops(slurm, assets, train_job):
-    # a model dir without config.json passes the config check but fails inside megarl, once
-    # Ray is up
+    # a model dir without config.json passes the config check (`megarl config`, before the
+    # script starts Ray) but fails inside `megarl train` (its file checks), once Ray is up
     job = slurm.submit("slurm_ray.sh", CONFIG, *_paths(assets), "trainer.experiment_name=f",
                        f"actor_rollout_ref.model.path={assets / 'data'}",
                        "actor_rollout_ref.model.make_tiny=null")
     state, code, out = slurm.wait(job)
     assert (state, code) == ("FAILED", 2), out[-4000:]
-    assert "Ray: 1 of 1 node(s) up" in out and "has no config.json" in out
+    assert "Ray: 1 of 1 node(s) up" in out, out[-4000:]
+    assert f"actor_rollout_ref.model.path: {assets / 'data'}" in out, out[-4000:]
     assert "megarl exited with status 2" in out and "stopping Ray on 1 node(s)" in out
     assert slurm.ray_leftovers() == []
 

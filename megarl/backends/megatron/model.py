@@ -17,7 +17,11 @@ import torch.nn.functional as F
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_ARCHS = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
+SUPPORTED_ARCHS = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
+                   # a critic in HF form (verl's too): the transformer + `score` (hidden -> 1)
+                   "LlamaForTokenClassification": "llama",
+                   "Qwen2ForTokenClassification": "qwen2"}
+CRITIC_ARCHS = {"llama": "LlamaForTokenClassification", "qwen2": "Qwen2ForTokenClassification"}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -111,8 +115,34 @@ def layer_spec():
     return spec
 
 
-def build_gpt_model(args: ModelArgs, config, make_vocab_size_divisible_by: int = 128):
-    """Build this rank's pipeline stage of the model (parallel_state must be initialised)."""
+class ValueHead(torch.nn.Module):
+    """The critic's output layer: Linear(hidden, 1), replicated on every TP rank.
+
+    It stands in for GPTModel's vocab-parallel `output_layer` (same call signature, so
+    GPTModel's own forward runs it), which makes the model's output [b, s, 1] values instead
+    of [b, s, vocab/TP] logits. Replicated, not split: one output column cannot be split over
+    TP, and the head is tiny. It needs no TP collective either way: without sequence
+    parallelism the final hidden states are whole on every TP rank, so every rank computes the
+    same values and the same gradients (which also reach the decoder whole, where the
+    vocab-parallel head would all-reduce partial ones). It starts at zero: the first values
+    are 0 on every rank, whatever the seed."""
+
+    def __init__(self, hidden_size: int, dtype: torch.dtype):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(1, hidden_size, dtype=dtype))
+        self.bias = torch.nn.Parameter(torch.zeros(1, dtype=dtype))
+        self.sequence_parallel = False  # GPTModel's inference path reads it
+
+    def forward(self, hidden, weight=None, runtime_gather_output=None):
+        return F.linear(hidden, self.weight, self.bias), None
+
+
+def build_gpt_model(args: ModelArgs, config, make_vocab_size_divisible_by: int = 128,
+                    value_head: bool = False):
+    """Build this rank's pipeline stage of the model (parallel_state must be initialised).
+
+    `value_head`: the critic, whose last stage ends in a `ValueHead` (output [b, s, 1]) and
+    whose embeddings are never tied to an output layer."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 
@@ -125,10 +155,12 @@ def build_gpt_model(args: ModelArgs, config, make_vocab_size_divisible_by: int =
         vocab_size=padded_vocab_size(args.vocab_size, make_vocab_size_divisible_by, tp),
         max_sequence_length=args.max_position_embeddings,
         pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
-        share_embeddings_and_output_weights=args.tie_word_embeddings,
+        share_embeddings_and_output_weights=args.tie_word_embeddings and not value_head,
         position_embedding_type="rope", rotary_base=args.rope_theta, rotary_percent=1.0,
         parallel_output=True,
     )
+    if value_head and model.post_process:
+        model.output_layer = ValueHead(args.hidden_size, config.params_dtype)
     if torch.cuda.is_available():
         model = model.cuda()
     return model

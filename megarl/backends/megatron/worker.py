@@ -1,12 +1,17 @@
-"""The Megatron worker: one rank's shard of a policy (or reference) model.
+"""The Megatron worker: one rank's shard of a policy, reference or value (critic) model.
 
-Coarse operations only — `compute_logp`, `train_step`, `export_hf`, `save`/`load` — so the Ray
-actor around it stays thin. Every rank of the TP×PP×DP world calls the same method with its
-data-parallel share of the batch; results are returned on every rank.
+Coarse operations only — `compute_logp`, `train_step`, `compute_values`, `train_values`,
+`export_hf`, `save`/`load` — so the Ray actor around it stays thin. Every rank of the
+TP×PP×DP world calls the same method with its data-parallel share of the batch; results are
+returned on every rank.
 
 Batch layout (right-padded, token-aligned): `input_ids` [B, S], `attention_mask` [B, S]
 (1 for real tokens). `logprobs[b, t]` is log p(input_ids[b, t] | input_ids[b, :t]) under
-softmax(logits / temperature); position 0 has no prediction and is 0.
+softmax(logits / temperature); position 0 has no prediction and is 0. A critic's
+`values[b, t]` is its value of the state *before* token t, i.e. its head's output at position
+t - 1 (the prefix input_ids[b, :t]); position 0 is 0. That is verl's alignment
+(values[:, -response_length - 1:-1] of the critic's output), and it puts the value of the state
+a response token was sampled in at that token, beside the token's log-prob and reward.
 """
 from __future__ import annotations
 
@@ -44,7 +49,8 @@ def _split(n: int, mbs: int) -> tuple[int, int]:
 class MegatronWorker:
     def __init__(self, model_dir: str, tp: int = 1, pp: int = 1, *, params_dtype="float32",
                  optim: OptimConfig | None = None, make_vocab_size_divisible_by: int = 128,
-                 seed: int = 1234, load_hf: bool = True, trainable: bool = True):
+                 seed: int = 1234, load_hf: bool = True, trainable: bool = True,
+                 value_model: bool = False):
         # The converter's checks and layout rules, before any collective: a model that cannot
         # split over TP×PP fails here with the converter's message, not a Megatron assertion.
         self.args = read_model_args(model_dir)
@@ -55,9 +61,17 @@ class MegatronWorker:
         self.ps = ps
         self.model_dir = model_dir
         self.config = mmodel.transformer_config(self.args, tp, pp, params_dtype)
-        self.model = mmodel.build_gpt_model(self.args, self.config, make_vocab_size_divisible_by)
+        self.value_model = value_model
+        self.model = mmodel.build_gpt_model(self.args, self.config, make_vocab_size_divisible_by,
+                                            value_head=value_model)
         if load_hf:
-            live.load_hf_into(self.model, self.args, HFReader(model_dir).get)
+            reader = HFReader(model_dir)
+            # A critic takes the transformer from a causal LM and starts its value head at
+            # zero, or takes both from an HF critic ({Arch}ForTokenClassification, `score`).
+            skip = None
+            if value_model and "score.weight" not in reader.where:
+                skip = lambda name: name.startswith("output_layer.")  # noqa: E731
+            live.load_hf_into(self.model, self.args, reader.get, skip=skip)
         self.optimizer = None
         self.fwd_model = self.model  # the DDP wrapper on GPU, once an optimizer exists
         if trainable:
@@ -70,10 +84,19 @@ class MegatronWorker:
 
     @classmethod
     def from_config(cls, cfg, role: str = "actor") -> "MegatronWorker":
-        """Build the `actor` (trainable) or `ref` (frozen) model from the run config."""
+        """Build the `actor` (trainable), `ref` (frozen) or `critic` (trainable value model)
+        from the run config."""
         arr = cfg.actor_rollout_ref
+        if role == "critic":
+            c = cfg.critic
+            return cls(c.model.path or arr.model.path, c.megatron.tensor_model_parallel_size,
+                       c.megatron.pipeline_model_parallel_size,
+                       params_dtype=c.megatron.params_dtype,
+                       optim=OptimConfig.from_config(c.optim, c.megatron),
+                       make_vocab_size_divisible_by=c.megatron.make_vocab_size_divisible_by,
+                       seed=c.megatron.seed, value_model=True)
         if role not in ("actor", "ref"):
-            raise ValueError(f"role must be 'actor' or 'ref', got {role!r}")
+            raise ValueError(f"role must be 'actor', 'ref' or 'critic', got {role!r}")
         mcfg = arr.actor.megatron if role == "actor" else arr.ref.megatron
         return cls(arr.model.path, mcfg.tensor_model_parallel_size,
                    mcfg.pipeline_model_parallel_size, params_dtype=mcfg.params_dtype,
@@ -143,8 +166,12 @@ class MegatronWorker:
             return logits.new_zeros(()), out
 
         store = self._run(batch, micro_batch_size, loss_of, forward_only=True)
-        B, S = batch["input_ids"].shape
         keys = ["logprobs"] + (["entropy"] if with_entropy else [])
+        return self._gather_outputs(store, keys, batch["input_ids"].shape)
+
+    def _gather_outputs(self, store: list[dict], keys: list[str], shape) -> dict:
+        """Per-token [B, S] outputs of the last stage's micro-batches, on every rank (CPU)."""
+        B, S = shape
         result = {}
         for k in keys:
             full = torch.cat([d[k] for d in store])[:B].float() if self.ps.is_pipeline_last_stage() \
@@ -154,6 +181,24 @@ class MegatronWorker:
                                group=self.ps.get_pipeline_model_parallel_group())
             result[k] = full.cpu()
         return result
+
+    def _token_values(self, out: torch.Tensor) -> torch.Tensor:
+        """Head outputs [b, S, 1] -> values [b, S] in token alignment (module doc)."""
+        v = out[..., 0].float()
+        return torch.cat([v.new_zeros(v.shape[0], 1), v[:, :-1]], dim=1)
+
+    @torch.no_grad()
+    def compute_values(self, batch: dict, micro_batch_size: int = 8) -> dict:
+        """The critic's values [B, S] (module doc), returned on every rank (CPU)."""
+        if not self.value_model:
+            raise RuntimeError("compute_values on a model without a value head")
+        self.model.eval()
+
+        def loss_of(mb, out):
+            return out.new_zeros(()), {"values": self._token_values(out)}
+
+        store = self._run(batch, micro_batch_size, loss_of, forward_only=True)
+        return self._gather_outputs(store, ["values"], batch["input_ids"].shape)
 
     @torch.no_grad()
     def forward_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -182,15 +227,30 @@ class MegatronWorker:
         """One optimizer step over the batch, split into micro-batches. Metrics are summed
         over micro-batches (loss_fn returns shares), except those named in `max_metrics`
         (maxima, e.g. `megarl.algo.actor_loss.MAX_METRICS`), which take the max."""
+        def outputs_loss(mb, logits):
+            lp, ent = self._token_logprobs(mb, logits, temperature, with_entropy)
+            return loss_fn(lp, ent, mb)
+
+        return self._train(batch, outputs_loss, micro_batch_size, max_metrics)
+
+    def train_values(self, batch: dict, loss_fn: Callable, micro_batch_size: int = 8) -> dict:
+        """One critic optimizer step: `loss_fn(values [b, S], mb) -> (loss share, metrics)`
+        (e.g. `megarl.algo.value_loss.make_critic_loss`), values as in `compute_values`."""
+        if not self.value_model:
+            raise RuntimeError("train_values on a model without a value head")
+        return self._train(batch, lambda mb, out: loss_fn(self._token_values(out), mb),
+                           micro_batch_size)
+
+    def _train(self, batch: dict, outputs_loss: Callable, micro_batch_size: int,
+               max_metrics: tuple[str, ...] = ()) -> dict:
         if self.optimizer is None:
-            raise RuntimeError("train_step on a worker built with trainable=False")
+            raise RuntimeError("a train step on a worker built with trainable=False")
         self.model.train()
         self.optimizer.zero_grad()
         _, n_micro = _split(batch["input_ids"].shape[0], micro_batch_size)
 
         def loss_of(mb, logits):
-            lp, ent = self._token_logprobs(mb, logits, temperature, with_entropy)
-            loss, metrics = loss_fn(lp, ent, mb)
+            loss, metrics = outputs_loss(mb, logits)
             metrics = {k: torch.as_tensor(v, dtype=torch.float32).detach().reshape(1)
                        for k, v in {"loss": loss, **metrics}.items()}
             # Megatron divides each micro-batch loss by the micro-batch count; undo it, since
@@ -240,6 +300,8 @@ class MegatronWorker:
     def save(self, path: str | os.PathLike, **meta) -> None:
         from .checkpoint import save_checkpoint
 
+        if self.value_model:  # conversion and resharding rebuild a critic from this
+            meta = {**meta, "value_model": True}
         save_checkpoint(self, path, **meta)
 
     def load(self, path: str | os.PathLike) -> dict:

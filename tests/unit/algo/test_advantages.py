@@ -177,7 +177,7 @@ def test_dispatcher_sums_token_rewards_for_group_estimators():
 def test_dispatcher_errors():
     mask = torch.ones(2, 2)
     r = torch.tensor([1.0, 0.0])
-    with pytest.raises(NotImplementedError, match="adv_estimator"):
+    with pytest.raises(ValueError, match="critic's values"):
         compute_advantages("gae", r, [0, 0], mask)
     with pytest.raises(ValueError, match="choose from"):
         compute_advantages("ppo", r, [0, 0], mask)

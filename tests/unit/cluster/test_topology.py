@@ -57,7 +57,8 @@ def test_ratios_with_float_noise_still_whole():
      "whole number of nodes"),
     ([["logp", "actor-train"], "generate"], [0.5, 0.5], 1, 2, "tasks", "ref_logp"),
     ([ALL4, ["logp"]], [0.5, 0.5], 1, 2, "tasks", "'logp'"),
-    ([ALL4 + ["critic"]], [1.0], 1, 2, "tasks", "unknown task 'critic'"),
+    ([ALL4 + ["critic_model"]], [1.0], 1, 2, "tasks", "did you mean `critic`"),
+    ([ALL4 + ["critic"], ["critic"]], [0.5, 0.5], 1, 2, "tasks", "'critic' appears"),
     ([ALL4, []], [0.5, 0.5], 1, 2, "tasks", "empty"),
 ])
 def test_bad_layouts(tasks, ratios, nnodes, per_node, field, needle):

@@ -159,3 +159,29 @@ def test_defaults_and_step_window():
 def test_zero_steps_is_done_at_once():
     p = Pipeline(2, 0)
     assert p.done and p.ready() == []
+
+
+@pytest.mark.parametrize("a", [1, 2])
+def test_critic_steps_walk_values_on_the_critic_group(a):
+    # the critic on its own group: VALUES(k) runs there, after REF_LOGP(k), before LOGP(k),
+    # and never before TRAIN(k-1) (which trains the critic too) has finished
+    groups = task_groups([["logp", "actor-train", "ref_logp"], "generate", "critic"])
+    dur = {**DUR, "values": 0.75}
+    p, tl, seen = run(a, groups, durations=dur, critic=True)
+    assert p.groups["values"] == "critic"
+    for k in range(6):
+        v = by(tl, "values", k)
+        assert v.group == "critic"
+        assert by(tl, "ref_logp", k).end <= v.start and v.end <= by(tl, "logp", k).start
+        if k:
+            assert by(tl, "actor-train", k - 1).end <= v.start
+    assert seen == {j: max(0, j - a + 1) for j in range(6)}  # versions as without a critic
+    # without a critic no step has a VALUES state, and the schedule is the same as before
+    p2, tl2, _ = run(a, task_groups([["logp", "actor-train", "ref_logp"], "generate"]))
+    assert not by(tl2, "values")
+
+
+def test_critic_beside_actor_train_by_default():
+    p, tl, _ = run(1, SEPARATED, steps=3, durations={**DUR, "values": 0.75}, critic=True)
+    assert p.groups["values"] == p.groups["actor-train"]
+    assert all(i.group == p.groups["actor-train"] for i in by(tl, "values"))

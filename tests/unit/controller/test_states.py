@@ -5,18 +5,27 @@ import logging
 import pytest
 
 from megarl.controller.machine import StepMachine
-from megarl.controller.states import (TRANSITIONS, WORK_STATES, IllegalTransition, StepState,
-                                      check, why)
+from megarl.controller.states import (CRITIC_WORK_STATES, TRANSITIONS, WORK_STATES,
+                                      IllegalTransition, StepState, check, why)
 
 S = StepState
 PATH = [S.GENERATE, S.REWARD, S.REF_LOGP, S.LOGP, S.TRAIN, S.SYNC]
 
 
+CRITIC_PATH = [S.GENERATE, S.REWARD, S.REF_LOGP, S.VALUES, S.LOGP, S.TRAIN, S.SYNC]
+
+
 def test_table_is_the_documented_chain():
     assert tuple(PATH) == WORK_STATES
-    chain = [S.PENDING] + PATH
-    for a, b in zip(chain, chain[1:]):
-        assert TRANSITIONS[a] == {b}
+    assert tuple(CRITIC_PATH) == CRITIC_WORK_STATES
+    for path in (PATH, CRITIC_PATH):
+        chain = [S.PENDING] + path
+        for a, b in zip(chain, chain[1:]):
+            assert b in TRANSITIONS[a]
+    # REF_LOGP is the one fork: VALUES with a critic, LOGP without
+    assert TRANSITIONS[S.REF_LOGP] == {S.VALUES, S.LOGP}
+    for a in set(StepState) - {S.REF_LOGP, S.SYNC, S.VALIDATE, S.DONE}:
+        assert len(TRANSITIONS[a]) == 1
     assert TRANSITIONS[S.SYNC] == {S.VALIDATE, S.DONE}
     assert TRANSITIONS[S.VALIDATE] == {S.DONE}
     assert TRANSITIONS[S.DONE] == frozenset()
@@ -45,15 +54,16 @@ def walk(m, path, group="g"):
     return m
 
 
+@pytest.mark.parametrize("path", [PATH, CRITIC_PATH])
 @pytest.mark.parametrize("tail", [[S.DONE], [S.VALIDATE, S.DONE]])
-def test_walk_every_path_logs_step_group_reason(tail, caplog):
+def test_walk_every_path_logs_step_group_reason(path, tail, caplog):
     caplog.set_level(logging.DEBUG, logger="megarl.controller")
-    m = walk(StepMachine(3), PATH + tail, group="gen")
+    m = walk(StepMachine(3), path + tail, group="gen")
     assert m.state is S.DONE and not m.running
     moves = [r.getMessage() for r in caplog.records if "->" in r.getMessage()]
-    assert len(moves) == len(PATH) + len(tail)
+    assert len(moves) == len(path) + len(tail)
     assert moves[0] == "step 3: PENDING -> GENERATE on gen (r-GENERATE)"
-    for state in PATH:
+    for state in path:
         assert m.duration(state) == 1.0
 
 

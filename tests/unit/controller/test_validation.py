@@ -133,3 +133,23 @@ def test_illegal_validation_start():
     from megarl.controller.states import IllegalTransition
     with pytest.raises(IllegalTransition, match="not ready"):  # nothing due yet
         p.start(Action(-1, S.VALIDATE, "generate", V.GENERATE))
+
+
+def test_first_last_table():
+    from megarl.controller.validation import first_last_table
+
+    first = {"version": 0, "val/reward_mean": 0.01, "val/exact_frac": 0.0,
+             "val/eos_frac": 0.0, "val/response_length_mean": 4.0}
+    mid = {**first, "version": 50, "val/exact_frac": 0.5}
+    last = {"version": 400, "val/reward_mean": 1.0, "val/exact_frac": 0.96875,
+            "val/eos_frac": 1.0, "val/response_length_mean": 2.0}
+    lines = first_last_table([first, mid, last]).splitlines()
+    assert lines[0].split() == ["validation", "v0", "v400"]        # first and last pass only
+    assert lines[1].split() == ["exact-match", "accuracy", "0.000", "0.969"]
+    assert lines[2].split() == ["ended", "by", "a", "stop", "token", "0.000", "1.000"]
+    assert lines[3].split()[-2:] == ["4.00", "2.00"] and len(lines) == 5
+    assert len({len(line) for line in lines}) == 1                   # aligned columns
+    # a metric one of the two passes lacks is left out; no pass, no table
+    del last["val/eos_frac"]
+    assert "stop token" not in first_last_table([first, last])
+    assert first_last_table([]) == ""

@@ -46,3 +46,22 @@ def test_explicit_file_names(tmp_path):
     assert paths == {"train": tmp_path / "x" / "t.jsonl", "val": tmp_path / "y" / "v.jsonl"}
     assert len(paths["train"].read_text().splitlines()) == 4
     assert len(paths["val"].read_text().splitlines()) == 2
+
+
+def test_last_digit_task(tmp_path, tokenizer):
+    from megarl.data import make_synthetic_task
+
+    paths = make_synthetic_task("last_digit", tmp_path / "ld", n_train=64, n_val=16, seed=0)
+    rows = {k: [json.loads(line) for line in p.read_text().splitlines()]
+            for k, p in paths.items()}
+    assert len(rows["train"]) == 64 and len(rows["val"]) == 16
+    r = rows["val"][0]
+    digits = r["extra_info"]["digits"]
+    assert r["prompt"] == f"Repeat the last digit: {' '.join(digits)}"  # plain text, no chat
+    assert r["reward_model"]["ground_truth"] == digits[-1]
+    assert r["data_source"] == "megarl/last_digit"
+    strings = {k: {x["extra_info"]["digits"] for x in v} for k, v in rows.items()}
+    assert len(strings["train"]) == 64 and not strings["train"] & strings["val"]
+    # the plain-text prompt ends with the answer's token, which the engine continues from
+    ds = RLDataset(str(paths["val"]), tokenizer, max_prompt_length=64)
+    assert tokenizer.decode(ds[0].prompt_ids[-1:]).strip() == digits[-1]

@@ -146,3 +146,13 @@ def test_close_leaves_no_processes_and_is_idempotent():
     assert all(gone(p) for p in pids)
     with pytest.raises(RuntimeError, match="after close"):
         pool.score("d", "x", None)
+
+
+def test_finish_reason_reaches_the_reward_in_extra_info():
+    # the last-digit reward pays 1.0 only when the response ended with the stop token
+    stopped, cut = sample("3", "3", "megarl/last_digit"), sample("3", "3", "megarl/last_digit")
+    cut.finish = "length"
+    stopped.extra_info = cut.extra_info = {"index": 1}
+    with RewardPool(None, num_workers=1, timeout_s=30) as pool:
+        assert asyncio.run(score_all(pool, [stopped, cut])) == [1.0, 0.5]
+    assert cut.extra_info == {"index": 1}  # the sample's own dict is left as the data had it
