@@ -17,7 +17,9 @@ from megarl.backends.sglang.launcher import ServerArgs, find_free_port, launch_s
 from megarl.rollout.manager import NoEngineLeft, RolloutManager
 from megarl.rollout.protocol import GenerateRequest, SamplingParams
 
-LENGTH = 48
+# Long enough that every request is still generating when its engine is killed, however fast
+# the machine (an unloaded CI runner finishes 48 tokens in well under the kill's latency).
+LENGTH = 512
 
 
 def _server(model, tmp_path, version="3"):
@@ -62,7 +64,8 @@ async def _reference(url):
 async def _kill_when_busy(manager, i, sig, proc):
     while manager.load()[i] == 0:
         await asyncio.sleep(0.01)
-    await asyncio.sleep(0.2)  # tokens are being produced on it
+    await asyncio.sleep(0.1)  # tokens are being produced on it
+    assert manager.load()[i] > 0, "its requests finished before the kill: raise LENGTH"
     os.kill(proc.pid, sig)
 
 
