@@ -18,6 +18,7 @@ from megarl.config import ConfigError, load_config, to_yaml
 from megarl.config.preflight import preflight
 
 EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130  # the shell's status for a command ended by SIGINT
 
 _Handler = Callable[[argparse.Namespace], int]
 _Flags = Callable[[argparse.ArgumentParser], None]
@@ -160,6 +161,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except _Abort as err:
         print(err, file=sys.stderr)
         return EXIT_USAGE
+    except KeyboardInterrupt:
+        # Ctrl-C (or SIGINT from a scheduler): the run's workers and engines were closed on
+        # the way out; a traceback through asyncio says nothing more than this line.
+        print(f"megarl {args.command}: interrupted; a later `megarl {args.command}` with the "
+              "same trainer.default_local_dir resumes from its last checkpoint",
+              file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -125,6 +125,11 @@ class WeightProducer:
     def live(self) -> list[EngineLink]:
         return [l for l in self.links if l.name not in self.stale]
 
+    def stale_now(self) -> list[str]:
+        """The engine slots whose engine is stale (a dead engine whose slot has a replacement
+        is history, not a stale engine)."""
+        return sorted(l.name for l in self.links if l.name in self.stale)
+
     def _each(self, links, fn, timeout: float | None = None) -> list:
         """`fn(link)` on each link concurrently, within the timeout; exceptions come back in
         place of results."""
@@ -293,7 +298,7 @@ class WeightProducer:
             stats.bytes += cur.meta.nbytes
             stats.buckets += 1
             cur = nxt
-        stats.stale = sorted(self.stale)
+        stats.stale = self.stale_now()
         return stats
 
     def _send_bucket(self, b: Bucket, tag: int | None) -> None:

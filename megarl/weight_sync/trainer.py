@@ -137,7 +137,7 @@ class TrainerWeightSync:
                 p.verify(version, p.sent_checksums)
         p.sent_checksums = {}
         stats.transfer_s = time.perf_counter() - t0
-        stats.stale = sorted(p.stale)
+        stats.stale = p.stale_now()
         if err is not None:
             raise err
         logger.info("weights v%d stage %d delivered: %.1f MB in %d buckets, %.3f s "
