@@ -138,9 +138,9 @@ class MegatronGroup:
     async def load(self, path: str) -> None:
         await asyncio.gather(*[a.load.remote(path) for a in self.actors])
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout_s: float = 60.0) -> None:
         try:
-            ray.get([a.shutdown.remote() for a in self.actors], timeout=60)
+            ray.get([a.shutdown.remote() for a in self.actors], timeout=timeout_s)
         except Exception:  # noqa: BLE001 - shutting down anyway
             logger.warning("%s group did not shut down cleanly", self.role)
         for a in self.actors:
@@ -198,9 +198,9 @@ class RolloutGroup:
         logger.info("rollout engine %d restarted at %s", i, self.urls[i])
         return self.urls[i]
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout_s: float = 60.0) -> None:
         try:
-            ray.get([a.shutdown.remote() for a in self.actors], timeout=60)
+            ray.get([a.shutdown.remote() for a in self.actors], timeout=timeout_s)
         except Exception:  # noqa: BLE001
             logger.warning("rollout group did not shut down cleanly")
         for a in self.actors:

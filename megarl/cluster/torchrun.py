@@ -27,12 +27,13 @@ import datetime
 import logging
 import os
 import pickle
-import socket
+import sys
 import threading
 import time
 import traceback
 
 from megarl.config import ConfigError
+from megarl.utils.net import route_address
 
 from .actors import MegatronRank, RolloutRank, ServerRank
 from .group import MegatronGroup, engine_links
@@ -49,18 +50,6 @@ HEARTBEAT_ENV = "MEGARL_TORCHRUN_HEARTBEAT_S"
 
 class RemoteError(RuntimeError):
     """A command failed on another rank; the message carries that rank's traceback."""
-
-
-def node_ip(toward: str) -> str:
-    """The address of this host's interface that routes to `toward` (the rendezvous host), so
-    other nodes can reach what this rank serves. Loopback when `toward` is loopback. A UDP
-    connect sends nothing; it only asks the kernel for a route."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            s.connect((socket.gethostbyname(toward), 9))
-            return s.getsockname()[0]
-        except OSError:
-            return socket.gethostbyname(socket.gethostname())
 
 
 def _threads(cfg) -> int:
@@ -131,7 +120,9 @@ class Control:
         self._prefix = "megarl/{}/{}/".format(os.environ.get("TORCHELASTIC_RUN_ID", "run"),
                                               os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         self.store = self._connect(self._host_store)
-        self.node_ip = node_ip(self.master[0])
+        self.node_ip = route_address(self.master[0])
+        self.store.set(f"node/{self.rank}", self.node_ip)  # for messages that name a host
+        self._hosts: dict[int, str] = {}
         self.objects: dict = {}
         # rank 0 only: its own share of every call runs on one thread, in call order.
         self._local = cf.ThreadPoolExecutor(1, thread_name_prefix="megarl-rank0")
@@ -162,6 +153,17 @@ class Control:
         except Exception as err:  # noqa: BLE001 - the store is gone: the run is over anyway
             logger.debug("rank %d: heartbeat stopped: %s", self.rank, err)
 
+    def host_of(self, rank: int) -> str:
+        """The address `rank` published for its node ("?" if it never did)."""
+        if rank not in self._hosts:
+            key = f"node/{rank}"
+            try:
+                self._hosts[rank] = (self.store.get(key).decode()
+                                     if self.store.check([key]) else "?")
+            except Exception:  # noqa: BLE001 - only for a message
+                return "?"
+        return self._hosts[rank]
+
     def _silent(self, store, rank: int) -> bool:
         """Whether `rank`'s heartbeat has stood still for `heartbeat_s` (on this clock)."""
         count, now = store.add(f"beat/{rank}", 0), time.monotonic()
@@ -179,7 +181,8 @@ class Control:
             return self._local.submit(_execute, self.objects, msg)
         if rank in self._dead:
             fut = cf.Future()
-            fut.set_exception(RemoteError(f"rank {rank}: {name}.{method}: the rank is gone"))
+            fut.set_exception(RemoteError(f"rank {rank}: {name}.{method}: the rank (host "
+                                          f"{self.host_of(rank)}) is gone"))
             return fut
         seq = self._seq[rank]
         self._seq[rank] += 1
@@ -224,14 +227,16 @@ class Control:
         for rank in {int(k.split("/")[1]) for k in keys} - self._dead:
             if not self._silent(store, rank):
                 continue
-            logger.error("rank %d: no heartbeat for %.0f s; failing its calls", rank,
-                         self.heartbeat_s)
             self._dead.add(rank)
             with self._lock:
                 lost = [k for k in self._pending if int(k.split("/")[1]) == rank]
                 futs = [self._pending.pop(k) for k in lost]
+            gone = (f"rank {rank} on host {self.host_of(rank)} has had no heartbeat for "
+                    f"{self.heartbeat_s:.0f} s")
+            logger.error("%s (host down, cut off or killed); failing its calls: %s", gone,
+                         ", ".join(what.split(": ", 1)[1] for _, what in futs) or "none")
             for fut, what in futs:
-                fut.set_exception(RemoteError(f"{what}: rank {rank} stopped answering"))
+                fut.set_exception(RemoteError(f"{what}: {gone}"))
 
     def release(self, timeout_s: float = 120.0) -> None:
         """Tell every other rank to leave its loop, and wait until each has."""
@@ -292,8 +297,21 @@ def main(cfg, run_driver) -> int:
         return 0
     try:
         run_driver()
-    finally:
+    except ConfigError:  # said in one line by the command line; nothing is stuck yet
         ctl.release()
+        raise
+    except Exception:
+        # The run failed. Threads still blocked on a host that is gone (a weight delivery,
+        # an engine call) would hold this process's exit for their whole timeouts: report,
+        # let the other ranks go, and leave now. The servers this rank started die with it
+        # (PR_SET_PDEATHSIG); torchrun sees the failure in the exit status.
+        logger.exception("rank 0: the run failed")
+        ctl.release(timeout_s=10.0)
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+    ctl.release()
     return 0
 
 
@@ -389,8 +407,8 @@ class TorchrunMegatronGroup(MegatronGroup):
         await asyncio.gather(*[a.init_weight_sync.remote(engines, addr) for a in self.actors])
         self.sync_initialised = True
 
-    def shutdown(self) -> None:
-        done, late = cf.wait([a.shutdown.future() for a in self.actors], timeout=60)
+    def shutdown(self, timeout_s: float = 60.0) -> None:
+        done, late = cf.wait([a.shutdown.future() for a in self.actors], timeout=timeout_s)
         if late or any(f.exception() for f in done):
             logger.warning("%s group did not shut down cleanly", self.role)
 
@@ -446,7 +464,7 @@ class TorchrunRolloutGroup:
         logger.info("rollout engine %d restarted at %s", i, self.urls[i])
         return self.urls[i]
 
-    def shutdown(self) -> None:
-        done, late = cf.wait([a.shutdown.future() for a in self.actors], timeout=60)
+    def shutdown(self, timeout_s: float = 60.0) -> None:
+        done, late = cf.wait([a.shutdown.future() for a in self.actors], timeout=timeout_s)
         if late or any(f.exception() for f in done):
             logger.warning("rollout group did not shut down cleanly")

@@ -74,7 +74,10 @@ class Driver:
                 finished, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
                 for t in finished:
                     action = running.pop(t)
-                    t.result()  # a failed state fails the run, with its own traceback
+                    if not t.cancelled() and t.exception() is not None:  # fails the run
+                        logger.error("%s failed: %s: %s", action, type(t.exception()).__name__,
+                                     t.exception())
+                    t.result()  # ... with its own traceback
                     pipeline.finish(action)
                     await self.after(action)
         finally:
@@ -337,6 +340,7 @@ def run(cfg, val_only: bool = False) -> dict:
 async def _run(cfg, val_only: bool) -> dict:
     r = await setup_run(cfg, val_only)
     d = Driver(r)
+    failed = True
     try:
         pipeline = Pipeline(r.ahead, r.total_steps, cfg.trainer.test_freq,
                             cfg.trainer.val_before_train, groups=r.groups,
@@ -351,6 +355,7 @@ async def _run(cfg, val_only: bool) -> dict:
         logger.info("run finished: %s", {k: v for k, v in summary.items() if k != "validation"})
         if len(d.val_results) > 1:
             logger.info("first vs last validation:\n%s", first_last_table(d.val_results))
+        failed = False
         return summary
     finally:
-        await r.close()
+        await r.close(failed=failed)

@@ -50,14 +50,16 @@ class Run:
         if self.actor is not None and self.actor.sync_initialised:
             await self.actor.wait_weight_sync()
 
-    async def close(self) -> None:
+    async def close(self, failed: bool = False) -> None:
+        """Release everything. After a failure the groups get little time each: a worker
+        still blocked on a host that is gone must not hold the run's exit."""
         import ray
 
         if self.manager is not None:
             await self.manager.close()
         for g in (self.actor, self.ref, self.critic, self.rollout):
             if g is not None:
-                g.shutdown()
+                g.shutdown(timeout_s=10.0 if failed else 60.0)
         for dg in self.device_groups:
             dg.remove()
         self.loggers.close()

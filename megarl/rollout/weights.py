@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.rollout.protocol import BadRequest
+from megarl.utils.net import gloo_device
 
 logger = logging.getLogger(__name__)
 
@@ -131,7 +132,12 @@ def new_update_group(master_address: str, master_port: int, rank: int, world_siz
     prefixed = dist.PrefixStore(f"{device}/", dist.PrefixStore(
         f"{group_name}/", dist.PrefixStore(group_name, store)))
     if backend == "gloo":
-        pg = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+        # Bound to the interface that reaches the rendezvous host, not to whatever the hostname
+        # resolves to (often loopback on a cluster node: peers would be told 127.0.0.1).
+        opts = dist.ProcessGroupGloo._Options()
+        opts._timeout = timeout
+        opts._devices = [gloo_device(master_address)]
+        pg = dist.ProcessGroupGloo(prefixed, rank, world_size, opts)
     elif backend == "nccl":
         pg = dist.ProcessGroupNCCL(prefixed, rank, world_size)
     else:

@@ -93,7 +93,14 @@ class _LoopThread:
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
     def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
+        """Cancel what is still running (a call to an engine that is cut off would hold its
+        caller, and that caller's thread the process's exit, for its whole timeout), stop."""
+        def stop():
+            for task in asyncio.all_tasks(self.loop):
+                task.cancel()
+            self.loop.call_later(0.1, self.loop.stop)  # let the cancellations be delivered
+        if self.loop.is_running():
+            self.loop.call_soon_threadsafe(stop)
         self._thread.join(5)
 
 
@@ -423,13 +430,18 @@ class WeightProducer:
         bg, self._bg = self._bg, None
         return None if bg is None else bg.result(timeout)
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Stop sending. A delivery still under way gets `timeout_s` to end: one blocked on an
+        engine that is cut off would otherwise hold the run's exit for the sync timeout."""
         try:
-            self.wait()
+            self.wait(timeout_s)
+        except concurrent.futures.TimeoutError:
+            logger.warning("weight delivery still running after %.0f s at close; abandoned",
+                           timeout_s)
         except Exception:  # noqa: BLE001 - already reported; closing must go on
             pass
-        self._bg_pool.shutdown(wait=True)
-        self._copy_pool.shutdown(wait=True)
+        self._bg_pool.shutdown(wait=False, cancel_futures=True)
+        self._copy_pool.shutdown(wait=False, cancel_futures=True)
         self._each(self.links, lambda l: l.close(), timeout=10)
         self._io.close()
         if self.group is not None:

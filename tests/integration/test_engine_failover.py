@@ -219,6 +219,13 @@ AFTER = 3
 LONGER = "data.max_response_length=24"
 
 
+def _sigint_default():
+    """In the child before exec: SIGINT back to its default. A shell without job control
+    starts background commands (CI's, say) with SIGINT ignored, and Python then never turns
+    it into KeyboardInterrupt: the stop below would go unheard."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _trained_count(run_dir):
     f = run_dir / "megarl" / "t" / "trained_prompts.jsonl"
     return len(f.read_text().splitlines()) if f.exists() else 0
@@ -273,7 +280,8 @@ def test_ray_run_replaces_a_killed_embedded_engine(quickstart_assets, tmp_path):
     """Two embedded engines under Ray; one engine's process is SIGKILLed after step 1."""
     from test_train_e2e import _args, megarl
 
-    proc = megarl("train", _args(quickstart_assets, tmp_path, *RUN), start_new_session=True)
+    proc = megarl("train", _args(quickstart_assets, tmp_path, *RUN), start_new_session=True,
+                  preexec_fn=_sigint_default)
     _kill_one_and_finish(proc, tmp_path, quickstart_assets, "ray")
 
 
@@ -297,5 +305,6 @@ def test_torchrun_run_replaces_a_killed_sglang_server(quickstart_assets, tmp_pat
                "actor_rollout_ref.rollout.server_module=megarl.rollout.server",
                "actor_rollout_ref.rollout.server_extra_args=[--sglang-contract]")]
     proc = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            preexec_fn=_sigint_default)
     _kill_one_and_finish(proc, tmp_path, quickstart_assets, "server")

@@ -12,6 +12,8 @@ import os
 import torch
 import torch.distributed as dist
 
+from megarl.utils.net import is_loopback, pin_socket_interfaces
+
 logger = logging.getLogger(__name__)
 
 
@@ -33,6 +35,12 @@ def init_distributed(tp: int = 1, pp: int = 1, *, rank: int | None = None,
         if master_port is not None:
             os.environ["MASTER_PORT"] = str(master_port)
         backend = "nccl" if torch.cuda.is_available() else "gloo"
+        # Across hosts, the groups bind the interface that reaches the master, not the
+        # hostname's address (often loopback on cluster nodes); see megarl.utils.net.
+        if not is_loopback(os.environ["MASTER_ADDR"]):
+            iface = pin_socket_interfaces(os.environ["MASTER_ADDR"])
+            logger.info("rank %d: process groups on interface %s (toward %s)", rank,
+                        os.environ.get("GLOO_SOCKET_IFNAME", iface), os.environ["MASTER_ADDR"])
         if backend == "nccl":
             local = int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count()))
             torch.cuda.set_device(local)

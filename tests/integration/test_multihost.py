@@ -1,0 +1,237 @@
+"""megarl across hosts: network namespaces as machines (tests/integration/hosts.py).
+
+Every process runs inside a "host" that has only its own address on a private subnet and its
+own loopback, so a process that binds or advertises 127.0.0.1 on a path between hosts fails
+here as it would on a cluster. The addresses are asserted from inside the hosts.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+from hosts import Hosts, unavailable
+from launch_helpers import ROOT
+
+pytestmark = [pytest.mark.skipif(unavailable() is not None, reason=str(unavailable())),
+              pytest.mark.multihost]
+
+SCRIPT = ROOT / "launch" / "torchrun.sh"
+NO_RAY = {"RAY_ADDRESS": "127.0.0.1:9"}  # any ray.init would fail: Ray plays no part
+
+
+@pytest.fixture(autouse=True)
+def _no_leftovers():
+    Hosts.cleanup_stale()
+
+
+def _overrides(assets, run_dir, steps, *extra):
+    return [f"actor_rollout_ref.model.path={assets / 'tiny'}",
+            f"data.train_files={assets / 'data' / 'train.jsonl'}",
+            f"data.val_files={assets / 'data' / 'val.jsonl'}",
+            f"trainer.default_local_dir={run_dir}", "trainer.experiment_name=t",
+            f"trainer.total_training_steps={steps}", "trainer.test_freq=-1",
+            "trainer.val_before_train=False", "trainer.logger=[console,tensorboard]",
+            "trainer.separated_node_tasks=[[logp,actor-train,ref_logp],[generate]]",
+            "trainer.separated_node_ratios=[0.5,0.5]", *extra]
+
+
+def _torchrun(hs: Hosts, nodes: int, assets, run_dir, steps, *extra, tag="", **env_extra):
+    """`launch/torchrun.sh` once per host, one device each, rendezvous on host 0."""
+    procs = []
+    for node in range(nodes):
+        env = dict(os.environ, NNODES=str(nodes), NODE_RANK=str(node), MASTER_ADDR=hs.addr(0),
+                   MASTER_PORT="29500", NPROC_PER_NODE="1", OMP_NUM_THREADS="1",
+                   PYTHON=sys.executable, **NO_RAY, **env_extra)
+        with open(run_dir / f"node{node}{tag}.log", "w") as log:
+            procs.append(hs.popen(node, ["bash", str(SCRIPT),
+                                         str(ROOT / "configs" / "quickstart.yaml"),
+                                         *_overrides(assets, run_dir, steps, *extra)],
+                                  env=env, stdout=log, stderr=subprocess.STDOUT, cwd=run_dir))
+    return procs
+
+
+def _log(run_dir, node, tag=""):
+    return (run_dir / f"node{node}{tag}.log").read_text()
+
+
+def _trained_steps(run_dir):
+    f = run_dir / "megarl" / "t" / "trained_prompts.jsonl"
+    return sorted({json.loads(x)["step"] for x in f.read_text().splitlines()})
+
+
+def _servers(text: str) -> list[tuple[str, int]]:
+    m = re.search(r"rollout servers: (.*) \(", text)
+    assert m, text[-3000:]
+    return [(u.split("//")[1].rsplit(":", 1)[0], int(u.rsplit(":", 1)[1]))
+            for u in m.group(1).split(", ")]
+
+
+def test_torchrun_on_four_hosts_trains_with_weights_synced_across_them(quickstart_assets,
+                                                                       tmp_path):
+    """Four hosts, one device each: the trainer on hosts 0 and 1 (its data-parallel group
+    spans them), one rollout engine on each of hosts 2 and 3, the weight-update group from
+    host 0 to both."""
+    with Hosts(4) as hs:
+        procs = _torchrun(hs, 4, quickstart_assets, tmp_path, 3, "trainer.save_freq=-1")
+        # While the run lives: each engine listens on its own host's address, nowhere else.
+        bound, deadline = {}, time.time() + 240
+        while len(bound) < 2 and time.time() < deadline and procs[0].poll() is None:
+            if "rollout servers:" in _log(tmp_path, 0):
+                for host, port in _servers(_log(tmp_path, 0)):
+                    i = [hs.addr(j) for j in range(4)].index(host)
+                    bound[i] = [a for a, p, _ in hs.listening(i) if p == port]
+            time.sleep(0.2)
+        codes = [p.wait(timeout=300) for p in procs]
+        logs = [_log(tmp_path, n) for n in range(4)]
+    assert codes == [0, 0, 0, 0], "\n".join(f"--- node {n}\n{x[-3000:]}"
+                                            for n, x in enumerate(logs))
+    assert bound == {2: [hs.addr(2)], 3: [hs.addr(3)]}, bound
+    assert [h for h, _ in _servers(logs[0])] == [hs.addr(2), hs.addr(3)]
+    # Ranks advertise their host's address, and the trainer's process groups (DP across
+    # hosts 0 and 1) use the interface toward host 0, not the hostname's loopback address.
+    for n in range(4):
+        assert f"serving (node {hs.addr(n)})" in logs[n] or n == 0
+    for n in (0, 1):
+        assert f"process groups on interface eth0 (toward {hs.addr(0)})" in logs[n], logs[n]
+    assert "actor model: ranks [0, 1]" in logs[0] and "DP=2" in logs[0]
+    # Both engines joined the update group at host 0's address and took every version.
+    for n in (2, 3):
+        assert re.search(rf"joined weight-update group .* \(gloo, {re.escape(hs.addr(0))}:\d+\)",
+                         logs[n]), logs[n][-3000:]
+        for v in range(3):
+            assert f"version {v} -> {v + 1}" in logs[n], logs[n][-3000:]
+    assert "127.0.0.1" not in "".join(logs[1:])
+    assert _trained_steps(tmp_path) == [0, 1, 2]
+
+
+BOUND_S = 60  # from the link going down to the run's exit (docs/launch.md)
+
+
+def test_a_host_cut_off_stops_the_run_in_bounded_time_and_the_run_resumes(quickstart_assets,
+                                                                          tmp_path):
+    """Two hosts: the trainer on host 0, the engine on host 1. Host 1's link goes down once a
+    checkpoint exists: the run must end with an error naming host 1 and what it was doing,
+    within BOUND_S, not hang. With the link back, a new launch resumes from the checkpoint and
+    finishes the run."""
+    steps = 12
+    extra = ("trainer.save_freq=4",
+             "actor_rollout_ref.rollout.engine_health_interval_s=1",
+             "actor_rollout_ref.rollout.engine_health_timeout_s=5")
+    beat = {"MEGARL_TORCHRUN_HEARTBEAT_S": "5"}
+    latest = tmp_path / "megarl" / "t" / "latest_checkpointed_iteration.txt"
+    with Hosts(2) as hs:
+        procs = _torchrun(hs, 2, quickstart_assets, tmp_path, steps, *extra, **beat)
+        deadline = time.time() + 240
+        while not latest.exists() and time.time() < deadline and procs[0].poll() is None:
+            time.sleep(0.05)
+        assert latest.exists(), _log(tmp_path, 0)[-3000:]
+        hs.link(1, up=False)
+        cut = time.time()
+        while procs[0].poll() is None and time.time() - cut < BOUND_S + 60:
+            time.sleep(0.2)
+        took, code = time.time() - cut, procs[0].poll()
+        node0 = _log(tmp_path, 0)
+        assert code not in (None, 0), f"exit {code} after {took:.0f} s\n{node0[-4000:]}"
+        assert took <= BOUND_S, f"{took:.0f} s\n{node0[-4000:]}"
+        assert f"step {steps}/{steps}" not in node0
+        # The error names the host and what was lost on it.
+        assert f"rank 1 on host {hs.addr(1)} has had no heartbeat" in node0, node0[-4000:]
+        assert re.search(rf"GENERATE\(\d+\)@\S+ failed: NoEngineLeft: no rollout engine left: "
+                         rf"rollout engine 0 \(http://{re.escape(hs.addr(1))}:\d+\): dead",
+                         node0), node0[-4000:]
+        saved = int(latest.read_text())
+        for p in procs:  # host 1's side cannot hear that the run ended: stop it
+            if p.poll() is None:
+                os.killpg(p.pid, 9)
+        Hosts._kill_inside(hs.names[1])
+        # The host comes back; the same launch resumes from the last checkpoint.
+        hs.link(1, up=True)
+        procs = _torchrun(hs, 2, quickstart_assets, tmp_path, steps, *extra, tag="-resumed",
+                          **beat)
+        codes = [p.wait(timeout=300) for p in procs]
+        again = _log(tmp_path, 0, "-resumed")
+    assert codes == [0, 0], again[-4000:]
+    assert f"resuming after step {saved}" in again or f"resuming after step {saved - 1}" \
+        in again, again[-3000:]
+    assert _trained_steps(tmp_path) == list(range(steps))
+
+
+# ------------------------------------------------------------------ Ray
+def _ray_env(tmp_path):
+    venv_bin = os.path.dirname(sys.executable)
+    return dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1",
+                TOKENIZERS_PARALLELISM="false", RAY_USAGE_STATS_ENABLED="0",
+                PATH=f"{venv_bin}:{os.environ['PATH']}",
+                # a token of the test's own, handed to every daemon and the driver
+                RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=os.urandom(32).hex())
+
+
+def _ray_cluster(hs: Hosts, tmp_path, env, cpus: int) -> str:
+    """`ray start` on every host the way docs/launch.md says for a cluster without Slurm: the
+    head on host 0, the others joining it, each naming its own address."""
+    head = f"{hs.addr(0)}:6379"
+    for i in range(hs.n):
+        where = ["--head", "--port=6379", "--include-dashboard=false"] if i == 0 else \
+            [f"--address={head}"]
+        r = hs.run(i, ["ray", "start", *where, f"--node-ip-address={hs.addr(i)}",
+                       f"--num-cpus={cpus}", "--disable-usage-stats",
+                       f"--temp-dir={tmp_path / f'ray{i}'}"], env=env, timeout=180)
+        assert r.returncode == 0, f"ray start on host {i}:\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
+    return head
+
+
+def test_ray_on_two_hosts_places_groups_on_whole_hosts_and_reward_rises(quickstart_assets,
+                                                                       tmp_path):
+    """A Ray cluster of two hosts with two CPU devices each; the quickstart with
+    trainer.nnodes=2: the trainer group and the rollout group each get one whole host, the
+    engines serve on their host's address, the weight-update group runs from the trainer's
+    host to theirs, and the reward rises."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    steps = 40
+    env = _ray_env(tmp_path)
+    with Hosts(2) as hs:
+        head = _ray_cluster(hs, tmp_path, env, cpus=2)
+        driver = hs.popen(0, [sys.executable, "-m", "megarl.cli", "train",
+                              "--config", str(ROOT / "configs" / "quickstart.yaml"),
+                              *_overrides(quickstart_assets, tmp_path, steps,
+                                          "trainer.save_freq=-1", "trainer.nnodes=2",
+                                          "trainer.n_gpus_per_node=2")],
+                          env=dict(env, RAY_ADDRESS=head), stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
+        bound, lines = {}, []
+        for line in driver.stdout:  # watch the engines' sockets while the run is on
+            lines.append(line)
+            if "rollout servers:" in line:
+                for host, port in _servers(line):
+                    i = [hs.addr(j) for j in range(2)].index(host)
+                    bound[i] = [a for a, p, _ in hs.listening(i) if p == port]
+        code = driver.wait(timeout=60)
+        out = "".join(lines)
+    assert code == 0, out[-4000:]
+    engines = {h for h, _ in _servers(out)}
+    assert len(engines) == 1, engines  # the rollout group owns one whole host ...
+    engine_host = engines.pop()
+    trainer_host = hs.addr(1) if engine_host == hs.addr(0) else hs.addr(0)
+    i = [hs.addr(0), hs.addr(1)].index(engine_host)
+    assert bound == {i: [engine_host]}, bound  # ... and its servers listen there only
+    # ... the trainer the other (Ray tags its actors' lines with their node's address when it
+    # is not the driver's)
+    assert re.search(rf"MegatronActor pid=\d+(, ip={re.escape(trainer_host)})?\)", out)
+    assert not re.search(rf"MegatronActor pid=\d+, ip={re.escape(engine_host)}\)", out)
+    assert f"process groups on interface eth0 (toward {trainer_host})" in out
+    assert re.search(rf"joined weight-update group .* \(gloo, {re.escape(trainer_host)}:\d+\)",
+                     out), out[-4000:]
+    acc = EventAccumulator(str(tmp_path / "megarl" / "t" / "tensorboard"))
+    acc.Reload()
+    reward = {e.step: e.value for e in acc.Scalars("reward/mean")}
+    assert sorted(reward) == list(range(1, steps + 1))
+    first = sum(reward[s] for s in range(1, 9)) / 8
+    last = sum(reward[s] for s in range(steps - 7, steps + 1)) / 8
+    assert last > first + 0.1, (first, last)
