@@ -119,6 +119,7 @@ class Control:
         self._host_store = not agent_store and self.rank == 0
         self._prefix = "megarl/{}/{}/".format(os.environ.get("TORCHELASTIC_RUN_ID", "run"),
                                               os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        self.heartbeat_s = float(os.environ.get(HEARTBEAT_ENV, 60))
         self.store = self._connect(self._host_store)
         self.node_ip = route_address(self.master[0])
         self.store.set(f"node/{self.rank}", self.node_ip)  # for messages that name a host
@@ -131,7 +132,6 @@ class Control:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._collector = None
-        self.heartbeat_s = float(os.environ.get(HEARTBEAT_ENV, 60))
         self._seen: dict[int, tuple[int, float]] = {}
         self._dead: set[int] = set()
         threading.Thread(target=self._beat, daemon=True, name="megarl-heartbeat").start()
@@ -288,12 +288,27 @@ def _control() -> Control:
     return _CONTROL
 
 
+def _leave(code: int) -> None:
+    """Exit now, without joining threads that may be blocked on a host that is gone."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def main(cfg, run_driver) -> int:
     """`megarl train` under torchrun: rank 0 runs `run_driver()`, the others serve it."""
     global _CONTROL
     _CONTROL = ctl = Control(cfg)
     if ctl.rank != 0:
-        ctl.serve()
+        try:
+            ctl.serve()
+        except Exception:
+            # rank 0 is gone or cannot be reached: nothing will ever call this rank again, and
+            # its servers' threads must not keep it alive
+            logger.exception("rank %d on host %s: lost the driver (rank 0 at %s:%d); leaving",
+                             ctl.rank, ctl.node_ip, *ctl.master)
+            _leave(1)
         return 0
     try:
         run_driver()
@@ -307,10 +322,7 @@ def main(cfg, run_driver) -> int:
         # (PR_SET_PDEATHSIG); torchrun sees the failure in the exit status.
         logger.exception("rank 0: the run failed")
         ctl.release(timeout_s=10.0)
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)
+        _leave(1)
     ctl.release()
     return 0
 

@@ -56,9 +56,11 @@ class Hosts:
     def __init__(self, n: int):
         assert 1 <= n <= 8
         self.n = n
-        self.tag = uuid.uuid4().hex[:5]
-        self.switch = f"{self.PREFIX}{self.tag}sw"
-        self.names = [f"{self.PREFIX}{self.tag}h{i}" for i in range(n)]
+        # The creating process's pid is in every name, so a cleanup removes only what a dead
+        # test run left behind, never the hosts of a run still going beside it.
+        base = f"{self.PREFIX}-{os.getpid()}-{uuid.uuid4().hex[:5]}"
+        self.switch = f"{base}-sw"
+        self.names = [f"{base}-h{i}" for i in range(n)]
         self._procs: list[subprocess.Popen] = []
 
     # -- set up and tear down ------------------------------------------------------------------
@@ -126,20 +128,30 @@ class Hosts:
 
     @classmethod
     def cleanup_stale(cls) -> None:
-        """Remove namespaces an earlier, killed test run left behind (only ours: the prefix)."""
+        """Remove the namespaces of earlier test runs that were killed before their teardown
+        (ours by name, and only those whose creating process is gone)."""
         r = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
         for line in r.stdout.splitlines():
-            name = line.split()[0] if line.split() else ""
-            if name.startswith(cls.PREFIX) and (name.endswith("sw") or "h" in name[3:]):
-                cls._kill_inside(name)
-                _ip("netns", "del", name, check=False)
+            parts = (line.split() or [""])[0].split("-")
+            if len(parts) != 4 or parts[0] != cls.PREFIX or not parts[1].isdigit():
+                continue
+            try:
+                os.kill(int(parts[1]), 0)
+                continue  # its run is still going
+            except ProcessLookupError:
+                pass
+            name = "-".join(parts)
+            cls._kill_inside(name)
+            _ip("netns", "del", name, check=False)
 
     # -- use -----------------------------------------------------------------------------------
     def addr(self, i: int) -> str:
         return f"{SUBNET}.{i + 1}"
 
     def wrap(self, i: int, cmd: list[str]) -> list[str]:
-        return ["ip", "netns", "exec", self.names[i], *cmd]
+        # nsenter, not `ip netns exec`: that one also remounts /sys for the namespace, which
+        # hides /sys/fs/cgroup from daemons that need it (slurmd); only the network differs.
+        return ["nsenter", f"--net=/run/netns/{self.names[i]}", "--", *cmd]
 
     def popen(self, i: int, cmd: list[str], **kw) -> subprocess.Popen:
         """Start `cmd` in host i, in a session of its own (so teardown can kill its tree)."""
@@ -166,6 +178,24 @@ class Hosts:
     def link(self, i: int, up: bool) -> None:
         """Host i's network up or down (its cable pulled: the interface on the switch side)."""
         _ip("link", "set", f"p{i}", "up" if up else "down", ns=self.switch)
+
+    def processes(self, i: int) -> list[str]:
+        """The command lines of the processes running in host i."""
+        r = subprocess.run(["ip", "netns", "pids", self.names[i]], capture_output=True,
+                           text=True)
+        out = []
+        for pid in r.stdout.split():
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    out.append(f.read().replace(b"\0", b" ").decode(errors="replace").strip())
+            except OSError:
+                pass  # ended meanwhile
+        return out
+
+    def where(self, marker: str) -> dict[int, int]:
+        """host -> how many of its processes have `marker` in their command line."""
+        counts = {i: sum(marker in c for c in self.processes(i)) for i in range(self.n)}
+        return {i: c for i, c in counts.items() if c}
 
     def listening(self, i: int) -> list[tuple[str, int, str]]:
         """(address, port, process) of every TCP socket listening in host i."""

@@ -12,6 +12,7 @@ import re
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -28,6 +29,18 @@ NO_RAY = {"RAY_ADDRESS": "127.0.0.1:9"}  # any ray.init would fail: Ray plays no
 @pytest.fixture(autouse=True)
 def _no_leftovers():
     Hosts.cleanup_stale()
+
+
+@pytest.fixture
+def short_tmp():
+    """A directory with a short path: Ray's and munge's Unix sockets live under it (108-byte
+    limit), and pytest's tmp_path can be longer than that leaves room for."""
+    import shutil
+    import tempfile
+
+    d = Path(tempfile.mkdtemp(prefix="mrl-", dir="/tmp"))
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
 
 
 def _overrides(assets, run_dir, steps, *extra):
@@ -172,7 +185,7 @@ def _ray_env(tmp_path):
                 RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=os.urandom(32).hex())
 
 
-def _ray_cluster(hs: Hosts, tmp_path, env, cpus: int) -> str:
+def _ray_cluster(hs: Hosts, short_tmp, env, cpus: int) -> str:
     """`ray start` on every host the way docs/launch.md says for a cluster without Slurm: the
     head on host 0, the others joining it, each naming its own address."""
     head = f"{hs.addr(0)}:6379"
@@ -181,13 +194,13 @@ def _ray_cluster(hs: Hosts, tmp_path, env, cpus: int) -> str:
             [f"--address={head}"]
         r = hs.run(i, ["ray", "start", *where, f"--node-ip-address={hs.addr(i)}",
                        f"--num-cpus={cpus}", "--disable-usage-stats",
-                       f"--temp-dir={tmp_path / f'ray{i}'}"], env=env, timeout=180)
+                       f"--temp-dir={short_tmp / f'ray{i}'}"], env=env, timeout=180)
         assert r.returncode == 0, f"ray start on host {i}:\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
     return head
 
 
 def test_ray_on_two_hosts_places_groups_on_whole_hosts_and_reward_rises(quickstart_assets,
-                                                                       tmp_path):
+                                                                       tmp_path, short_tmp):
     """A Ray cluster of two hosts with two CPU devices each; the quickstart with
     trainer.nnodes=2: the trainer group and the rollout group each get one whole host, the
     engines serve on their host's address, the weight-update group runs from the trainer's
@@ -197,7 +210,7 @@ def test_ray_on_two_hosts_places_groups_on_whole_hosts_and_reward_rises(quicksta
     steps = 40
     env = _ray_env(tmp_path)
     with Hosts(2) as hs:
-        head = _ray_cluster(hs, tmp_path, env, cpus=2)
+        head = _ray_cluster(hs, short_tmp, env, cpus=2)
         driver = hs.popen(0, [sys.executable, "-m", "megarl.cli", "train",
                               "--config", str(ROOT / "configs" / "quickstart.yaml"),
                               *_overrides(quickstart_assets, tmp_path, steps,
@@ -205,13 +218,15 @@ def test_ray_on_two_hosts_places_groups_on_whole_hosts_and_reward_rises(quicksta
                                           "trainer.n_gpus_per_node=2")],
                           env=dict(env, RAY_ADDRESS=head), stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
-        bound, lines = {}, []
-        for line in driver.stdout:  # watch the engines' sockets while the run is on
+        bound, lines, placed = {}, [], {}
+        for line in driver.stdout:  # watch the processes and sockets while the run is on
             lines.append(line)
             if "rollout servers:" in line:
                 for host, port in _servers(line):
                     i = [hs.addr(j) for j in range(2)].index(host)
                     bound[i] = [a for a, p, _ in hs.listening(i) if p == port]
+            if "step 1/" in line and not placed:  # every worker is up
+                placed = {w: hs.where(f"ray::{w}") for w in ("MegatronActor", "RolloutActor")}
         code = driver.wait(timeout=60)
         out = "".join(lines)
     assert code == 0, out[-4000:]
@@ -221,10 +236,9 @@ def test_ray_on_two_hosts_places_groups_on_whole_hosts_and_reward_rises(quicksta
     trainer_host = hs.addr(1) if engine_host == hs.addr(0) else hs.addr(0)
     i = [hs.addr(0), hs.addr(1)].index(engine_host)
     assert bound == {i: [engine_host]}, bound  # ... and its servers listen there only
-    # ... the trainer the other (Ray tags its actors' lines with their node's address when it
-    # is not the driver's)
-    assert re.search(rf"MegatronActor pid=\d+(, ip={re.escape(trainer_host)})?\)", out)
-    assert not re.search(rf"MegatronActor pid=\d+, ip={re.escape(engine_host)}\)", out)
+    # ... and the trainer's processes (actor and reference, one per device each) the other
+    j = 1 - i
+    assert placed == {"MegatronActor": {j: 4}, "RolloutActor": {i: 2}}, placed
     assert f"process groups on interface eth0 (toward {trainer_host})" in out
     assert re.search(rf"joined weight-update group .* \(gloo, {re.escape(trainer_host)}:\d+\)",
                      out), out[-4000:]
@@ -235,3 +249,113 @@ def test_ray_on_two_hosts_places_groups_on_whole_hosts_and_reward_rises(quicksta
     first = sum(reward[s] for s in range(1, 9)) / 8
     last = sum(reward[s] for s in range(steps - 7, steps + 1)) / 8
     assert last > first + 0.1, (first, last)
+
+
+# ------------------------------------------------------------------ Slurm
+def _slurm_conf(d, hs: Hosts, cpus: int, mem_mb: int) -> str:
+    """One slurmctld on host 0, one slurmd per host (`slurmd -N nX`), each node at its own
+    host's address; per-node spool, pid and log files (%n)."""
+    import socket
+
+    ctl = socket.gethostname().split(".")[0]
+    nodes = [f"NodeName=n{i} NodeHostname=n{i} NodeAddr={hs.addr(i)} CPUs={cpus} "
+             f"RealMemory={mem_mb} State=UNKNOWN" for i in range(hs.n)]
+    return "\n".join([
+        "ClusterName=megarlhosts", f"SlurmctldHost={ctl}({hs.addr(0)})",
+        "SlurmctldPort=6817", "SlurmdPort=6818", "SlurmUser=root", "SlurmdUser=root",
+        "AuthType=auth/munge", f"AuthInfo=socket={d}/run/munge.sock", "CredType=cred/munge",
+        "MpiDefault=none", "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none",
+        "JobAcctGatherType=jobacct_gather/none", "AccountingStorageType=accounting_storage/none",
+        "JobCompType=jobcomp/none", "SelectType=select/cons_tres",
+        "SelectTypeParameters=CR_CPU", "ReturnToService=2", "KillWait=10",
+        f"StateSaveLocation={d}/state", f"SlurmdSpoolDir={d}/spool-%n",
+        f"SlurmctldPidFile={d}/run/slurmctld.pid", f"SlurmdPidFile={d}/run/slurmd-%n.pid",
+        f"SlurmctldLogFile={d}/log/slurmctld.log", f"SlurmdLogFile={d}/log/slurmd-%n.log",
+        *nodes,
+        f"PartitionName=debug Nodes=n[0-{hs.n - 1}] Default=YES MaxTime=INFINITE State=UP",
+        ""])
+
+
+def test_slurm_on_two_hosts_runs_the_quickstart_with_ray_across_them(quickstart_assets,
+                                                                     tmp_path):
+    """`sbatch -N 2 launch/slurm_ray.sh`: slurmctld on host 0, a slurmd on each host; the
+    script brings Ray up on both nodes (head on node 0, a worker joining it from node 1) and
+    runs the quickstart with trainer.nnodes=2, groups on whole hosts."""
+    import shutil
+    import tempfile
+
+    sbin = os.pathsep.join([os.path.dirname(sys.executable), os.environ["PATH"],
+                            "/usr/sbin", "/sbin"])
+    if not all(shutil.which(b, path=sbin) for b in ("slurmctld", "slurmd", "munged", "sbatch")):
+        pytest.fail("Slurm/munge missing: run `bash tools/install_slurm.sh` (as root) first",
+                    pytrace=False)
+    d = Path(tempfile.mkdtemp(prefix="mrl-mh-", dir="/tmp"))  # short: Unix socket paths
+    for sub in ("state", "log", "run", "spool-n0", "spool-n1"):
+        (d / sub).mkdir()
+    env = dict(_ray_env(tmp_path), PATH=sbin, SLURM_CONF=str(d / "slurm.conf"),
+               RAY_TMPDIR=str(d / "ray"), RAY_START_TIMEOUT="120", RAY_STOP_ON_NODES="0",
+               MEGARL_VENV=sys.prefix)
+    env.pop("RAY_AUTH_TOKEN")  # the script makes one per job
+    (d / "slurm.conf").write_text(_slurm_conf(d, Hosts(2), 2, 4096))
+    key = d / "munge.key"
+    key.write_bytes(os.urandom(1024))
+    key.chmod(0o400)
+    munged = None
+    try:
+        munged = subprocess.run(
+            ["munged", "--force", f"--key-file={key}", f"--socket={d}/run/munge.sock",
+             f"--pid-file={d}/run/munged.pid", f"--log-file={d}/log/munged.log",
+             f"--seed-file={d}/run/munge.seed"], env=env, capture_output=True, text=True)
+        assert munged.returncode == 0, munged.stderr
+        with Hosts(2) as hs:
+            (d / "slurm.conf").write_text(_slurm_conf(d, hs, 2, 4096))
+
+            def ok(i, *cmd):
+                r = hs.run(i, list(cmd), env=env, timeout=120)
+                assert r.returncode == 0, f"{cmd} on host {i}: {r.stdout}\n{r.stderr}"
+                return r.stdout
+
+            ok(0, "slurmctld", "-f", str(d / "slurm.conf"))
+            for i in range(2):
+                ok(i, "slurmd", "-N", f"n{i}", "-f", str(d / "slurm.conf"))
+            deadline = time.time() + 60
+            while ok(0, "sinfo", "-h", "-N", "-o", "%T").split() != ["idle", "idle"]:
+                assert time.time() < deadline, (d / "log" / "slurmctld.log").read_text()[-3000:]
+                time.sleep(0.5)
+            job = ok(0, "sbatch", "--parsable", "-N", "2", f"--output={d}/job.out",
+                     str(ROOT / "launch" / "slurm_ray.sh"),
+                     str(ROOT / "configs" / "quickstart.yaml"),
+                     *_overrides(quickstart_assets, tmp_path, 4, "trainer.save_freq=-1",
+                                 "trainer.n_gpus_per_node=2")).strip().split(";")[0]
+            deadline, placed = time.time() + 400, {}
+            while True:
+                so_far = (d / "job.out").read_text(errors="replace") \
+                    if (d / "job.out").exists() else ""
+                if not placed and "step 1/" in so_far:
+                    placed = {w: hs.where(f"ray::{w}") for w in ("MegatronActor",
+                                                                   "RolloutActor")}
+                info = ok(0, "scontrol", "show", "job", "-o", job)
+                state = re.search(r"JobState=(\S+)", info).group(1)
+                if state not in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING"):
+                    break
+                assert time.time() < deadline, (d / "job.out").read_text()[-4000:]
+                time.sleep(0.5)
+            out = (d / "job.out").read_text(errors="replace")
+            (tmp_path / "job.out").write_text(out)  # kept with the test's files
+            ok(0, "scancel", job)
+    finally:
+        for f in (d / "run").glob("*.pid"):
+            try:
+                os.kill(int(f.read_text().split()[0]), 9)
+            except (ProcessLookupError, ValueError):
+                pass
+        shutil.rmtree(d, ignore_errors=True)
+    assert state == "COMPLETED", out[-5000:]
+    assert re.search(r"Ray: 2 of 2 node\(s\) up", out), out[-4000:]
+    servers = {h for h, _ in _servers(out)}
+    assert len(servers) == 1 and servers < {hs.addr(0), hs.addr(1)}, servers
+    i = [hs.addr(0), hs.addr(1)].index(servers.pop())
+    # the trainer group (actor and reference, one process per device each) owns the other host
+    assert placed == {"MegatronActor": {1 - i: 4}, "RolloutActor": {i: 2}}, placed
+    assert "127.0.0.1" not in "".join(x for x in out.splitlines() if "rollout servers" in x)
+    assert _trained_steps(tmp_path) == [0, 1, 2, 3]
