@@ -119,7 +119,6 @@ class Control:
         self._host_store = not agent_store and self.rank == 0
         self._prefix = "megarl/{}/{}/".format(os.environ.get("TORCHELASTIC_RUN_ID", "run"),
                                               os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-        self.heartbeat_s = float(os.environ.get(HEARTBEAT_ENV, 60))
         self.store = self._connect(self._host_store)
         self.node_ip = route_address(self.master[0])
         self.store.set(f"node/{self.rank}", self.node_ip)  # for messages that name a host
@@ -132,6 +131,7 @@ class Control:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._collector = None
+        self.heartbeat_s = float(os.environ.get(HEARTBEAT_ENV, 60))
         self._seen: dict[int, tuple[int, float]] = {}
         self._dead: set[int] = set()
         threading.Thread(target=self._beat, daemon=True, name="megarl-heartbeat").start()

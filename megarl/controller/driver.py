@@ -74,9 +74,9 @@ class Driver:
                 finished, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
                 for t in finished:
                     action = running.pop(t)
-                    if not t.cancelled() and t.exception() is not None:  # fails the run
-                        logger.error("%s failed: %s: %s", action, type(t.exception()).__name__,
-                                     t.exception())
+                    err = None if t.cancelled() else t.exception()
+                    if err is not None:  # a failed state fails the run
+                        logger.error("%s failed: %s: %s", action, type(err).__name__, err)
                     t.result()  # ... with its own traceback
                     pipeline.finish(action)
                     await self.after(action)

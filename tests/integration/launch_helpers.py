@@ -39,3 +39,57 @@ def run_tool(tool: str, *args, timeout: float = 600) -> str:
 def read_json(path) -> dict:
     with open(path) as f:
         return json.load(f)
+
+
+# ------------------------------------------------------------------ a private Slurm
+def slurm_conf(d: Path, controller: str, nodes: list[str], *, ctl_port: int, slurmd_port: int,
+               cpus: int, mem_mb: int, addrs: list[str] | None = None) -> str:
+    """slurm.conf of a private Slurm under `d` (state, spool, run, log). One node: its files
+    are `spool/`, `slurmd.pid`, `slurmd.log`. Several (`slurmd -N NAME` each, at `addrs`):
+    per-node files through %n."""
+    many = len(nodes) > 1
+    per = "-%n" if many else ""
+    node_lines = [f"NodeName={n}" + (f" NodeHostname={n} NodeAddr={addrs[i]}" if addrs else "")
+                  + f" CPUs={cpus} RealMemory={mem_mb} State=UNKNOWN"
+                  for i, n in enumerate(nodes)]
+    return "\n".join([
+        "ClusterName=megarltest",
+        f"SlurmctldHost={controller}",
+        f"SlurmctldPort={ctl_port}",
+        f"SlurmdPort={slurmd_port}",
+        "SlurmUser=root",
+        "SlurmdUser=root",
+        "AuthType=auth/munge",
+        f"AuthInfo=socket={d}/run/munge.sock",
+        "CredType=cred/munge",
+        "MpiDefault=none",
+        # no cgroups in containers: track processes by parentage, bind nothing
+        "ProctrackType=proctrack/linuxproc",
+        "TaskPlugin=task/none",
+        "JobAcctGatherType=jobacct_gather/none",
+        "AccountingStorageType=accounting_storage/none",
+        "JobCompType=jobcomp/none",
+        "SelectType=select/cons_tres",
+        "SelectTypeParameters=CR_CPU",
+        "ReturnToService=2",
+        "KillWait=10",
+        f"StateSaveLocation={d}/state",
+        f"SlurmdSpoolDir={d}/spool{per}",
+        f"SlurmctldPidFile={d}/run/slurmctld.pid",
+        f"SlurmdPidFile={d}/run/slurmd{per}.pid",
+        f"SlurmctldLogFile={d}/log/slurmctld.log",
+        f"SlurmdLogFile={d}/log/slurmd{per}.log",
+        *node_lines,
+        f"PartitionName=debug Nodes={','.join(nodes)} Default=YES MaxTime=INFINITE State=UP",
+        ""])
+
+
+def munged_command(d: Path) -> list[str]:
+    """munged for a private Slurm under `d`, with a fresh key: `--force` runs it as root with
+    its own key and socket instead of the packaged service."""
+    key = d / "munge.key"
+    key.write_bytes(os.urandom(1024))
+    key.chmod(0o400)
+    return ["munged", "--force", f"--key-file={key}", f"--socket={d}/run/munge.sock",
+            f"--pid-file={d}/run/munged.pid", f"--log-file={d}/log/munged.log",
+            f"--seed-file={d}/run/munge.seed"]

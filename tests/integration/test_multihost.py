@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -17,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from hosts import Hosts, unavailable
-from launch_helpers import ROOT
+from launch_helpers import ROOT, munged_command, slurm_conf
 
 pytestmark = [pytest.mark.skipif(unavailable() is not None, reason=str(unavailable())),
               pytest.mark.multihost]
@@ -176,7 +177,7 @@ def test_a_host_cut_off_stops_the_run_in_bounded_time_and_the_run_resumes(quicks
 
 
 # ------------------------------------------------------------------ Ray
-def _ray_env(tmp_path):
+def _ray_env():
     venv_bin = os.path.dirname(sys.executable)
     return dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1",
                 TOKENIZERS_PARALLELISM="false", RAY_USAGE_STATS_ENABLED="0",
@@ -208,7 +209,7 @@ def test_ray_on_two_hosts_places_groups_on_whole_hosts_and_reward_rises(quicksta
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     steps = 40
-    env = _ray_env(tmp_path)
+    env = _ray_env()
     with Hosts(2) as hs:
         head = _ray_cluster(hs, short_tmp, env, cpus=2)
         driver = hs.popen(0, [sys.executable, "-m", "megarl.cli", "train",
@@ -252,30 +253,6 @@ def test_ray_on_two_hosts_places_groups_on_whole_hosts_and_reward_rises(quicksta
 
 
 # ------------------------------------------------------------------ Slurm
-def _slurm_conf(d, hs: Hosts, cpus: int, mem_mb: int) -> str:
-    """One slurmctld on host 0, one slurmd per host (`slurmd -N nX`), each node at its own
-    host's address; per-node spool, pid and log files (%n)."""
-    import socket
-
-    ctl = socket.gethostname().split(".")[0]
-    nodes = [f"NodeName=n{i} NodeHostname=n{i} NodeAddr={hs.addr(i)} CPUs={cpus} "
-             f"RealMemory={mem_mb} State=UNKNOWN" for i in range(hs.n)]
-    return "\n".join([
-        "ClusterName=megarlhosts", f"SlurmctldHost={ctl}({hs.addr(0)})",
-        "SlurmctldPort=6817", "SlurmdPort=6818", "SlurmUser=root", "SlurmdUser=root",
-        "AuthType=auth/munge", f"AuthInfo=socket={d}/run/munge.sock", "CredType=cred/munge",
-        "MpiDefault=none", "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none",
-        "JobAcctGatherType=jobacct_gather/none", "AccountingStorageType=accounting_storage/none",
-        "JobCompType=jobcomp/none", "SelectType=select/cons_tres",
-        "SelectTypeParameters=CR_CPU", "ReturnToService=2", "KillWait=10",
-        f"StateSaveLocation={d}/state", f"SlurmdSpoolDir={d}/spool-%n",
-        f"SlurmctldPidFile={d}/run/slurmctld.pid", f"SlurmdPidFile={d}/run/slurmd-%n.pid",
-        f"SlurmctldLogFile={d}/log/slurmctld.log", f"SlurmdLogFile={d}/log/slurmd-%n.log",
-        *nodes,
-        f"PartitionName=debug Nodes=n[0-{hs.n - 1}] Default=YES MaxTime=INFINITE State=UP",
-        ""])
-
-
 def test_slurm_on_two_hosts_runs_the_quickstart_with_ray_across_them(quickstart_assets,
                                                                      tmp_path):
     """`sbatch -N 2 launch/slurm_ray.sh`: slurmctld on host 0, a slurmd on each host; the
@@ -292,23 +269,19 @@ def test_slurm_on_two_hosts_runs_the_quickstart_with_ray_across_them(quickstart_
     d = Path(tempfile.mkdtemp(prefix="mrl-mh-", dir="/tmp"))  # short: Unix socket paths
     for sub in ("state", "log", "run", "spool-n0", "spool-n1"):
         (d / sub).mkdir()
-    env = dict(_ray_env(tmp_path), PATH=sbin, SLURM_CONF=str(d / "slurm.conf"),
+    env = dict(_ray_env(), PATH=sbin, SLURM_CONF=str(d / "slurm.conf"),
                RAY_TMPDIR=str(d / "ray"), RAY_START_TIMEOUT="120", RAY_STOP_ON_NODES="0",
                MEGARL_VENV=sys.prefix)
     env.pop("RAY_AUTH_TOKEN")  # the script makes one per job
-    (d / "slurm.conf").write_text(_slurm_conf(d, Hosts(2), 2, 4096))
-    key = d / "munge.key"
-    key.write_bytes(os.urandom(1024))
-    key.chmod(0o400)
-    munged = None
     try:
-        munged = subprocess.run(
-            ["munged", "--force", f"--key-file={key}", f"--socket={d}/run/munge.sock",
-             f"--pid-file={d}/run/munged.pid", f"--log-file={d}/log/munged.log",
-             f"--seed-file={d}/run/munge.seed"], env=env, capture_output=True, text=True)
+        munged = subprocess.run(munged_command(d), env=env, capture_output=True, text=True)
         assert munged.returncode == 0, munged.stderr
         with Hosts(2) as hs:
-            (d / "slurm.conf").write_text(_slurm_conf(d, hs, 2, 4096))
+            # slurmctld on host 0, one slurmd per host (`slurmd -N nX`) at its own address
+            ctl = f"{socket.gethostname().split('.')[0]}({hs.addr(0)})"
+            (d / "slurm.conf").write_text(slurm_conf(
+                d, ctl, ["n0", "n1"], ctl_port=6817, slurmd_port=6818, cpus=2, mem_mb=4096,
+                addrs=[hs.addr(0), hs.addr(1)]))
 
             def ok(i, *cmd):
                 r = hs.run(i, list(cmd), env=env, timeout=120)

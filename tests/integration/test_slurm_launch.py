@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from launch_helpers import ROOT
+from launch_helpers import ROOT, munged_command, slurm_conf
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -123,39 +123,6 @@ class Slurm:
                 for p in _pids_matching(str(self.ray_tmp)) if Path(f"/proc/{p}").exists()]
 
 
-def _conf(d: Path, host: str, cpus: int, mem_mb: int) -> str:
-    return "\n".join([
-        "ClusterName=megarltest",
-        f"SlurmctldHost={host}",
-        f"SlurmctldPort={_free_port()}",
-        f"SlurmdPort={_free_port()}",
-        "SlurmUser=root",
-        "SlurmdUser=root",
-        "AuthType=auth/munge",
-        f"AuthInfo=socket={d}/run/munge.sock",
-        "CredType=cred/munge",
-        "MpiDefault=none",
-        # no cgroups in containers: track processes by parentage, bind nothing
-        "ProctrackType=proctrack/linuxproc",
-        "TaskPlugin=task/none",
-        "JobAcctGatherType=jobacct_gather/none",
-        "AccountingStorageType=accounting_storage/none",
-        "JobCompType=jobcomp/none",
-        "SelectType=select/cons_tres",
-        "SelectTypeParameters=CR_CPU",
-        "ReturnToService=2",
-        "KillWait=10",
-        f"StateSaveLocation={d}/state",
-        f"SlurmdSpoolDir={d}/spool",
-        f"SlurmctldPidFile={d}/run/slurmctld.pid",
-        f"SlurmdPidFile={d}/run/slurmd.pid",
-        f"SlurmctldLogFile={d}/log/slurmctld.log",
-        f"SlurmdLogFile={d}/log/slurmd.log",
-        f"NodeName={host} CPUs={cpus} RealMemory={mem_mb} State=UNKNOWN",
-        f"PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP",
-        ""])
-
-
 @pytest.fixture(scope="module")
 def slurm():
     search = os.pathsep.join([os.environ.get("PATH", ""), SBIN])
@@ -177,15 +144,11 @@ def slurm():
     for sub in ("state", "spool", "log", "run"):
         (d / sub).mkdir()
     s = Slurm(d)
-    (d / "slurm.conf").write_text(_conf(d, s.host, cpus, mem_mb))
-    key = d / "munge.key"
-    key.write_bytes(os.urandom(1024))
-    key.chmod(0o400)
+    (d / "slurm.conf").write_text(slurm_conf(d, s.host, [s.host], ctl_port=_free_port(),
+                                             slurmd_port=_free_port(), cpus=cpus,
+                                             mem_mb=mem_mb))
     try:
-        # --force: run as root with a private key/socket instead of the packaged service.
-        s.run("munged", "--force", f"--key-file={key}", f"--socket={d}/run/munge.sock",
-              f"--pid-file={d}/run/munged.pid", f"--log-file={d}/log/munged.log",
-              f"--seed-file={d}/run/munge.seed")
+        s.run(*munged_command(d))
         s.run("slurmctld", "-f", str(d / "slurm.conf"))
         s.run("slurmd", "-f", str(d / "slurm.conf"))
         deadline = time.time() + 60
