@@ -25,6 +25,7 @@ setup(
         "einops>=0.7",
         "pyyaml>=6",
         "aiohttp>=3.9",  # rollout HTTP server and SGLang client
+        "pillow>=10",  # the run's timeline picture (timeline.png, TensorBoard)
     ],
     extras_require={
         # One consistent GPU set (docs/install_gpu.md; tests/contract checks the pins):

@@ -53,7 +53,7 @@ if [ "$cpus" -lt "$ranks" ]; then
 fi
 
 megarl_setup_env
-_megarl_log "converting ($1) with $ranks rank(s) on $(hostname -s)"
+_megarl_log "converting ($1) with $ranks rank(s) on ${SLURMD_NODENAME:-$(hostname -s)}"
 rc=0
 python -m megarl.cli convert "$@" || rc=$?
 _megarl_log "megarl convert exited with status $rc"

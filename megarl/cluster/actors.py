@@ -59,7 +59,9 @@ class MegatronRank:
         return {"rank": self.rank, "dp_rank": ps.get_data_parallel_rank(),
                 "dp_size": ps.get_data_parallel_world_size(),
                 "tp_rank": ps.get_tensor_model_parallel_rank(),
-                "pp_rank": ps.get_pipeline_model_parallel_rank()}
+                "pp_rank": ps.get_pipeline_model_parallel_rank(),
+                # where it runs, for errors that must name the host of a lost rank
+                "host": ray.util.get_node_ip_address(), "pid": os.getpid()}
 
     def compute_logp(self, batch: dict, temperature: float, micro_batch_size: int,
                      with_entropy: bool = False) -> dict:

@@ -30,6 +30,22 @@ def split_batch(batch: dict, parts: int) -> list[dict]:
             for a, b in zip(bounds, bounds[1:])]
 
 
+ERROR_GRACE_S = 2.0  # after a rank's failure, how long the others get to report theirs
+
+
+class WorkerLost(RuntimeError):
+    """A rank of a Megatron group is gone (its process, or its host, died)."""
+
+
+def _lost(e: BaseException) -> bool:
+    return isinstance(e, (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError))
+
+
+def _secondary(e: BaseException) -> bool:
+    """An error a rank raised only because another rank failed (that one says why)."""
+    return bool(getattr(getattr(e, "cause", e), "elsewhere", False))
+
+
 class MegatronGroup:
     def __init__(self, devices: DeviceGroup, cfg, role: str, share: float,
                  processes_per_device: int):
@@ -50,6 +66,37 @@ class MegatronGroup:
         logger.info("%s model: %d process(es) on group %s, DP=%d", role, n, devices.name,
                     self.dp)
 
+    async def _all(self, what: str, refs) -> list:
+        """Await one call per rank. On failure raise the error that says why: a lost rank
+        (named with its host, as Ray's own error names only the actor id), else the first
+        rank's own error rather than one that only reports another rank's failure."""
+        futs = [asyncio.ensure_future(r) for r in refs]
+        try:
+            await asyncio.wait(futs, return_when=asyncio.FIRST_EXCEPTION)
+            if all(f.done() and not f.cancelled() and f.exception() is None for f in futs):
+                return [f.result() for f in futs]
+            # The other ranks may be blocked in a collective with the failed one: a short
+            # grace for their own errors, not a wait for their timeouts.
+            await asyncio.wait(futs, timeout=ERROR_GRACE_S)
+        except asyncio.CancelledError:
+            for f in futs:
+                f.cancel()
+            raise
+        errors = []
+        for i, f in enumerate(futs):
+            if not f.done():  # left running: its outcome is retrieved, never reported
+                f.add_done_callback(lambda f: f.cancelled() or f.exception())
+            elif not f.cancelled() and f.exception() is not None:
+                errors.append((i, f.exception()))
+        for i, e in errors:
+            if _lost(e):
+                r = self.ranks[i] if i < len(getattr(self, "ranks", [])) else {}
+                where = f" on host {r['host']} (pid {r['pid']})" if "host" in r else ""
+                first = (str(e).strip().splitlines() or [""])[0]
+                raise WorkerLost(f"{self.role} rank {i}{where} was lost during {what}: "
+                                 f"{type(e).__name__}: {first}") from e
+        raise min(errors, key=lambda ie: (_secondary(ie[1]), ie[0]))[1]
+
     def _shards(self, batch: dict) -> list[dict]:
         parts = split_batch(batch, self.dp)
         return [parts[r["dp_rank"]] for r in self.ranks]
@@ -59,7 +106,7 @@ class MegatronGroup:
         shards = self._shards(batch)
         refs = [a.compute_logp.remote(s, temperature, micro_batch_size, with_entropy)
                 for a, s in zip(self.actors, shards)]
-        results = await asyncio.gather(*refs)
+        results = await self._all("compute_logp", refs)
         by_dp = {}
         for r, out in zip(self.ranks, results):
             by_dp.setdefault(r["dp_rank"], out)
@@ -74,9 +121,9 @@ class MegatronGroup:
                 per_rank[i].append(s)
         # Every rank normalises its shard by the whole mini-batch's count (MegatronRank.train).
         masks = [mb["response_mask"] for mb in mini_batches]
-        results = await asyncio.gather(*[a.train.remote(mbs, micro_batch_size, temperature,
-                                                        masks)
-                                         for a, mbs in zip(self.actors, per_rank)])
+        results = await self._all("train", [a.train.remote(mbs, micro_batch_size, temperature,
+                                                           masks)
+                                             for a, mbs in zip(self.actors, per_rank)])
         leaders = [res for r, res in zip(self.ranks, results) if r["tp_rank"] == 0
                    and r["pp_rank"] == 0]
         steps = []
@@ -91,7 +138,7 @@ class MegatronGroup:
         """The critic's values [B, S] (`MegatronWorker.compute_values`)."""
         refs = [a.compute_values.remote(s, micro_batch_size)
                 for a, s in zip(self.actors, self._shards(batch))]
-        results = await asyncio.gather(*refs)
+        results = await self._all("compute_values", refs)
         by_dp = {}
         for r, out in zip(self.ranks, results):
             by_dp.setdefault(r["dp_rank"], out)
@@ -104,8 +151,9 @@ class MegatronGroup:
             for i, s in enumerate(self._shards(mb)):
                 per_rank[i].append(s)
         masks = [mb["response_mask"] for mb in mini_batches]
-        results = await asyncio.gather(*[a.train_critic.remote(mbs, micro_batch_size, masks)
-                                         for a, mbs in zip(self.actors, per_rank)])
+        results = await self._all("train_critic",
+                                  [a.train_critic.remote(mbs, micro_batch_size, masks)
+                                   for a, mbs in zip(self.actors, per_rank)])
         leaders = [res for r, res in zip(self.ranks, results)
                    if r["tp_rank"] == 0 and r["pp_rank"] == 0]
         return [{k: sum(ld[j][k] for ld in leaders) / len(leaders) for k in leaders[0][j]}
@@ -116,27 +164,31 @@ class MegatronGroup:
     async def init_weight_sync(self, engines: list[dict]) -> None:
         """Host one update group per pipeline stage and have the engines join them."""
         addr, _ = ray.get(self.actors[0].rendezvous.remote(self.single_node))
-        await asyncio.gather(*[a.init_weight_sync.remote(engines, addr) for a in self.actors])
+        await self._all("init_weight_sync",
+                        [a.init_weight_sync.remote(engines, addr) for a in self.actors])
         self.sync_initialised = True
 
     async def sync_weights(self, version: int) -> dict:
-        stats = await asyncio.gather(*[a.sync_weights.remote(version) for a in self.actors])
+        stats = await self._all("sync_weights",
+                                [a.sync_weights.remote(version) for a in self.actors])
         return stats[0]
 
     async def wait_weight_sync(self) -> dict:
-        stats = await asyncio.gather(*[a.wait_weight_sync.remote() for a in self.actors])
+        stats = await self._all("wait_weight_sync",
+                                [a.wait_weight_sync.remote() for a in self.actors])
         return stats[0]
 
     async def replace_engine(self, index: int, engine: dict) -> None:
         """Rollout engine `index` was replaced: every rank's sender takes the new one into its
         update group at the next version."""
-        await asyncio.gather(*[a.replace_engine.remote(index, engine) for a in self.actors])
+        await self._all("replace_engine",
+                        [a.replace_engine.remote(index, engine) for a in self.actors])
 
     async def save(self, path: str, **meta) -> None:
-        await asyncio.gather(*[a.save.remote(path, **meta) for a in self.actors])
+        await self._all("save", [a.save.remote(path, **meta) for a in self.actors])
 
     async def load(self, path: str) -> None:
-        await asyncio.gather(*[a.load.remote(path) for a in self.actors])
+        await self._all("load", [a.load.remote(path) for a in self.actors])
 
     def shutdown(self, timeout_s: float = 60.0) -> None:
         try:

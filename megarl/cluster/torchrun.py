@@ -416,7 +416,8 @@ class TorchrunMegatronGroup(MegatronGroup):
 
     async def init_weight_sync(self, engines: list[dict]) -> None:
         addr, _ = await self.actors[0].rendezvous.remote(self.single_node)
-        await asyncio.gather(*[a.init_weight_sync.remote(engines, addr) for a in self.actors])
+        await self._all("init_weight_sync",
+                        [a.init_weight_sync.remote(engines, addr) for a in self.actors])
         self.sync_initialised = True
 
     def shutdown(self, timeout_s: float = 60.0) -> None:

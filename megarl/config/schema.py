@@ -184,6 +184,7 @@ RANGES: Dict[str, Range] = {
     "trainer.total_training_steps": POSITIVE,
     "trainer.test_freq": OFF_OR_POSITIVE,
     "trainer.save_freq": OFF_OR_POSITIVE,
+    "trainer.timeline_freq": OFF_OR_POSITIVE,
     "trainer.max_actor_ckpt_to_keep": POSITIVE,
     "trainer.seed": SEED,
 }
@@ -539,6 +540,11 @@ class TrainerConfig:
     """Validate every this many steps; -1 never (besides val_before_train); 0 is refused."""
     save_freq: int = -1
     """Checkpoint every this many steps; -1 only at the end; 0 is refused."""
+    timeline_freq: int = 10
+    """Every this many steps (and at the end) write the run's timeline: `timeline.json` (a
+    Chrome trace of every task interval on every group so far) and `timeline.png` (a picture
+    of the last `timeline_freq` steps, also logged to TensorBoard as the image `timeline`);
+    -1 never; 0 is refused."""
     max_actor_ckpt_to_keep: Optional[int] = None
     """Keep only this many newest checkpoints (null keeps all); the newest one that verifies
     against its manifest is never deleted (docs/checkpoints.md)."""

@@ -9,6 +9,7 @@ samples and tensors each state produces) and the side effects (metrics, checkpoi
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -18,6 +19,7 @@ from megarl.algo.advantages import compute_advantages, gae_advantages, token_rew
 from megarl.algo.kl import adaptive_kl_coef, apply_kl_in_reward
 from megarl.observability.metrics import (MetricsTracker, pipeline_step_metrics,
                                           staleness_metrics, throughput)
+from megarl.observability.timeline import render_png, write_chrome_trace
 from megarl.rollout.protocol import version_int
 
 from . import checkpoint as ckpt
@@ -30,6 +32,15 @@ from .validation import first_last_table
 
 logger = logging.getLogger(__name__)
 
+
+
+def _describe(err: BaseException) -> str:
+    """`Type: message` of a failed state's error; for an error a Ray worker raised, of the
+    worker's own exception (Ray's wrapper adds a banner and the remote traceback)."""
+    cause = getattr(err, "cause", None)
+    if isinstance(cause, BaseException) and type(err).__name__.startswith("RayTaskError"):
+        err = cause
+    return f"{type(err).__name__}: {err}"
 
 class Driver:
     def __init__(self, run: Run):
@@ -76,7 +87,7 @@ class Driver:
                     action = running.pop(t)
                     err = None if t.cancelled() else t.exception()
                     if err is not None:  # a failed state fails the run
-                        logger.error("%s failed: %s: %s", action, type(err).__name__, err)
+                        logger.error("%s failed: %s", action, _describe(err))
                     t.result()  # ... with its own traceback
                     pipeline.finish(action)
                     await self.after(action)
@@ -304,8 +315,27 @@ class Driver:
         self.steps.pop(k, None)
         t = self.cfg.trainer
         last = k + 1 == self.p.total_steps
+        if t.timeline_freq > 0 and ((k + 1) % t.timeline_freq == 0 or last):
+            self.write_timeline(k, t.timeline_freq)
         if t.save_freq > 0 and ((k + 1) % t.save_freq == 0 or last):
             await self.save(k)
+
+    def write_timeline(self, k: int, last_steps: int) -> None:
+        """`timeline.json` (the whole run so far) and `timeline.png` (steps k-last_steps+1..k,
+        with the validations among them), the picture also to TensorBoard at step k+1."""
+        tl = self.p.timeline
+        trace = write_chrome_trace(tl, self.r.ckpt_root / "timeline.json")
+        first = k - last_steps + 1
+        # From the first interval of step `first` on, everything each group did (the end of
+        # step first-1's work, step k+1's generation), so a busy group is not drawn waiting.
+        lo = min((iv.start for iv in tl if iv.step >= first), default=0.0)
+        recent = [dataclasses.replace(iv, start=max(iv.start, lo)) for iv in tl if iv.end > lo]
+        groups = sorted({g for t, g in self.p.groups.items() if not t.startswith("val-")})
+        png = render_png(recent, self.r.ckpt_root / "timeline.png", groups=groups,
+                         title=f"steps {max(first, 0) + 1}-{k + 1} (seconds since the first "
+                               "bar; grey: the group waits)")
+        self.r.loggers.log_image(k + 1, "timeline", png)
+        logger.debug("timeline written: %s, %s", trace, png)
 
     def _model_inputs(self, b: dict) -> dict:
         return {"input_ids": b["input_ids"], "attention_mask": b["attention_mask"]}

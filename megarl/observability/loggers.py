@@ -92,6 +92,15 @@ class TensorBoardLogger:
                 self.writer.add_scalar(name, value, global_step=step)
         self.writer.flush()
 
+    def log_image(self, step: int, name: str, png: str | Path) -> None:
+        import numpy as np
+        from PIL import Image
+
+        with Image.open(png) as img:
+            pixels = np.asarray(img.convert("RGB"))
+        self.writer.add_image(name, pixels, global_step=step, dataformats="HWC")
+        self.writer.flush()
+
     def close(self) -> None:
         self.writer.close()
 
@@ -105,6 +114,12 @@ class Loggers:
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         for sink in self.sinks:
             sink.log(step, metrics)
+
+    def log_image(self, step: int, name: str, png: str | Path) -> None:
+        """A picture (a PNG file) to the sinks that show pictures (TensorBoard)."""
+        for sink in self.sinks:
+            if hasattr(sink, "log_image"):
+                sink.log_image(step, name, png)
 
     def close(self) -> None:
         for sink in self.sinks:

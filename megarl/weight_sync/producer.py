@@ -121,6 +121,7 @@ class WeightProducer:
         self._swaps: dict[int, EngineLink] = {}
         self._swap_lock = threading.Lock()
         self._address = "127.0.0.1"
+        self._version: int | str = "-"  # the version being opened, for errors
         self._io = _LoopThread()
         self._snap_bufs: dict[int, torch.Tensor] = {}
         self._pack_buf: torch.Tensor | None = None
@@ -131,6 +132,12 @@ class WeightProducer:
     # -- engines and the group ----------------------------------------------------------------
     def live(self) -> list[EngineLink]:
         return [l for l in self.links if l.name not in self.stale]
+
+    def _none_left(self) -> WeightSyncError:
+        why = "; ".join(f"engine {n}: {w}" for n, w in self.stale.items()
+                        if n in {l.name for l in self.links})
+        return WeightSyncError(self._version, None, "no engine left to send weights to"
+                               + (f" ({why})" if why else ""), stage=self.stage)
 
     def stale_now(self) -> list[str]:
         """The engine slots whose engine is stale (a dead engine whose slot has a replacement
@@ -164,8 +171,7 @@ class WeightProducer:
         port = port or free_port(self._address)
         links = self.live()
         if not links:
-            raise WeightSyncError("-", None, "no engine left to send weights to",
-                                  stage=self.stage)
+            raise self._none_left()
         offsets, world = update_group_ranks([l.tp_size for l in links])
         async def join_all():
             return await asyncio.gather(*(asyncio.wait_for(l.init_group(
@@ -239,8 +245,9 @@ class WeightProducer:
         self.mark_stale({l.name: f"{what}: {_why(r, self.config.timeout_s)}"
                          for l, r in zip(links, results) if isinstance(r, BaseException)})
 
-    def open_version(self) -> None:
+    def open_version(self, version: int | str = "-") -> None:
         """Pause (where the engine loads into live weights) and begin the update session."""
+        self._version = version
         self._try([l for l in self.live() if l.pause_for_update], lambda l: l.pause(),
                   "pause_generation")
         self._try(self.live(), lambda l: l.begin(), "begin_weight_update")
@@ -266,8 +273,7 @@ class WeightProducer:
             self._each(dead, lambda l: l.end(), timeout=10)
             self._each(dead, lambda l: l.resume(), timeout=10)
         if not self.live():
-            raise WeightSyncError("-", None, "no engine left to send weights to",
-                                  stage=self.stage)
+            raise self._none_left()
 
     def engine_checksums(self) -> list[dict[str, str]]:
         return self._all(self.live(), lambda l: l.checksums(), "weights_checker")

@@ -125,12 +125,26 @@ class WeightSyncError(RuntimeError):
     """A sync failed; says which version, stage, bucket and engine."""
 
     def __init__(self, version, bucket: int | None, cause: str, *, stage: int = 0,
-                 engine: str | None = None):
+                 engine: str | None = None, elsewhere: bool = False):
         self.version, self.bucket, self.stage, self.engine = version, bucket, stage, engine
+        self.cause = cause
+        # Raised by a rank that only learnt another rank failed: the other's error says why.
+        self.elsewhere = elsewhere
         where = f"bucket {bucket}" if bucket is not None else "setup"
         who = f" engine {engine}:" if engine else ""
         super().__init__(f"weight sync of version {version} failed at stage {stage} {where}:"
                          f"{who} {cause}")
+
+    def __reduce__(self):
+        # Crosses process boundaries (Ray, the torchrun control channel): the default would
+        # call __init__ with the message alone.
+        return (_sync_error, (self.version, self.bucket, self.cause, self.stage, self.engine,
+                              self.elsewhere))
+
+
+def _sync_error(version, bucket, cause, stage, engine, elsewhere) -> WeightSyncError:
+    return WeightSyncError(version, bucket, cause, stage=stage, engine=engine,
+                           elsewhere=elsewhere)
 
 
 def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:

@@ -105,7 +105,8 @@ class TrainerWeightSync:
         if err is not None:
             raise err
         if flag.item():
-            raise WeightSyncError(version, None, "failed on another trainer rank")
+            raise WeightSyncError(version, None, "failed on another trainer rank",
+                                 elsewhere=True)
 
     def _deliver(self, buckets, version: int, seq: int, stats: SyncStats) -> SyncStats:
         """This stage's part of one version, in its turn; the coordinator opens and closes."""
@@ -120,7 +121,7 @@ class TrainerWeightSync:
                                       f"{before['error']}", stage=self.stage)
             p.exclude(before["stale"])
             if self.coordinator:
-                p.open_version()
+                p.open_version(version)
             p.send(buckets, version, set_version=last, stats=stats)
         except Exception as e:  # noqa: BLE001 - reported to the other stages, then raised
             err = e

@@ -186,7 +186,7 @@ def _ray_env():
                 RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=os.urandom(32).hex())
 
 
-def _ray_cluster(hs: Hosts, short_tmp, env, cpus: int) -> str:
+def _ray_cluster(hs: Hosts, short_tmp, env, cpus: int | list[int]) -> str:
     """`ray start` on every host the way docs/launch.md says for a cluster without Slurm: the
     head on host 0, the others joining it, each naming its own address."""
     head = f"{hs.addr(0)}:6379"
@@ -194,7 +194,8 @@ def _ray_cluster(hs: Hosts, short_tmp, env, cpus: int) -> str:
         where = ["--head", "--port=6379", "--include-dashboard=false"] if i == 0 else \
             [f"--address={head}"]
         r = hs.run(i, ["ray", "start", *where, f"--node-ip-address={hs.addr(i)}",
-                       f"--num-cpus={cpus}", "--disable-usage-stats",
+                       f"--num-cpus={cpus if isinstance(cpus, int) else cpus[i]}",
+                       "--disable-usage-stats",
                        f"--temp-dir={short_tmp / f'ray{i}'}"], env=env, timeout=180)
         assert r.returncode == 0, f"ray start on host {i}:\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
     return head
@@ -253,11 +254,14 @@ def test_ray_on_two_hosts_places_groups_on_whole_hosts_and_reward_rises(quicksta
 
 
 # ------------------------------------------------------------------ Slurm
-def test_slurm_on_two_hosts_runs_the_quickstart_with_ray_across_them(quickstart_assets,
-                                                                     tmp_path):
-    """`sbatch -N 2 launch/slurm_ray.sh`: slurmctld on host 0, a slurmd on each host; the
-    script brings Ray up on both nodes (head on node 0, a worker joining it from node 1) and
-    runs the quickstart with trainer.nnodes=2, groups on whole hosts."""
+def test_slurm_on_two_hosts_trains_validates_and_converts(quickstart_assets, tmp_path):
+    """slurmctld on host 0, a slurmd on each host (its own NodeName and address):
+    - `sbatch -N 2 launch/slurm_ray.sh` brings Ray up on both nodes (head on node 0, a worker
+      joining it from node 1) and runs the quickstart with trainer.nnodes=2, groups on whole
+      hosts, saving a checkpoint at the end;
+    - `sbatch -N 2 launch/slurm_validate.sh` validates that checkpoint on both nodes;
+    - `sbatch -N 1 -w n1 launch/slurm_convert.sh mcore2hf` exports it on the second node
+      (conversion is one node's work: its ranks run under `torchrun --standalone`)."""
     import shutil
     import tempfile
 
@@ -273,49 +277,65 @@ def test_slurm_on_two_hosts_runs_the_quickstart_with_ray_across_them(quickstart_
                RAY_TMPDIR=str(d / "ray"), RAY_START_TIMEOUT="120", RAY_STOP_ON_NODES="0",
                MEGARL_VENV=sys.prefix)
     env.pop("RAY_AUTH_TOKEN")  # the script makes one per job
+    config = str(ROOT / "configs" / "quickstart.yaml")
+    common = _overrides(quickstart_assets, tmp_path, 4, "trainer.save_freq=4",
+                        "trainer.n_gpus_per_node=2")
+    jobs = {}
     try:
         munged = subprocess.run(munged_command(d), env=env, capture_output=True, text=True)
         assert munged.returncode == 0, munged.stderr
         with Hosts(2) as hs:
-            # slurmctld on host 0, one slurmd per host (`slurmd -N nX`) at its own address
             ctl = f"{socket.gethostname().split('.')[0]}({hs.addr(0)})"
             (d / "slurm.conf").write_text(slurm_conf(
                 d, ctl, ["n0", "n1"], ctl_port=6817, slurmd_port=6818, cpus=2, mem_mb=4096,
                 addrs=[hs.addr(0), hs.addr(1)]))
 
             def ok(i, *cmd):
-                r = hs.run(i, list(cmd), env=env, timeout=120)
+                r = hs.run(i, [str(c) for c in cmd], env=env, timeout=120)
                 assert r.returncode == 0, f"{cmd} on host {i}: {r.stdout}\n{r.stderr}"
                 return r.stdout
 
-            ok(0, "slurmctld", "-f", str(d / "slurm.conf"))
+            def submit(name, *args, watch=None, timeout=400):
+                """sbatch on host 0; waits for the end. Returns (state, output, watched):
+                `watch` runs once, while the job runs, when its output first shows "step 1/"."""
+                out_file = d / f"{name}.out"
+                job = ok(0, "sbatch", "--parsable", f"--output={out_file}", *args)
+                job = job.strip().split(";")[0]
+                deadline, watched = time.time() + timeout, None
+                while True:
+                    so_far = out_file.read_text(errors="replace") if out_file.exists() else ""
+                    if watch and watched is None and "step 1/" in so_far:
+                        watched = watch()
+                    info = ok(0, "scontrol", "show", "job", "-o", job)
+                    state = re.search(r"JobState=(\S+)", info).group(1)
+                    if state not in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING"):
+                        break
+                    assert time.time() < deadline, so_far[-4000:]
+                    time.sleep(0.5)
+                out = out_file.read_text(errors="replace")
+                (tmp_path / f"{name}.out").write_text(out)  # kept with the test's files
+                return state, out, watched
+
+            ok(0, "slurmctld", "-f", d / "slurm.conf")
             for i in range(2):
-                ok(i, "slurmd", "-N", f"n{i}", "-f", str(d / "slurm.conf"))
+                ok(i, "slurmd", "-N", f"n{i}", "-f", d / "slurm.conf")
             deadline = time.time() + 60
             while ok(0, "sinfo", "-h", "-N", "-o", "%T").split() != ["idle", "idle"]:
                 assert time.time() < deadline, (d / "log" / "slurmctld.log").read_text()[-3000:]
                 time.sleep(0.5)
-            job = ok(0, "sbatch", "--parsable", "-N", "2", f"--output={d}/job.out",
-                     str(ROOT / "launch" / "slurm_ray.sh"),
-                     str(ROOT / "configs" / "quickstart.yaml"),
-                     *_overrides(quickstart_assets, tmp_path, 4, "trainer.save_freq=-1",
-                                 "trainer.n_gpus_per_node=2")).strip().split(";")[0]
-            deadline, placed = time.time() + 400, {}
-            while True:
-                so_far = (d / "job.out").read_text(errors="replace") \
-                    if (d / "job.out").exists() else ""
-                if not placed and "step 1/" in so_far:
-                    placed = {w: hs.where(f"ray::{w}") for w in ("MegatronActor",
-                                                                   "RolloutActor")}
-                info = ok(0, "scontrol", "show", "job", "-o", job)
-                state = re.search(r"JobState=(\S+)", info).group(1)
-                if state not in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING"):
-                    break
-                assert time.time() < deadline, (d / "job.out").read_text()[-4000:]
-                time.sleep(0.5)
-            out = (d / "job.out").read_text(errors="replace")
-            (tmp_path / "job.out").write_text(out)  # kept with the test's files
-            ok(0, "scancel", job)
+            jobs["train"] = submit("train", "-N", "2", ROOT / "launch" / "slurm_ray.sh",
+                                   config, *common,
+                                   watch=lambda: {w: hs.where(f"ray::{w}") for w in
+                                                  ("MegatronActor", "RolloutActor")})
+            run = tmp_path / "megarl" / "t"
+            if jobs["train"][0] == "COMPLETED":
+                jobs["validate"] = submit("validate", "-N", "2",
+                                          ROOT / "launch" / "slurm_validate.sh", config, run,
+                                          *common)
+                jobs["convert"] = submit("convert", "-N", "1", "-w", "n1",
+                                         ROOT / "launch" / "slurm_convert.sh", "mcore2hf",
+                                         "--ckpt", run / "global_step_3" / "actor",
+                                         "--out", tmp_path / "hf")
     finally:
         for f in (d / "run").glob("*.pid"):
             try:
@@ -323,6 +343,7 @@ def test_slurm_on_two_hosts_runs_the_quickstart_with_ray_across_them(quickstart_
             except (ProcessLookupError, ValueError):
                 pass
         shutil.rmtree(d, ignore_errors=True)
+    state, out, placed = jobs["train"]
     assert state == "COMPLETED", out[-5000:]
     assert re.search(r"Ray: 2 of 2 node\(s\) up", out), out[-4000:]
     servers = {h for h, _ in _servers(out)}
@@ -332,3 +353,60 @@ def test_slurm_on_two_hosts_runs_the_quickstart_with_ray_across_them(quickstart_
     assert placed == {"MegatronActor": {1 - i: 4}, "RolloutActor": {i: 2}}, placed
     assert "127.0.0.1" not in "".join(x for x in out.splitlines() if "rollout servers" in x)
     assert _trained_steps(tmp_path) == [0, 1, 2, 3]
+    # validation of the saved weights (v4, after four steps) on both nodes
+    state, out, _ = jobs["validate"]
+    assert state == "COMPLETED", out[-5000:]
+    assert re.search(r"Ray: 2 of 2 node\(s\) up", out), out[-4000:]
+    assert len({h for h, _ in _servers(out)} & {hs.addr(0), hs.addr(1)}) == 1, out[-4000:]
+    assert re.search(r"validation of weights v4: val/reward_mean=", out), out[-4000:]
+    assert _trained_steps(tmp_path) == [0, 1, 2, 3]  # nothing trained
+    # the export ran on the node it was sent to
+    state, out, _ = jobs["convert"]
+    assert state == "COMPLETED", out[-5000:]
+    assert "with 1 rank(s) on n1" in out, out[-3000:]
+    assert (tmp_path / "hf" / "config.json").is_file()
+    assert (tmp_path / "hf" / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("lost", ["generate", "train"])
+def test_ray_host_killed_stops_the_run_naming_the_host(quickstart_assets, tmp_path, short_tmp,
+                                                       lost):
+    """Three hosts: the Ray head and the driver on host 0 (no devices, as a cluster's head
+    node), two CPU devices on each of hosts 1 and 2, one task group per host. Mid-run every
+    process on the host of the `lost` group is killed: the run ends within BOUND_S, and the
+    driver's error names that host and the task that failed on it."""
+    env = _ray_env()
+    worker = {"generate": "RolloutActor", "train": "MegatronActor"}[lost]
+    with Hosts(3) as hs:
+        head = _ray_cluster(hs, short_tmp, env, cpus=[0, 2, 2])
+        driver = hs.popen(0, [sys.executable, "-m", "megarl.cli", "train",
+                              "--config", str(ROOT / "configs" / "quickstart.yaml"),
+                              *_overrides(quickstart_assets, tmp_path, 1000,
+                                          "trainer.save_freq=-1", "trainer.nnodes=2",
+                                          "trainer.n_gpus_per_node=2")],
+                          env=dict(env, RAY_ADDRESS=head), stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
+        lines, killed, host = [], None, None
+        for line in driver.stdout:
+            lines.append(line)
+            if "step 3/" in line and killed is None:
+                (host,) = hs.where(f"ray::{worker}")  # one host holds the whole group
+                Hosts._kill_inside(hs.names[host])
+                killed = time.time()
+        code = driver.wait(timeout=60)
+        took = time.time() - (killed or time.time())
+        out = "".join(lines)
+        (tmp_path / "driver.log").write_text(out)  # kept with the test's files
+    assert killed is not None and host in (1, 2), out[-4000:]
+    assert code not in (None, 0), out[-4000:]
+    assert took <= BOUND_S, f"{took:.0f} s\n{out[-4000:]}"
+    addr = re.escape(hs.addr(host))
+    failed = [x for x in out.splitlines() if "megarl.controller.driver" in x and " failed: " in x]
+    assert failed, out[-4000:]
+    if lost == "train":  # a lost rank is named with its host, not just Ray's actor id
+        assert re.search(rf"(TRAIN|LOGP|REF_LOGP|SYNC)\(\d+\)@\S+ failed: WorkerLost: "
+                         rf"(actor|ref) rank \d on host {addr} \(pid \d+\) was lost during ",
+                         failed[0]), failed
+    else:  # every engine of the host is gone: the weight sync or generation says which
+        assert re.search(rf"(SYNC|GENERATE)\(\d+\)@\S+ failed: .*no (rollout )?engine left.*"
+                         rf"http://{addr}:\d+", failed[0]), failed

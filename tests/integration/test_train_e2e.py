@@ -116,6 +116,37 @@ def test_reward_rises(quickstart_assets, tmp_path, mode):
     calls = scalars(tmp_path, "reward/calls")
     assert sum(calls.values()) >= 40 * 32 and not any(scalars(tmp_path,
                                                                "reward/failures").values())
+    check_timeline(tmp_path, 40)
+
+
+def check_timeline(run_dir, steps: int, every: int = 10) -> None:
+    """The run's timeline files: the trace holds every interval, and each task's summed
+    intervals in a step are the step's `timing/<task>`; the picture is in TensorBoard every
+    `every` steps (trainer.timeline_freq)."""
+    from PIL import Image
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from megarl.observability.metrics import TIMING_NAME
+
+    run = Path(run_dir) / "megarl" / "t"
+    events = [e for e in json.loads((run / "timeline.json").read_text())["traceEvents"]
+              if e["ph"] == "X"]
+    summed = {}
+    for e in events:
+        key = (e["cat"], e["args"]["step"])
+        summed[key] = summed.get(key, 0.0) + e["dur"] / 1e6
+    tasks = {task for task, _ in summed}
+    assert {"generate", "actor-train", "sync"} <= tasks, tasks
+    for task in tasks:
+        timing = scalars(run_dir, f"timing/{TIMING_NAME[task]}")
+        assert sorted(timing) == list(range(1, steps + 1)), task
+        for k in range(steps):
+            assert summed[(task, k)] == pytest.approx(timing[k + 1], rel=0.05), (task, k)
+    with Image.open(run / "timeline.png") as img:
+        assert img.size[0] > 0 and len(img.convert("RGB").getcolors(1 << 24)) > 3  # not blank
+    acc = EventAccumulator(str(run / "tensorboard"))
+    acc.Reload()
+    assert [i.step for i in acc.Images("timeline")] == list(range(every, steps + 1, every))
 
 
 def test_sglang_backend_trains_through_the_stock_contract(quickstart_assets, tmp_path):

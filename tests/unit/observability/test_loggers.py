@@ -72,3 +72,36 @@ def test_chrome_trace(tmp_path):
     names = {e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M"}
     assert names == {"colocated", "reward"}
     assert max(e["ts"] + e["dur"] for e in events) == pytest.approx(3.0e6)
+
+
+def test_timeline_picture_shows_each_interval_and_the_waits(tmp_path):
+    """Bars sit where their intervals are, in their task's colour; the gaps stay grey; the
+    picture reaches TensorBoard as an image."""
+    from PIL import Image
+
+    from megarl.controller.machine import Interval
+    from megarl.observability.timeline import TASK_COLOURS, render_png
+
+    tl = [Interval("trainer", "actor-train", 0, 0.0, 4.0),
+          Interval("rollout", "generate", 0, 0.0, 2.0),
+          Interval("rollout", "generate", 1, 6.0, 10.0)]
+    png = render_png(tl, tmp_path / "t.png", groups=["trainer", "rollout"], width=1210)
+    assert not list(tmp_path.glob(".*tmp"))  # renamed into place
+    img = Image.open(png).convert("RGB")
+    left, right, top, row, gap = 190, 100, 40, 30, 8  # render_png's layout
+    x = lambda t: int(left + t / 10.0 * (1210 - left - right))  # noqa: E731
+    y = lambda r: top + r * (row + gap) + 5  # noqa: E731  (above the step label)
+    assert img.getpixel((x(2.0), y(0))) == TASK_COLOURS["actor-train"]
+    assert img.getpixel((x(6.0), y(0))) == (238, 238, 238)  # the trainer waits
+    assert img.getpixel((x(1.0), y(1))) == TASK_COLOURS["generate"]
+    assert img.getpixel((x(4.0), y(1))) == (238, 238, 238)  # between two generations
+    assert img.getpixel((x(8.0), y(1))) == TASK_COLOURS["generate"]
+    tb = TensorBoardLogger(tmp_path / "tb")
+    tb.log_image(3, "timeline", png)
+    tb.close()
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    (shown,) = acc.Images("timeline")
+    assert shown.step == 3 and (shown.width, shown.height) == img.size
