@@ -109,7 +109,9 @@ def test_a_killed_engine_is_replaced_and_its_requests_finish_elsewhere(servers):
     assert all(len(o.output_ids) == LENGTH for o in outs)
     assert during["rollout/engine_failures"] == 1 and during["rollout/requeued_requests"] >= 1
     assert during["rollout/engines_alive_min"] == 1
-    assert after["rollout/engines_alive"] == 2 and after["rollout/engines_replaced"] == 1
+    assert after["rollout/engines_alive"] == 2
+    # counted when it came back, which on an idle machine can be before the requests ended
+    assert during["rollout/engines_replaced"] + after["rollout/engines_replaced"] == 1
     assert len(spare) == 1
 
 
