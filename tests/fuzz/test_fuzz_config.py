@@ -169,12 +169,17 @@ MALFORMED = [  # overrides and YAML a new user might type
 def _generated_values(rng: random.Random, count: int) -> list:
     pairs = [(key, kind, text) for key, hint in sorted(LEAVES.items())
              for kind, text in bad_values(key, hint)]
-    cases = []
+    cases, seen = [], set()
     for key, kind, text in rng.sample(pairs, count):
-        if rng.random() < 0.5:
-            cases.append((f"{key}={kind}:override", [f"{key}={text}"], None, key))
+        how = "override" if rng.random() < 0.5 else "yaml"
+        name = f"{key}={kind}:{how}"
+        if name in seen:  # a key can have two bad values of one kind (below, above range)
+            name += f"#{len(cases)}"
+        seen.add(name)
+        if how == "override":
+            cases.append((name, [f"{key}={text}"], None, key))
         else:
-            cases.append((f"{key}={kind}:yaml", [], _as_yaml(key, text), key))
+            cases.append((name, [], _as_yaml(key, text), key))
     return cases
 
 
