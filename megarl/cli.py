@@ -105,6 +105,60 @@ def _driver(command: str):
         raise _Abort(f"megarl {command}: the controller is not built yet") from None
 
 
+def _plan_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--from-run", metavar="DIR",
+                        help="a finished run's output directory (or its timeline.json) to take "
+                             "task durations from; without it a short profiling run of the "
+                             "config is started first")
+    parser.add_argument("--profile-steps", type=int, default=8, metavar="N",
+                        help="steps of the profiling run (default 8; the first 2 are warm-up)")
+    parser.add_argument("--gpu-memory-gib", type=float, default=80.0, metavar="GIB",
+                        help="memory of one device for each layout's fit check (default 80)")
+    parser.add_argument("--out", metavar="FILE",
+                        help="also write the best layout's overrides here, one per line")
+
+
+@subcommand("plan", "rank task-group layouts (groups, device shares, generate-ahead) by "
+            "simulated step time from measured task durations", flags=_plan_flags)
+def _plan(args: argparse.Namespace) -> int:
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    from megarl.controller import planner
+
+    cfg = load_config(args.config, args.overrides)  # a bad config fails before any work
+    if args.profile_steps < 3:
+        raise _Abort("megarl plan: --profile-steps must be at least 3 (2 are warm-up)")
+    if args.out and not Path(args.out).resolve().parent.is_dir():
+        raise _Abort(f"megarl plan: --out {args.out}: no such directory")
+    source = args.from_run
+    if source is None:
+        t = cfg.trainer
+        name = f"{t.experiment_name}-plan-profile"
+        n = args.profile_steps
+        cmd = [sys.executable, "-m", "megarl.cli", "train",
+               *(["--config", args.config] if args.config else []), *args.overrides,
+               f"trainer.total_training_steps={n}", "trainer.save_freq=-1",
+               "trainer.test_freq=-1", "trainer.val_before_train=False",
+               f"trainer.timeline_freq={n}", f"trainer.experiment_name={name}",
+               "trainer.resume_mode=disable"]
+        logging.getLogger("megarl.plan").info("profiling run: %d steps of the config as given",
+                                              n)
+        if subprocess.run(cmd).returncode != 0:
+            raise _Abort("megarl plan: the profiling run failed (its log is above)")
+        source = str(Path(t.default_local_dir) / t.project_name / name)
+    m = planner.measure(source)
+    cands = planner.plan(args.config, args.overrides, m, args.gpu_memory_gib)
+    print(planner.format_table(cands, m), end="")
+    if args.out:
+        out = Path(args.out)
+        with tempfile.NamedTemporaryFile("w", dir=out.resolve().parent, delete=False) as f:
+            f.write("\n".join(cands[0].overrides()) + "\n")
+        os.replace(f.name, out)
+    return 0
+
+
 @subcommand("convert", "checkpoint conversion: `megarl convert {hf2mcore,mcore2hf,reshard} "
             "...` (each with --dry-run; see `megarl convert <name> --help`)", config=False)
 def _convert(args: argparse.Namespace) -> int:

@@ -17,6 +17,7 @@ import time
 
 from megarl.algo.advantages import compute_advantages, gae_advantages, token_rewards
 from megarl.algo.kl import adaptive_kl_coef, apply_kl_in_reward
+from megarl.config import plan_task_groups
 from megarl.observability.metrics import (MetricsTracker, pipeline_step_metrics,
                                           staleness_metrics, throughput)
 from megarl.observability.timeline import render_png, write_chrome_trace
@@ -324,7 +325,8 @@ class Driver:
         """`timeline.json` (the whole run so far) and `timeline.png` (steps k-last_steps+1..k,
         with the validations among them), the picture also to TensorBoard at step k+1."""
         tl = self.p.timeline
-        trace = write_chrome_trace(tl, self.r.ckpt_root / "timeline.json")
+        devices = {g.name: g.num_devices for g in plan_task_groups(self.cfg)}
+        trace = write_chrome_trace(tl, self.r.ckpt_root / "timeline.json", devices)
         first = k - last_steps + 1
         # From the first interval of step `first` on, everything each group did (the end of
         # step first-1's work, step k+1's generation), so a busy group is not drawn waiting.

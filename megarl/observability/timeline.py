@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Mapping
 
 
-def chrome_trace(intervals: Iterable) -> dict:
-    """{"traceEvents": [...]}; intervals have .group, .task, .step, .start, .end (seconds)."""
+def chrome_trace(intervals: Iterable, devices: Mapping[str, int] | None = None) -> dict:
+    """{"traceEvents": [...]}; intervals have .group, .task, .step, .start, .end (seconds).
+    `devices`: group -> its device count, recorded with the group's name (`megarl plan`
+    scales measured times by it)."""
     intervals = sorted(intervals, key=lambda i: i.start)
     t0 = intervals[0].start if intervals else 0.0
     pids: dict[str, int] = {}
@@ -22,17 +24,21 @@ def chrome_trace(intervals: Iterable) -> dict:
         events.append({"name": f"{iv.task}({iv.step})", "cat": iv.task, "ph": "X",
                        "pid": pid, "tid": 0, "ts": (iv.start - t0) * 1e6,
                        "dur": (iv.end - iv.start) * 1e6, "args": {"step": iv.step}})
-    meta = [{"name": "process_name", "ph": "M", "pid": pid, "args": {"name": group}}
+    devices = devices or {}
+    meta = [{"name": "process_name", "ph": "M", "pid": pid,
+             "args": {"name": group, **({"devices": devices[group]} if group in devices
+                                         else {})}}
             for group, pid in pids.items()]
     return {"traceEvents": meta + events, "displayTimeUnit": "ms"}
 
 
-def write_chrome_trace(intervals: Iterable, path: str | Path) -> Path:
+def write_chrome_trace(intervals: Iterable, path: str | Path,
+                       devices: Mapping[str, int] | None = None) -> Path:
     """Written atomically: a reader (or a crash) never sees half a trace."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(chrome_trace(intervals)))
+    tmp.write_text(json.dumps(chrome_trace(intervals, devices)))
     tmp.replace(path)
     return path
 

@@ -1,0 +1,122 @@
+"""`megarl plan`: measured durations from a timeline file, layouts priced by the scheduler's
+own simulation, the dry run's memory check, the CLI and its errors. The timelines here are
+written by the real trace writer from the real scheduler (a virtual clock), not by hand."""
+import json
+from pathlib import Path
+
+import pytest
+
+from megarl.cli import main
+from megarl.config import ConfigError
+from megarl.controller import planner
+from megarl.controller.machine import Pipeline, simulate, task_groups
+from megarl.observability.timeline import write_chrome_trace
+
+REPO = Path(__file__).resolve().parents[3]
+QWEN2 = str(REPO / "configs" / "qwen2_7b_async.yaml")
+TASKS = [["logp", "actor-train", "ref_logp"], ["generate"]]
+SECONDS = {"generate": 4.0, "reward": 0.5, "ref_logp": 1.0, "logp": 1.0, "actor-train": 2.0,
+           "sync": 0.2}
+
+
+@pytest.fixture(autouse=True)
+def _in_repo(monkeypatch):
+    monkeypatch.chdir(REPO)  # the config's hf_config_path is relative to the working directory
+
+
+def _trace(path: Path, groups=TASKS, devices=(8, 8), steps=10, seconds=SECONDS) -> Path:
+    p = Pipeline(2, steps, groups=task_groups(groups))
+    tl = simulate(p, seconds)
+    return write_chrome_trace(tl, path / "timeline.json",
+                              {"+".join(g): d for g, d in zip(groups, devices)})
+
+
+def test_measure_reads_medians_and_device_counts(tmp_path):
+    m = planner.measure(_trace(tmp_path).parent)  # a run directory names its timeline.json
+    assert m.seconds == pytest.approx(SECONDS)
+    assert m.devices == {"logp": 8, "actor-train": 8, "ref_logp": 8, "sync": 8,
+                         "generate": 8}
+    assert m.steps == 8  # the first two steps are warm-up
+
+
+def test_a_colocated_step_is_the_sum_and_overlap_hides_the_shorter_side(tmp_path):
+    m = planner.measure(_trace(tmp_path))
+    colocated, idle = planner.predict(m, [("generate", "ref_logp", "logp", "actor-train")],
+                                      [16], ahead=1)
+    # one group: every task in turn, each on twice the devices it was measured on
+    scaled = sum(SECONDS[t] / 2 for t in ("generate", "ref_logp", "logp", "actor-train"))
+    assert colocated == pytest.approx(scaled + SECONDS["reward"] + SECONDS["sync"])
+    assert idle == {"generate+ref_logp+logp+actor-train": pytest.approx(
+        SECONDS["reward"] / colocated)}
+    # separated, one step ahead: GENERATE(k+2) waits for SYNC(k), so the cycle is two steps
+    # of generate -> reward -> trainer side -> sync, while GENERATE(k+1) runs beside it
+    step, idle = planner.predict(m, [("logp", "actor-train", "ref_logp"), ("generate",)],
+                                 [8, 8], ahead=2)
+    trainer = SECONDS["ref_logp"] + SECONDS["logp"] + SECONDS["actor-train"] + SECONDS["sync"]
+    assert step == pytest.approx((SECONDS["generate"] + SECONDS["reward"] + trainer) / 2)
+    assert step < SECONDS["generate"] + SECONDS["reward"] + trainer  # overlap pays
+    assert idle["generate"] == pytest.approx(1 - SECONDS["generate"] / step)
+    assert idle["logp+actor-train+ref_logp"] == pytest.approx(1 - trainer / step)
+
+
+def test_plan_ranks_fitting_layouts_and_refuses_what_does_not_fit(tmp_path):
+    m = planner.measure(_trace(tmp_path))
+    cands = planner.plan(QWEN2, [], m, gpu_memory_gib=80.0)
+    ok = [c for c in cands if c.refused is None]
+    assert ok and [c.step_s for c in ok] == sorted(c.step_s for c in ok)
+    assert {sum(c.devices) for c in cands} == {32}  # 4 nodes of 8
+    assert all(d % 8 == 0 for c in cands for d in c.devices)  # whole nodes per group
+    # logp and actor-train are one model: never split by the planner
+    assert all(any({"logp", "actor-train"} <= set(g) for g in c.groups) for c in cands)
+    # the dry run's estimate: trainer and engine (its KV cache) on one 80 GiB device do not fit
+    refused = [c for c in cands if c.refused]
+    assert refused and all("does not fit" in c.refused for c in refused)
+    assert all(any({"generate", "actor-train"} <= set(g) for g in c.groups) for c in refused)
+    # the first choice, pasted back, loads and is that layout
+    from megarl.config import load_config
+
+    best = load_config(QWEN2, ok[0].overrides())
+    assert best.trainer.generate_ahead_steps == ok[0].ahead
+    assert len(best.trainer.separated_node_tasks) == len(ok[0].groups)
+
+
+def test_plan_cli_prints_a_table_and_writes_the_overrides(tmp_path, capsys):
+    run = _trace(tmp_path).parent
+    out = tmp_path / "best.txt"
+    assert main(["plan", "--config", QWEN2, "--from-run", str(run), "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "step s" in text and "best, as overrides:" in text
+    lines = out.read_text().splitlines()
+    assert lines[0].startswith("trainer.separated_node_tasks=[[")
+    assert all(f"'{x}'" in text for x in lines)
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda d: None, "no such file"),
+    (lambda d: (d / "timeline.json").write_text("{not json"), "not a megarl timeline"),
+    (lambda d: write_chrome_trace(simulate(Pipeline(1, 4), {"generate": 1.0}),
+                                  d / "timeline.json"), "no device count"),
+])
+def test_plan_errors_name_the_file(tmp_path, capsys, make, message):
+    make(tmp_path)
+    assert main(["plan", "--config", QWEN2, "--from-run", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and str(tmp_path) in err, err
+
+
+def test_plan_refuses_what_it_cannot_price(tmp_path, capsys):
+    run = _trace(tmp_path).parent
+    assert main(["plan", "--config", QWEN2, "--from-run", str(run),
+                 "algorithm.adv_estimator=gae"]) == 2
+    assert "algorithm.adv_estimator=gae" in capsys.readouterr().err
+    assert main(["plan", "--config", QWEN2, "--from-run", str(run), "--out",
+                 str(tmp_path / "nowhere" / "x")]) == 2
+    assert "--out" in capsys.readouterr().err
+    from megarl.controller.machine import Interval
+
+    gen_only = write_chrome_trace([Interval("generate", "generate", k, k, k + 1.0)
+                                   for k in range(4)], tmp_path / "g" / "timeline.json",
+                                  {"generate": 16})
+    with pytest.raises(ConfigError, match="no measured time for task"):
+        planner.plan(QWEN2, [], planner.measure(gen_only))
+    assert json.loads((tmp_path / "timeline.json").read_text())["traceEvents"]
