@@ -22,6 +22,13 @@ def _threads(n: int) -> None:
     torch.set_num_threads(n)
 
 
+def _version(v) -> int:
+    try:
+        return int(v)
+    except (TypeError, ValueError):
+        return -1
+
+
 class MegatronRank:
     """One rank of a Megatron model (actor, reference or critic) in its own torch.distributed
     world.
@@ -37,6 +44,7 @@ class MegatronRank:
         self.worker = None
         self.sync = None
         self.cfg = None
+        self.replica = None  # the logp group's weight receiver (serve_replica)
 
     def rendezvous(self, single_node: bool) -> tuple[str, int]:
         """Rank 0's address and a free port on its node: the world's master. One machine
@@ -66,6 +74,54 @@ class MegatronRank:
     def compute_logp(self, batch: dict, temperature: float, micro_batch_size: int,
                      with_entropy: bool = False) -> dict:
         return self.worker.compute_logp(batch, temperature, micro_batch_size, with_entropy)
+
+    # -- the logp group's replica (logp on a group of its own) ------------------------------
+    def serve_replica(self, single_node: bool, version: int) -> str:
+        """Start this rank's weight receiver and return its URL: an embedded engine holding
+        the actor's HF-named weights, which the trainer's weight sync feeds like any rollout
+        engine (same buckets, same versions, same checksums). `version`: what the weights
+        loaded now are (the HF model: the run's start, before a resumed run's first sync)."""
+        from megarl.rollout.engine import EmbeddedEngine
+        from megarl.rollout.server import ServerThread
+
+        host = "127.0.0.1" if single_node else ray.util.get_node_ip_address()
+        engine = EmbeddedEngine(self.cfg.actor_rollout_ref.model.path, load_tokenizer=False,
+                                weight_version=str(version), max_running_requests=1)
+        self.replica = ServerThread(engine, host=host).__enter__()
+        self.replica_version = version  # the version the Megatron model holds
+        logger.info("rank %d: logp replica receives weights at %s (version %d)", self.rank,
+                    self.replica.url, version)
+        return self.replica.url
+
+    def compute_logp_at(self, batch: dict, temperature: float, micro_batch_size: int,
+                        version: int, timeout_s: float) -> dict:
+        """Log-probs under weight version `version` exactly: waits (at most `timeout_s`) for
+        the receiver to hold it, then copies it into the Megatron model."""
+        import asyncio
+        import time
+
+        engine = self.replica.engine
+        deadline = time.monotonic() + timeout_s
+        while _version(engine.weight_version) < version:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"logp replica on rank {self.rank}: weight version "
+                                   f"{version} not received within {timeout_s:g} s (it holds "
+                                   f"{engine.weight_version})")
+            time.sleep(0.01)
+        if self.replica_version != version:
+            from megarl.convert import live
+
+            def copy(get, held):
+                live.load_hf_into(self.worker.model, self.worker.args, get)
+                return _version(held)
+
+            self.replica_version = asyncio.run_coroutine_threadsafe(
+                engine.read_weights(copy), self.replica._loop).result(timeout_s)
+        if self.replica_version != version:  # a newer one landed first: never a mix
+            raise RuntimeError(f"logp replica on rank {self.rank}: asked for weight version "
+                               f"{version}, holds {self.replica_version}")
+        return {"out": self.worker.compute_logp(batch, temperature, micro_batch_size),
+                "version": self.replica_version}
 
     def train(self, mini_batches: list[dict], micro_batch_size: int, temperature: float,
               batch_masks: list | None = None) -> list:
@@ -149,6 +205,9 @@ class MegatronRank:
 
         if self.sync is not None:
             self.sync.close()
+        if getattr(self, "replica", None) is not None:
+            self.replica.__exit__(None, None, None)
+            self.replica = None
         destroy_distributed()
 
 

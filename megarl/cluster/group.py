@@ -134,6 +134,26 @@ class MegatronGroup:
                           else sum(l[j][k] for l in leaders) / len(leaders) for k in keys})
         return steps
 
+    async def serve_replicas(self, version: int) -> list[dict]:
+        """The logp group: every rank's weight receiver, as engine links for the trainer's
+        weight sync (one update-group rank each; never routed to for generation)."""
+        urls = await self._all("serve_replica", [a.serve_replica.remote(self.single_node,
+                                                                        version)
+                                                 for a in self.actors])
+        return [{"url": u, "tp": 1, "pause": False} for u in urls]
+
+    async def compute_logp_at(self, batch: dict, temperature: float, micro_batch_size: int,
+                              version: int, timeout_s: float) -> tuple[dict, int]:
+        """`compute_logp` on the logp group's replica, under weight version `version`."""
+        refs = [a.compute_logp_at.remote(s, temperature, micro_batch_size, version, timeout_s)
+                for a, s in zip(self.actors, self._shards(batch))]
+        results = await self._all("compute_logp_at", refs)
+        by_dp = {}
+        for r, res in zip(self.ranks, results):
+            by_dp.setdefault(r["dp_rank"], res["out"])
+        out = {k: torch.cat([by_dp[d][k] for d in range(self.dp)]) for k in by_dp[0]}
+        return out, min(res["version"] for res in results)
+
     async def compute_values(self, batch: dict, micro_batch_size: int) -> dict:
         """The critic's values [B, S] (`MegatronWorker.compute_values`)."""
         refs = [a.compute_values.remote(s, micro_batch_size)

@@ -383,6 +383,10 @@ class RolloutConfig:
     """The trainer blocks only for a snapshot of its weights; a background sender delivers it
     while training goes on. (Stock SGLang still pauses generation while a version loads; the
     embedded engine stages it and keeps generating.)"""
+    verify_weight_sync: bool = False
+    """After every version, compare each engine's (and each logp replica's) checksum of every
+    tensor with the trainer's (`/weights_checker`); a difference fails the sync naming the
+    engine and tensor. Costs one hash of the model per version on both sides."""
     param_update_preduce_bucket_size_mb: int = 512
     """MiB of exported weights the sending trainer rank gathers (TP all-gather, its PP stage)
     before sending them (spelling from the feature request)."""

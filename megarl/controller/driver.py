@@ -35,6 +35,9 @@ logger = logging.getLogger(__name__)
 
 
 
+LOGP_WEIGHTS_TIMEOUT_S = 600.0  # a logp replica's wait for the version SYNC(k-1) sent
+
+
 def _describe(err: BaseException) -> str:
     """`Type: message` of a failed state's error; for an error a Ray worker raised, of the
     worker's own exception (Ray's wrapper adds a banner and the remote traceback)."""
@@ -231,10 +234,19 @@ class Driver:
                 self.metrics.add(k, name if "/" in name else f"critic/{name}", v)
 
     async def logp(self, k: int) -> None:
+        """The proximal policy's log-probs: the weights TRAIN(k) starts from (version k),
+        computed by the actor itself or, with logp on a group of its own, by its replica
+        there once it holds version k (SYNC(k-1) sent it; the machine orders LOGP after it)."""
         b = self.steps[k]["batch"]
-        out = await self.r.actor.compute_logp(
-            self._model_inputs(b), self.r.temperature,
-            self.cfg.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu)
+        mbs = self.cfg.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu
+        if self.r.logp is None:
+            out, version = await self.r.actor.compute_logp(self._model_inputs(b),
+                                                           self.r.temperature, mbs), k
+        else:
+            out, version = await self.r.logp.compute_logp_at(
+                self._model_inputs(b), self.r.temperature, mbs, k, LOGP_WEIGHTS_TIMEOUT_S)
+        self.metrics.update(k, {"actor/logp_version": float(version),
+                                "actor/logp_version_lag": float(k - version)})
         b["old_logprobs"] = out["logprobs"]
         mask = b["response_mask"] > 0
         diff = (b["old_logprobs"] - b["rollout_logprobs"])[mask].abs()

@@ -144,9 +144,6 @@ def plan_run(cfg: DictConfig, gpu_memory_gib: float = 80.0) -> RunPlan:
     groups = plan_task_groups(cfg)
     hf, source = load_hf_config(cfg)
     a = _model_args(hf, source)
-    if _hosting(groups, "logp") is not _hosting(groups, "actor-train"):
-        raise ConfigError("trainer.separated_node_tasks: `logp` and `actor-train` must share "
-                          "a group (one Megatron model serves both)")
     actor = arr.actor.megatron
     _check_layout(a, actor, f"{_ARR}.actor.megatron")
     if needs_ref(cfg):
@@ -250,9 +247,12 @@ def roles(cfg: DictConfig, g: GroupPlan) -> tuple[str, ...]:
     """What runs on a group, one line per role."""
     arr = cfg.actor_rollout_ref
     out = []
-    if "actor-train" in g.tasks or "logp" in g.tasks:
+    if "actor-train" in g.tasks:
         out.append("trainer (" + "+".join(x for x in g.tasks if x in ("logp", "actor-train"))
                    + "): " + _parallel(arr.actor.megatron, g.num_devices))
+    elif "logp" in g.tasks:
+        out.append("actor replica (logp, fed by the weight sync): "
+                   + _parallel(arr.actor.megatron, g.num_devices))
     if "ref_logp" in g.tasks and needs_ref(cfg):
         out.append("reference (ref_logp): " + _parallel(arr.ref.megatron, g.num_devices))
     elif "ref_logp" in g.tasks:
@@ -399,6 +399,8 @@ def estimate_memory(cfg: DictConfig, groups: list[GroupPlan], a: ModelArgs,
         items = []
         if "actor-train" in g.tasks:
             items += trainer_memory(cfg, a, g.num_devices)
+        elif "logp" in g.tasks:
+            items += replica_memory(cfg, a, stages)
         if "ref_logp" in g.tasks and needs_ref(cfg):
             items += reference_memory(cfg, a)
         if "generate" in g.tasks:
@@ -456,6 +458,19 @@ def reference_memory(cfg: DictConfig, a: ModelArgs) -> list[MemoryItem]:
     return [MemoryItem(f"reference params ({_count(n)} × {e} B)", n * e),
             MemoryItem("reference logits",
                        _logits_bytes(cfg, a, ref.megatron, ref.log_prob_micro_batch_size_per_gpu))]
+
+
+def replica_memory(cfg: DictConfig, a: ModelArgs, stages: list[StageBuckets]
+                   ) -> list[MemoryItem]:
+    """The logp group's replica: the actor's shard, the whole HF-named copy its receiver
+    holds (staged and live), and the logits of one log-prob micro-batch."""
+    m = cfg.actor_rollout_ref.actor.megatron
+    n, e = _rank_params(a, m), itemsize(m.params_dtype)
+    hf = sum(s.total for s in stages)
+    return [MemoryItem(f"replica params ({_count(n)} × {e} B)", n * e),
+            MemoryItem("replica receiver (HF weights, live + staged)", 2 * hf),
+            MemoryItem("replica logits", _logits_bytes(
+                cfg, a, m, cfg.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu))]
 
 
 def rollout_weights(cfg: DictConfig, stages: list[StageBuckets]) -> tuple[int, int]:

@@ -20,6 +20,8 @@ Scheduling rules (with a = generate_ahead_steps, steps start_step .. total_steps
 - Each state's work runs in step order (REWARD(k) after REWARD(k-1), ...).
 - GENERATE(j) waits for SYNC(j - a) (not at all when j - a < start_step).
 - LOGP(k) waits for TRAIN(k-1): the proximal policy is the weights TRAIN(k) starts from.
+  With logp on a group of its own, LOGP(k) waits for SYNC(k-1) instead: its group holds a
+  replica of the actor that receives version k through that sync, as the engines do.
 - TRAIN(k) waits for SYNC(k-1).
 - With a critic (`critic=True`), VALUES(k) runs between REF_LOGP(k) and LOGP(k), on the
   critic's group, and waits for TRAIN(k-1), which trains the critic too: values come from
@@ -202,6 +204,8 @@ class Pipeline:
         self.ahead, self.total_steps, self.test_freq = generate_ahead_steps, total_steps, test_freq
         self.start_step, self.val_only, self.clock = start_step, val_only, clock
         self.groups = self._resolve_groups(groups)
+        # logp on a group of its own computes on a replica the weight sync keeps current
+        self.separate_logp = self.groups["logp"] != self.groups["actor-train"]
         self.work = work_states(critic)
         self.weight_version = start_step
         """Latest version published by a finished SYNC (what the generators serve next)."""
@@ -296,6 +300,8 @@ class Pipeline:
             return None
         if nxt in (S.VALUES, S.LOGP) and not self._past(k - 1, S.TRAIN):
             return None
+        if nxt is S.LOGP and self.separate_logp and not self._past(k - 1, S.SYNC):
+            return None  # the logp group's replica receives version k through SYNC(k-1)
         if nxt is S.TRAIN and not self._past(k - 1, S.SYNC):
             return None
         if nxt is S.SYNC and (not self._generate_started(k + self.ahead - 1, started)

@@ -166,7 +166,9 @@ def plan(config: str | None, overrides: Sequence[str], m: Measured,
     if cfg.algorithm.adv_estimator == "gae":
         raise ConfigError("algorithm.adv_estimator=gae: megarl plan does not price a critic "
                           "yet (its values and critic-train tasks); plan the actor without it")
-    units = [("logp", "actor-train"), ("generate",)]  # one Megatron model serves logp+train
+    # logp on a group of its own runs on a replica the weight sync feeds (LOGP(k) then
+    # waits for SYNC(k-1), which the simulation knows)
+    units = [("logp",), ("actor-train",), ("generate",)]
     if needs_ref(cfg):
         units.append(("ref_logp",))
     missing = [x for u in units for x in u if x in SCALES and x not in m.seconds]
@@ -179,7 +181,7 @@ def plan(config: str | None, overrides: Sequence[str], m: Measured,
     out = []
     for groups in _partitions(units):
         if not needs_ref(cfg):  # ref_logp still needs a group to be scheduled on
-            groups = [groups[0] + ("ref_logp",), *groups[1:]]
+            groups = [g + ("ref_logp",) if "actor-train" in g else g for g in groups]
         for shares in _splits(total // unit, len(groups)):
             devices = tuple(x * unit for x in shares)
             fit = Candidate(tuple(tuple(g) for g in groups), devices, aheads[0])

@@ -45,6 +45,7 @@ class Run:
     device_groups: list
     driver_state: dict | None = None   # the resumed checkpoint's driver_state.json
     critic: Any = None                 # the value model (adv_estimator=gae), else None
+    logp: Any = None                   # logp's replica, when logp has a group of its own
 
     async def actor_wait(self) -> None:
         if self.actor is not None and self.actor.sync_initialised:
@@ -57,7 +58,7 @@ class Run:
 
         if self.manager is not None:
             await self.manager.close()
-        for g in (self.actor, self.ref, self.critic, self.rollout):
+        for g in (self.actor, self.ref, self.critic, self.logp, self.rollout):
             if g is not None:
                 g.shutdown(timeout_s=10.0 if failed else 60.0)
         for dg in self.device_groups:
@@ -151,9 +152,6 @@ async def setup_run(cfg, val_only: bool) -> Run:
         critic_ckpt = _critic_dir(found.path)  # before any worker: a gae run needs its critic
     prepare_assets(cfg)
     plans = plan_task_groups(cfg)
-    if _hosts(plans, "logp") is not _hosts(plans, "actor-train"):
-        raise ConfigError("trainer.separated_node_tasks: `logp` and `actor-train` must share "
-                          "a group (one Megatron model serves both)")
     tok = AutoTokenizer.from_pretrained(arr.model.tokenizer_path or arr.model.path)
     eos_ids = [tok.eos_token_id]
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
@@ -193,6 +191,9 @@ async def setup_run(cfg, val_only: bool) -> Run:
     # The critic (gae only) runs on its own task group, or beside actor-train.
     need_critic = cfg.algorithm.adv_estimator == "gae" and not val_only
     critic_dg = dgs[critic_hosted(plans).name] if need_critic else None
+    # `logp` on a group of its own: a frozen replica of the actor there, fed by the weight sync
+    logp_dg = dgs[_hosts(plans, "logp").name]
+    logp_dg = None if logp_dg is actor_dg or val_only else logp_dg
     # Processes per device of each group: a device is shared by every model placed on it.
     count = {n: 0 for n in dgs}
     count[actor_dg.name] += 1
@@ -201,10 +202,12 @@ async def setup_run(cfg, val_only: bool) -> Run:
         count[ref_dg.name] += 1
     if critic_dg is not None:
         count[critic_dg.name] += 1
+    if logp_dg is not None:
+        count[logp_dg.name] += 1
     share = {n: 1.0 / max(1, c) for n, c in count.items()}
     rollout = RolloutGroup(gen_dg, cfg, share[gen_dg.name], count[gen_dg.name],
                            log_dir=str(root / "logs"))
-    actor = ref = critic = None
+    actor = ref = critic = logp = None
     # val_only with no checkpoint validates the HF model itself: no trainer is needed.
     if not val_only or state is not None:
         actor = MegatronGroup(actor_dg, cfg, "actor", share[actor_dg.name], count[actor_dg.name])
@@ -213,7 +216,12 @@ async def setup_run(cfg, val_only: bool) -> Run:
         if critic_dg is not None:
             critic = MegatronGroup(critic_dg, cfg, "critic", share[critic_dg.name],
                                    count[critic_dg.name])
-        await actor.init_weight_sync(rollout.engines)
+        links = list(rollout.engines)
+        if logp_dg is not None:
+            logp = MegatronGroup(logp_dg, cfg, "logp", share[logp_dg.name], count[logp_dg.name])
+            # A resumed run's replicas hold the HF weights until the first sync below.
+            links += await logp.serve_replicas(start_step if state is None else start_step - 1)
+        await actor.init_weight_sync(links)
         if state is not None:
             await actor.load(str(found.path / "actor"))
             if critic is not None:
@@ -236,4 +244,4 @@ async def setup_run(cfg, val_only: bool) -> Run:
                manager=manager, loggers=loggers, groups=groups, ahead=ahead, total_steps=total,
                start_step=start_step, max_new_tokens=max_new,
                temperature=float(arr.rollout.temperature), ckpt_root=root,
-               device_groups=list(dgs.values()), driver_state=state, critic=critic)
+               device_groups=list(dgs.values()), driver_state=state, critic=critic, logp=logp)

@@ -563,6 +563,14 @@ class EmbeddedEngine:
             h.update(info["per_gpu_checksum"].encode())
         return {"ranks": ranks, "per_engine_checksum": h.hexdigest()}
 
+    async def read_weights(self, fn):
+        """`fn(get, version)` on the model thread with the live weights held still (no swap
+        in between): `get(name)` is the HF-named tensor, `version` the weight version. The
+        logp group's replicas copy a version into their Megatron model this way."""
+        self._ensure_started()
+        async with self._lock:
+            return await self._on_model_thread(fn, self.weights.get, self.weight_version)
+
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
         return self.weights.get(name).detach()[:truncate_size].float().cpu().tolist()
 

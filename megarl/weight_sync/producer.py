@@ -297,6 +297,8 @@ class WeightProducer:
                 not set(want) & set(s) for s in got):
             raise WeightSyncError(version, None, "engines disagree on their checksums",
                                   stage=self.stage)
+        logger.info("weights v%d stage %d verified on %d engine(s): every checksum equals "
+                    "the trainer's", version, self.stage, len(got))
 
     # -- sending ------------------------------------------------------------------------------
     def send(self, buckets: Iterable[Bucket], version: int, set_version: bool,

@@ -118,7 +118,8 @@ class SyncConfig:
     def from_rollout_config(cls, rollout, **overrides) -> "SyncConfig":
         return cls(produce_bucket_mb=rollout.param_update_preduce_bucket_size_mb,
                    consume_bucket_mb=rollout.param_update_consume_bucket_size_mb,
-                   dual_buffer=rollout.enable_dual_buffer, **overrides)
+                   dual_buffer=rollout.enable_dual_buffer,
+                   **{"verify": rollout.verify_weight_sync, **overrides})
 
 
 class WeightSyncError(RuntimeError):

@@ -323,3 +323,44 @@ def test_validation_only_mode(quickstart_assets, tmp_path):
     assert 0 in scalars(tmp_path, "val/reward_mean")
     assert not (tmp_path / "megarl" / "t" / "trained_prompts.jsonl").exists()
     assert "actor model" not in out  # no trainer was started
+
+
+def test_logp_on_a_group_of_its_own_matches_logp_beside_the_trainer(quickstart_assets,
+                                                                    tmp_path):
+    """The seed layout with every task on its own group, spelt as the seed's usage example
+    spells it (`+`, `sperated_*`), on 4 CPU devices: LOGP(k) runs on a replica of the actor
+    that the weight sync feeds, at exactly version k (lag 0), its weights verified against
+    the trainer's after every version; its log-probs, and so the whole run, equal those of
+    the seed layout where logp shares the trainer's group."""
+    common = ["trainer.n_gpus_per_node=4", "trainer.total_training_steps=4",
+              "trainer.save_freq=-1", "trainer.test_freq=-1", "trainer.val_before_train=False",
+              "+actor_rollout_ref.async_pipeline=True", "+trainer.generate_ahead_steps=2",
+              "actor_rollout_ref.rollout.verify_weight_sync=True"]
+    layouts = {
+        "own": ["+trainer.sperated_node_tasks=[logp,ref_logp,actor-train,generate]",
+                "+trainer.sperated_node_ratios=[0.25,0.25,0.25,0.25]"],
+        "shared": ["+trainer.sperated_node_tasks=[[logp,actor-train],ref_logp,generate]",
+                   "+trainer.sperated_node_ratios=[0.5,0.25,0.25]"],
+    }
+    runs, outs = {}, {}
+    for name, layout in layouts.items():
+        runs[name] = tmp_path / name
+        outs[name] = megarl("train", _args(quickstart_assets, runs[name], *common, *layout))
+    own = outs["own"]
+    assert "logp replica receives weights at http://127.0.0.1:" in own, own[-3000:]
+    # versions 1..4 reached the replica and the engine, checksums equal to the trainer's
+    for v in range(1, 5):
+        assert f"weights v{v} stage 0 verified on 2 engine(s)" in own, own[-3000:]
+    assert scalars(runs["own"], "actor/logp_version") == {s: s - 1.0 for s in range(1, 5)}
+    assert set(scalars(runs["own"], "actor/logp_version_lag").values()) == {0.0}
+    for tag in ("reward/mean", "rollout/logp_mismatch_mean", "actor/pg_loss"):
+        a, b = scalars(runs["own"], tag), scalars(runs["shared"], tag)
+        assert sorted(a) == [1, 2, 3, 4], tag
+        assert a == pytest.approx(b, rel=1e-5, abs=1e-7), tag
+    # the timeline shows LOGP on its own group, after the SYNC that brought its weights
+    events = [e for e in json.loads((runs["own"] / "megarl" / "t" / "timeline.json")
+                                    .read_text())["traceEvents"] if e["ph"] == "X"]
+    end = {(e["cat"], e["args"]["step"]): e["ts"] + e["dur"] for e in events}
+    start = {(e["cat"], e["args"]["step"]): e["ts"] for e in events}
+    for k in range(1, 4):
+        assert start[("logp", k)] >= end[("sync", k - 1)]

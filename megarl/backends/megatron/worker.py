@@ -95,9 +95,10 @@ class MegatronWorker:
                        optim=OptimConfig.from_config(c.optim, c.megatron),
                        make_vocab_size_divisible_by=c.megatron.make_vocab_size_divisible_by,
                        seed=c.megatron.seed, value_model=True)
-        if role not in ("actor", "ref"):
-            raise ValueError(f"role must be 'actor', 'ref' or 'critic', got {role!r}")
-        mcfg = arr.actor.megatron if role == "actor" else arr.ref.megatron
+        if role not in ("actor", "ref", "logp"):
+            raise ValueError(f"role must be 'actor', 'ref', 'logp' or 'critic', got {role!r}")
+        # `logp`: a frozen replica of the actor on a group of its own (fed by the weight sync)
+        mcfg = arr.ref.megatron if role == "ref" else arr.actor.megatron
         return cls(arr.model.path, mcfg.tensor_model_parallel_size,
                    mcfg.pipeline_model_parallel_size, params_dtype=mcfg.params_dtype,
                    optim=OptimConfig.from_config(arr.actor.optim, mcfg) if role == "actor" else None,

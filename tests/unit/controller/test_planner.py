@@ -66,12 +66,16 @@ def test_plan_ranks_fitting_layouts_and_refuses_what_does_not_fit(tmp_path):
     assert ok and [c.step_s for c in ok] == sorted(c.step_s for c in ok)
     assert {sum(c.devices) for c in cands} == {32}  # 4 nodes of 8
     assert all(d % 8 == 0 for c in cands for d in c.devices)  # whole nodes per group
-    # logp and actor-train are one model: never split by the planner
-    assert all(any({"logp", "actor-train"} <= set(g) for g in c.groups) for c in cands)
-    # the dry run's estimate: trainer and engine (its KV cache) on one 80 GiB device do not fit
+    # every task once per layout; logp also on a group of its own (its replica)
+    assert all(sorted(t for g in c.groups for t in g) == sorted(
+        ["logp", "actor-train", "ref_logp", "generate"]) for c in cands)
+    assert any(("logp",) in c.groups for c in ok)
+    # the dry run's estimate: the engine (its KV cache) and a Megatron copy of the actor (the
+    # trainer, or logp's replica) on one 80 GiB device do not fit
     refused = [c for c in cands if c.refused]
     assert refused and all("does not fit" in c.refused for c in refused)
-    assert all(any({"generate", "actor-train"} <= set(g) for g in c.groups) for c in refused)
+    assert all(any("generate" in g and {"actor-train", "logp"} & set(g) for g in c.groups)
+               for c in refused)
     # the first choice, pasted back, loads and is that layout
     from megarl.config import load_config
 

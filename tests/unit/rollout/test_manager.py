@@ -34,9 +34,9 @@ def test_least_loaded_spreads_and_streams_short_first(manager):
     load, outs = run(go())
     assert load == [2, 2]
     lengths = [len(o.output_ids) for o in outs]
-    # short ones come back first; the two long ones run on different engines, whose relative
-    # speed on a shared box decides their order
-    assert lengths[:2] == [3, 6] and sorted(lengths[2:]) == [30, 40]
+    # short ones come back first; each pair runs on two engines, whose relative speed on a
+    # shared box decides the order inside the pair
+    assert sorted(lengths[:2]) == [3, 6] and sorted(lengths[2:]) == [30, 40]
     assert manager.in_flight == {} and manager.load() == [0, 0]
 
 

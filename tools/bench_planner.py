@@ -1,0 +1,104 @@
+"""The planner against real runs: predicted vs measured step time of task-group layouts.
+
+    python tools/bench_planner.py                 # the quickstart on 4 CPU devices
+    python tools/bench_planner.py --steps 16 --devices 4
+
+One profiling run (the quickstart's own layout) gives the per-task durations, as `megarl plan`
+takes them; then every layout below is both predicted by `planner.predict` and run for real
+with the same config, and its measured step time (median `timing/step` past the warm-up) is
+set beside the prediction. The report says, per layout, predicted / measured and whether it is
+inside ±15%, and whether the planner's first choice is the fastest measured.
+
+The layouts: the colocated one and the separated layouts of the seed's usage example that
+megarl runs (`[[logp,actor-train],ref_logp,generate]` needs the fully separated logp of issue
+12 part 1 only in its `[logp,ref_logp,actor-train,generate]` form, which is listed as refused).
+On one 2-core machine the "devices" are processes sharing two cores, which the planner's
+linear device scaling does not model; the report is the check of that model, not a tuning.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from megarl.controller import planner  # noqa: E402
+
+LAYOUTS = {
+    "colocated, ahead 1": ([["logp", "actor-train", "ref_logp", "generate"]], [1.0], 1),
+    "trainer | generate, ahead 2 (quickstart)": (
+        [["logp", "actor-train", "ref_logp"], ["generate"]], [0.5, 0.5], 2),
+    "trainer+ref 3/4 | generate 1/4, ahead 2": (
+        [["logp", "actor-train", "ref_logp"], ["generate"]], [0.75, 0.25], 2),
+    "[logp,actor-train] | ref_logp | generate (seed), ahead 2": (
+        [["logp", "actor-train"], ["ref_logp"], ["generate"]], [0.5, 0.25, 0.25], 2),
+}
+REFUSED = {"logp | ref_logp | actor-train | generate (seed, fully separated)":
+           "needs logp on a group of its own (issue 12 part 1)"}
+
+
+def _run(out: Path, name: str, groups, ratios, ahead: int, steps: int, devices: int) -> Path:
+    tasks = ",".join(f"[{','.join(g)}]" for g in groups)
+    cmd = [sys.executable, "-m", "megarl.cli", "train", "--config",
+           str(ROOT / "configs" / "quickstart.yaml"), f"trainer.default_local_dir={out}",
+           f"trainer.experiment_name={name}", f"trainer.total_training_steps={steps}",
+           f"trainer.n_gpus_per_node={devices}", f"trainer.separated_node_tasks=[{tasks}]",
+           f"trainer.separated_node_ratios=[{','.join(map(str, ratios))}]",
+           f"actor_rollout_ref.async_pipeline={ahead > 1}",
+           f"trainer.generate_ahead_steps={ahead}", "trainer.save_freq=-1",
+           "trainer.test_freq=-1", "trainer.val_before_train=False",
+           f"trainer.timeline_freq={steps}", "trainer.logger=[console]",
+           "trainer.resume_mode=disable"]
+    p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    if p.returncode != 0:
+        raise SystemExit(f"{name}: exit {p.returncode}\n{p.stderr[-3000:]}")
+    return out / "megarl" / name  # the quickstart's project_name is megarl
+
+
+def _measured_step(run: Path) -> float:
+    """Median step period past the warm-up: the same SYNC-to-SYNC window as timing/step."""
+    events = [e for e in json.loads((run / "timeline.json").read_text())["traceEvents"]
+              if e.get("ph") == "X" and e["cat"] == "sync"]
+    ends = sorted((e["args"]["step"], (e["ts"] + e["dur"]) / 1e6) for e in events)
+    periods = [b - a for (_, a), (_, b) in zip(ends, ends[1:])][planner.WARMUP_STEPS:]
+    return statistics.median(periods)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=14)
+    ap.add_argument("--devices", type=int, default=4)
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory(prefix="bench-planner-") as tmp:
+        out = Path(tmp)
+        groups, ratios, ahead = LAYOUTS["trainer | generate, ahead 2 (quickstart)"]
+        m = planner.measure(_run(out, "profile", groups, ratios, ahead, args.steps,
+                                 args.devices))
+        print("measured:", ", ".join(f"{t} {s:.3f}s" for t, s in sorted(m.seconds.items())))
+        rows = []
+        for i, (label, (groups, ratios, ahead)) in enumerate(LAYOUTS.items()):
+            devices = [round(r * args.devices) for r in ratios]
+            predicted, _ = planner.predict(m, [tuple(g) for g in groups], devices, ahead)
+            measured = _measured_step(_run(out, f"l{i}", groups, ratios, ahead, args.steps,
+                                           args.devices))
+            rows.append((label, predicted, measured))
+    print(f"\n{'layout':<58} {'predicted s':>11} {'measured s':>10} {'pred/meas':>9}  ±15%")
+    for label, p, q in rows:
+        print(f"{label:<58} {p:>11.3f} {q:>10.3f} {p / q:>9.2f}  "
+              f"{'yes' if abs(p / q - 1) <= 0.15 else 'no'}")
+    for label, why in REFUSED.items():
+        print(f"{label:<58} {'refused':>11}: {why}")
+    best_pred = min(rows, key=lambda r: r[1])[0]
+    best_meas = min(rows, key=lambda r: r[2])[0]
+    print(f"\nplanner's first choice: {best_pred}\nfastest measured:       {best_meas}\n"
+          f"first choice is the fastest: {'yes' if best_pred == best_meas else 'no'}")
+
+
+if __name__ == "__main__":
+    main()
