@@ -51,7 +51,8 @@ _EDGES: dict[StepState, tuple[tuple[StepState, str], ...]] = {
     S.REF_LOGP: ((S.VALUES, "GAE needs the critic's values of the final batch (a run with a "
                             "critic); they come before LOGP so LOGP stays last before TRAIN"),
                  (S.LOGP, "the batch is complete except for the proximal policy's log-probs; "
-                          "LOGP runs last before TRAIN so it sees the weights TRAIN starts from")),
+                          "LOGP runs last before TRAIN so it sees the weights TRAIN starts from "
+                          "(on a group of its own, once SYNC(k-1) has brought them there)")),
     S.VALUES: ((S.LOGP, "the critic's values are in; what is missing is the proximal policy's "
                         "log-probs, taken last before TRAIN"),),
     S.LOGP: ((S.TRAIN, "advantages and the decoupled importance ratio need rewards, reference, "

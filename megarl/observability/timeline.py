@@ -78,7 +78,9 @@ def render_png(intervals: Iterable, path: str | Path, *, groups: Iterable[str] =
     idle = idle_ratio(ivs, (t0, t1), names)
     tasks = list(dict.fromkeys(i.task for i in ivs))
     font = ImageFont.load_default()
-    left, right, top, row, gap = 190, 100, 40, 30, 8
+    # the left column fits the longest group name (the default font is about 6 px a character)
+    left = max(190, 16 + 6 * max((len(g) for g in names), default=0))
+    right, top, row, gap = 100, 40, 30, 8
     height = top + len(names) * (row + gap) + 50
     img = Image.new("RGB", (width, height), "white")
     d = ImageDraw.Draw(img)
@@ -95,7 +97,7 @@ def render_png(intervals: Iterable, path: str | Path, *, groups: Iterable[str] =
     for r, g in enumerate(names):
         y = top + r * (row + gap)
         d.rectangle([left, y, width - right, y + row], fill=(238, 238, 238))  # idle: grey
-        d.text((8, y + row / 2 - 6), g[:30], fill="black", font=font)
+        d.text((8, y + row / 2 - 6), g, fill="black", font=font)
         d.text((width - right + 8, y + row / 2 - 6), f"idle {100 * idle.get(g, 0.0):.0f}%",
                fill="black", font=font)
         for iv in (i for i in ivs if i.group == g):
