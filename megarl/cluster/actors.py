@@ -109,7 +109,7 @@ class MegatronRank:
                                    f"{engine.weight_version})")
             time.sleep(0.01)
         if self.replica_version != version:
-            from megarl.convert import live
+            from megarl.backends.megatron.hf import live
 
             def copy(get, held):
                 live.load_hf_into(self.worker.model, self.worker.args, get)

@@ -32,7 +32,7 @@ import threading
 import time
 import traceback
 
-from megarl.config import ConfigError
+from megarl.utils.errors import ConfigError
 from megarl.utils.net import route_address
 
 from .actors import MegatronRank, RolloutRank, ServerRank

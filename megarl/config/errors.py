@@ -1,5 +1,8 @@
-"""The one exception type of megarl.config: a bad configuration, named by its dotted key."""
+"""The one exception type of megarl.config: a bad configuration, named by its dotted key.
 
+Defined in `megarl.utils.errors` (the packages below the config raise it too); it is
+`megarl.config`'s own error as far as its users are concerned."""
 
-class ConfigError(ValueError):
-    """A configuration problem; the message names the full dotted key (and file, if any)."""
+from megarl.utils.errors import ConfigError
+
+__all__ = ["ConfigError"]

@@ -543,7 +543,8 @@ class TrainerConfig:
     test_freq: int = -1
     """Validate every this many steps; -1 never (besides val_before_train); 0 is refused."""
     save_freq: int = -1
-    """Checkpoint every this many steps; -1 only at the end; 0 is refused."""
+    """Checkpoint every this many steps and after the last one; -1 never (as in verl: the run
+    says so in its log when it starts); 0 is refused."""
     timeline_freq: int = 10
     """Every this many steps (and at the end) write the run's timeline: `timeline.json` (a
     Chrome trace of every task interval on every group so far) and `timeline.png` (a picture

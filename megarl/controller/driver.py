@@ -382,6 +382,9 @@ def run(cfg, val_only: bool = False) -> dict:
 
 
 async def _run(cfg, val_only: bool) -> dict:
+    if not val_only and cfg.trainer.save_freq == -1:
+        logger.warning("trainer.save_freq=-1: this run saves no checkpoint; its weights are "
+                       "lost when it ends (set trainer.save_freq to keep them)")
     r = await setup_run(cfg, val_only)
     d = Driver(r)
     failed = True

@@ -19,8 +19,8 @@ from megarl.backends.megatron.checkpoint import hf_side_dir, read_meta
 from megarl.backends.megatron.model import DTYPES
 from megarl.backends.megatron.worker import MegatronWorker
 
-from . import live
-from .hf_io import HFReader, save_hf
+from megarl.backends.megatron.hf import live
+from megarl.backends.megatron.hf.hf_io import HFReader, save_hf
 from .plan import hf_shapes, numel
 from .progress import Progress
 
@@ -141,7 +141,7 @@ def reshard(ckpt_dir, out_dir, tp: int = 1, pp: int = 1, progress: bool | None =
 
 def compare_hf_dirs(a, b) -> dict[str, float]:
     """Max abs difference per tensor between two HF checkpoints (inf if missing/misshaped)."""
-    from .hf_io import HFReader
+    from megarl.backends.megatron.hf.hf_io import HFReader
 
     ra, rb = HFReader(a), HFReader(b)
     out = {}

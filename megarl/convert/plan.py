@@ -26,7 +26,9 @@ import torch
 
 from megarl.backends.megatron.model import DTYPES, ModelArgs, padded_vocab_size
 
-from . import inputs, mapping
+from megarl.backends.megatron.hf import mapping
+
+from . import inputs
 from .inputs import META, SAFETENSORS_ITEMSIZE, ConvertError, read_meta
 
 __all__ = ["META", "ConvertError", "check_layout", "plan_hf2mcore", "plan_mcore2hf",

@@ -31,7 +31,7 @@ from typing import Any, Iterator, Optional, Sequence
 
 from omegaconf import DictConfig, ListConfig
 
-from megarl.config.errors import ConfigError
+from megarl.utils.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 

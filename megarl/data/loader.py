@@ -15,7 +15,7 @@ import logging
 import random
 from typing import Sequence
 
-from megarl.config.errors import ConfigError
+from megarl.utils.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 

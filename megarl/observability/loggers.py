@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
-from megarl.config.errors import ConfigError
+from megarl.utils.errors import ConfigError
 
 KNOWN = ("console", "tensorboard")
 

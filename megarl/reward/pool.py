@@ -37,7 +37,7 @@ import weakref
 from multiprocessing.connection import wait as mp_wait
 from typing import Callable, Optional
 
-from megarl.config.errors import ConfigError
+from megarl.utils.errors import ConfigError
 from megarl.reward.registry import load_reward_fn
 
 logger = logging.getLogger(__name__)

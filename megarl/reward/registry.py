@@ -17,7 +17,7 @@ import math
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-from megarl.config.errors import ConfigError
+from megarl.utils.errors import ConfigError
 from megarl.reward import code_exec, last_digit, math_exact, quickstart
 
 logger = logging.getLogger(__name__)

@@ -6,7 +6,7 @@ import torch
 
 from launch_helpers import run_tool
 from megarl.convert.checkpoints import compare_hf_dirs
-from megarl.convert.hf_io import HFReader
+from megarl.backends.megatron.hf.hf_io import HFReader
 
 
 def _assert_bit_exact(src, dst):

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megarl.convert.hf_io import SIDE_FILES, commit_dir
+from megarl.backends.megatron.hf.hf_io import SIDE_FILES, commit_dir
 
 logger = logging.getLogger(__name__)
 

@@ -23,9 +23,9 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from megarl.convert import live
-from megarl.convert.hf_io import HFReader
-from megarl.convert.inputs import check_layout, read_model_args
+from megarl.backends.megatron.hf import live
+from megarl.backends.megatron.hf.hf_io import HFReader
+from megarl.backends.megatron.hf.model_config import check_layout, read_model_args
 
 from . import model as mmodel
 from .logprobs import vocab_parallel_logprobs

@@ -82,7 +82,7 @@ from megatron.core import parallel_state as ps
 from megarl.backends.megatron import _patches
 from megarl.backends.megatron.model import ModelArgs, build_gpt_model, transformer_config
 from megarl.controller.dryrun import stage_specs
-from megarl.convert.live import export_hf
+from megarl.backends.megatron.hf.live import export_hf
 dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[1], rank=0,
                         world_size=1)
 ps.initialize_model_parallel(1, 1)

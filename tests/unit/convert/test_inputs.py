@@ -15,7 +15,7 @@ from megarl.backends.megatron.model import ModelArgs
 from megarl.config.errors import ConfigError
 from megarl.convert import inputs
 from megarl.convert.cli import hf_to_megatron_main
-from megarl.convert.hf_io import save_hf
+from megarl.backends.megatron.hf.hf_io import save_hf
 from megarl.convert.inputs import ConvertError, layout_error
 from megarl.convert.plan import hf_shapes, plan_hf2mcore
 

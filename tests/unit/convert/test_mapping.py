@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from megarl.backends.megatron.model import ModelArgs, padded_vocab_size
-from megarl.convert import mapping
+from megarl.backends.megatron.hf import mapping
 
 
 def _args(**kw):
