@@ -68,6 +68,12 @@ def normalize_groups(tasks: Sequence[TaskSpec]) -> list[tuple[str, ...]]:
     return groups
 
 
+def group_name(tasks: Sequence[str]) -> str:
+    """A task group's name: its tasks joined by '+', in the order the config lists them (the
+    name the logs, metrics, timeline and placement all use)."""
+    return "+".join(tasks)
+
+
 def check_coverage(groups: Sequence[tuple[str, ...]]) -> None:
     """Every task at most once, every non-optional task exactly once, no unknown names."""
     seen: dict[str, int] = {}
@@ -144,6 +150,6 @@ def plan_groups(
     for group, count in zip(groups, _device_counts(ratios, nnodes, devices_per_node)):
         devices = tuple(range(start, start + count))
         nodes = tuple(sorted({d // devices_per_node for d in devices}))
-        plans.append(GroupPlan("+".join(group), group, devices, nodes))
+        plans.append(GroupPlan(group_name(group), group, devices, nodes))
         start += count
     return plans

@@ -101,12 +101,14 @@ def load_config(path: str | None = None, overrides: Sequence[str] = ()) -> DictC
         from_file = {key for key, _ in assignments}
     assignments = _expand_all((_split_override(o) for o in overrides), None)
     cfg = _apply(cfg, assignments, None)
-    from_file -= {key for key, _ in assignments}
+    overridden = {key for key, _ in assignments}
+    from_file -= overridden
 
     # Resolved here, once, so that no consumer has to know the fallback.
     rollout = cfg.actor_rollout_ref.rollout
     if rollout.max_new_tokens is None:
         rollout.max_new_tokens = cfg.data.max_response_length
+    _resolve_ahead(cfg, from_file, overridden, path)
     try:
         validate_config(cfg)
     except ConfigError as err:
@@ -117,6 +119,37 @@ def load_config(path: str | None = None, overrides: Sequence[str] = ()) -> DictC
         raise
     OmegaConf.set_readonly(cfg, True)
     return cfg
+
+
+_ASYNC, _AHEAD = "actor_rollout_ref.async_pipeline", "trainer.generate_ahead_steps"
+
+
+def _resolve_ahead(cfg: DictConfig, from_file: set[str], overridden: set[str],
+                   path: str | None) -> None:
+    """`trainer.generate_ahead_steps` is the one knob; the seed's `async_pipeline` is an alias
+    that sets it: on means one step ahead (2) unless more is asked, off means on-policy (1).
+
+    Both keys are kept equal. The one given closer to the run wins (an override beats the
+    file, the file beats the default); given at the same level with different meanings, they
+    are refused, naming both."""
+    on, ahead = cfg.actor_rollout_ref.async_pipeline, cfg.trainer.generate_ahead_steps
+    if not isinstance(on, bool) or not isinstance(ahead, int) or isinstance(ahead, bool):
+        return  # a wrong type: validate_config names the key
+
+    def rank(key: str) -> int:
+        return 2 if key in overridden else 1 if key in from_file else 0
+
+    if on == (ahead > 1):
+        return
+    if rank(_ASYNC) == rank(_AHEAD):
+        where = "" if rank(_ASYNC) == 2 else _where(str(path))
+        raise ConfigError(
+            f"{_AHEAD}: {ahead} and {_ASYNC}: {str(on).lower()} contradict each other{where} "
+            f"({_ASYNC} is an alias: true means {_AHEAD} >= 2, false means 1); give one")
+    if rank(_ASYNC) > rank(_AHEAD):
+        cfg.trainer.generate_ahead_steps = 2 if on else 1
+    else:
+        cfg.actor_rollout_ref.async_pipeline = ahead > 1
 
 
 def to_yaml(cfg: DictConfig) -> str:

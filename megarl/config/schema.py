@@ -415,7 +415,10 @@ class RefConfig:
 @dataclass
 class ActorRolloutRefConfig:
     async_pipeline: bool = False
-    """Overlap generation of later steps with training (see trainer.generate_ahead_steps)."""
+    """Alias of ``trainer.generate_ahead_steps`` (the seed's key): true sets it to 2 (one step
+    off) unless it asks for more, false to 1 (on-policy). Given both, the one given closer to
+    the run wins (an override beats the file); contradicting each other at one level, both
+    are refused."""
     model: ModelConfig = field(default_factory=ModelConfig)
     """The policy model (also the reference's initial weights)."""
     actor: ActorConfig = field(default_factory=ActorConfig)
@@ -534,7 +537,8 @@ class TrainerConfig:
     """Fraction of the nodes (of the devices on one node) per group; sums to 1.
     Alias: ``sperated_node_ratios``."""
     generate_ahead_steps: int = 1
-    """How far generation may run ahead of training: 1 is on-policy, 2 one-step-off."""
+    """How far generation may run ahead of training: 1 is on-policy, 2 one-step-off (also set
+    by its alias ``actor_rollout_ref.async_pipeline``)."""
     total_epochs: int = 1
     """Passes over the training set."""
     total_training_steps: Optional[int] = None

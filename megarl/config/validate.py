@@ -167,7 +167,7 @@ def _check_servers(r) -> None:
 
 def _check_staleness(cfg: DictConfig) -> None:
     alg, t = cfg.algorithm, cfg.trainer
-    ahead = t.generate_ahead_steps if cfg.actor_rollout_ref.async_pipeline else 1
+    ahead = t.generate_ahead_steps  # async_pipeline is resolved into it (loader.py)
     if alg.max_staleness is not None and alg.max_staleness < ahead - 1:
         # GENERATE(k) starts on version k - ahead + 1 and TRAIN(k) uses version k: every
         # sample would be over the limit and nothing would ever train.

@@ -49,6 +49,8 @@ import time
 from collections import deque
 from typing import Callable, Iterable, Mapping, Sequence, Union
 
+from megarl.cluster.topology import group_name, normalize_groups
+
 from .states import CRITIC_WORK_STATES, IllegalTransition, StepState, check, work_states
 from .validation import ValidationMachine, ValidationState, validates_after
 
@@ -162,11 +164,8 @@ def task_groups(separated_node_tasks: Sequence[Union[str, Sequence[str]]]) -> di
 
     `reward`, when no group lists it, runs on its own "reward" group (CPU, the driver's pool).
     """
-    mapping = {}
-    for item in separated_node_tasks:
-        tasks = (item,) if isinstance(item, str) else tuple(item)
-        for task in tasks:
-            mapping[task] = "+".join(tasks)
+    mapping = {task: group_name(tasks) for tasks in normalize_groups(separated_node_tasks)
+               for task in tasks}
     mapping.setdefault("reward", "reward")
     return mapping
 

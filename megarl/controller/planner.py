@@ -27,6 +27,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence
 
+from megarl.cluster.topology import group_name
 from megarl.config import ConfigError, load_config
 from megarl.observability.metrics import idle_ratio
 
@@ -136,7 +137,7 @@ def predict(m: Measured, groups: Sequence[Sequence[str]], devices: Sequence[int]
             steps: int = SIM_STEPS) -> tuple[float, dict[str, float]]:
     """Steady-state seconds per step and idle ratio per group of one layout (simulated)."""
     mapping = task_groups([list(g) for g in groups])
-    dev = {"+".join(g): d for g, d in zip(groups, devices)}
+    dev = {group_name(g): d for g, d in zip(groups, devices)}
 
     def cost(action) -> float:
         t = m.seconds.get(action.task, 0.0)

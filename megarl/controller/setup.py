@@ -161,11 +161,7 @@ async def setup_run(cfg, val_only: bool) -> Run:
                           seed=cfg.data.seed)
     # Loads the reward function once here, so a bad reward.reward_fn fails before Ray starts.
     reward_pool = RewardPool.from_config(cfg.reward)
-    ahead = t.generate_ahead_steps if arr.async_pipeline else 1
-    if t.generate_ahead_steps > 1 and not arr.async_pipeline:
-        logger.warning("trainer.generate_ahead_steps=%d ignored: "
-                       "actor_rollout_ref.async_pipeline is off (synchronous, on-policy)",
-                       t.generate_ahead_steps)
+    ahead = t.generate_ahead_steps  # with async_pipeline, its alias, resolved on load
 
     start_step, state = 0, None
     if found is not None:
@@ -236,12 +232,11 @@ async def setup_run(cfg, val_only: bool) -> Run:
     loggers = make_loggers(list(t.logger), root, total_steps=total, start_step=start_step)
     groups = task_groups([list(g) if not isinstance(g, str) else g
                           for g in t.separated_node_tasks])
-    max_new = arr.rollout.max_new_tokens or cfg.data.max_response_length
     if val is None and (t.val_before_train or t.test_freq > 0 or val_only):
         logger.warning("no data.val_files: validation is skipped")
     return Run(cfg=cfg, tokenizer=tok, eos_ids=eos_ids, pad_id=pad_id, loader=loader,
                val_dataset=val, reward_pool=reward_pool, actor=actor, ref=ref, rollout=rollout,
                manager=manager, loggers=loggers, groups=groups, ahead=ahead, total_steps=total,
-               start_step=start_step, max_new_tokens=max_new,
+               start_step=start_step, max_new_tokens=arr.rollout.max_new_tokens,
                temperature=float(arr.rollout.temperature), ckpt_root=root,
                device_groups=list(dgs.values()), driver_state=state, critic=critic, logp=logp)

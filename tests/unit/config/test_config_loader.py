@@ -194,3 +194,40 @@ def test_cluster_example_layout():
     assert r.name == "sglang" and r.enable_dual_buffer is True
     assert (r.param_update_preduce_bucket_size_mb, r.param_update_consume_bucket_size_mb) == (
         512, 128)
+
+
+# ------------------------------------------------- async_pipeline: an alias of generate_ahead_steps
+ASYNC, AHEAD = "actor_rollout_ref.async_pipeline", "trainer.generate_ahead_steps"
+
+
+def _ahead(cfg):
+    return cfg.actor_rollout_ref.async_pipeline, cfg.trainer.generate_ahead_steps
+
+
+@pytest.mark.parametrize("overrides, want", [
+    ([], (False, 1)),
+    ([f"{ASYNC}=True"], (True, 2)),                # the seed's key alone: one step off
+    ([f"{AHEAD}=3"], (True, 3)),                   # the one knob alone sets the alias
+    ([f"{ASYNC}=True", f"{AHEAD}=3"], (True, 3)),
+    ([f"{ASYNC}=False", f"{AHEAD}=1"], (False, 1)),
+])
+def test_async_pipeline_sets_generate_ahead_steps(overrides, want):
+    assert _ahead(load_config(None, overrides)) == want
+
+
+def test_the_ahead_given_closer_to_the_run_wins(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("actor_rollout_ref: {async_pipeline: true}\ntrainer: {generate_ahead_steps: 3}\n")
+    assert _ahead(load_config(str(f))) == (True, 3)
+    assert _ahead(load_config(str(f), [f"{ASYNC}=False"])) == (False, 1)
+    assert _ahead(load_config(str(f), [f"{AHEAD}=1"])) == (False, 1)
+
+
+def test_contradicting_ahead_keys_at_one_level_are_refused_naming_both(tmp_path):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [f"{ASYNC}=False", f"{AHEAD}=2"])
+    assert str(err.value).startswith(f"{AHEAD}: 2 and {ASYNC}: false contradict")
+    f = tmp_path / "c.yaml"
+    f.write_text("actor_rollout_ref: {async_pipeline: true}\ntrainer: {generate_ahead_steps: 1}\n")
+    with pytest.raises(ConfigError, match=rf"{AHEAD}: 1 and {ASYNC}: true .*c\.yaml"):
+        load_config(str(f))
