@@ -116,6 +116,10 @@ def _plan_flags(parser: argparse.ArgumentParser) -> None:
                         help="memory of one device for each layout's fit check (default 80)")
     parser.add_argument("--out", metavar="FILE",
                         help="also write the best layout's overrides here, one per line")
+    parser.add_argument("--scaling", choices=("auto", "linear", "none"), default="auto",
+                        help="how a data-parallel task's time follows its group's devices: "
+                             "linear (accelerators), none (CPU devices sharing a host's cores); "
+                             "auto (default) picks by trainer.device")
 
 
 @subcommand("plan", "rank task-group layouts (groups, device shares, generate-ahead) by "
@@ -149,7 +153,8 @@ def _plan(args: argparse.Namespace) -> int:
             raise _Abort("megarl plan: the profiling run failed (its log is above)")
         source = str(Path(t.default_local_dir) / t.project_name / name)
     m = planner.measure(source)
-    cands = planner.plan(args.config, args.overrides, m, args.gpu_memory_gib)
+    scaling = None if args.scaling == "auto" else args.scaling
+    cands = planner.plan(args.config, args.overrides, m, args.gpu_memory_gib, scaling=scaling)
     print(planner.format_table(cands, m), end="")
     if args.out:
         out = Path(args.out)

@@ -15,6 +15,24 @@ import torch
 
 
 @dataclasses.dataclass
+class StepRecord:
+    """What one training step's states produce, filled in their order; the driver keeps one
+    per step in flight and drops it when the step's SYNC has finished.
+
+    GENERATE sets `resume_before` (where a checkpoint taken before this step resumes: the
+    loader position and the partial-rollout cache before its prompts), then `samples`,
+    `scores` (the streaming reward's pending results) and `dropped`; REWARD builds `batch`,
+    the tensors REF_LOGP, VALUES and LOGP add to (`ref_logprobs`, `values`, `old_logprobs`)
+    and TRAIN reads, with `advantages` (and `returns`) computed at its start."""
+    step: int
+    resume_before: dict
+    samples: list["Sample"] = dataclasses.field(default_factory=list)
+    scores: list = dataclasses.field(default_factory=list)
+    dropped: list[str] = dataclasses.field(default_factory=list)
+    batch: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
 class Sample:
     """One generated response with everything the later states attach to it."""
     uid: str                      # the prompt's id: GRPO groups samples by it

@@ -24,7 +24,7 @@ from megarl.observability.timeline import render_png, write_chrome_trace
 from megarl.rollout.protocol import version_int
 
 from . import checkpoint as ckpt
-from .batch import build_batch, mini_batches
+from .batch import StepRecord, build_batch, mini_batches
 from .generation import rollout, sampling_params
 from .machine import Pipeline
 from .partial import PartialRollout
@@ -50,8 +50,8 @@ class Driver:
     def __init__(self, run: Run):
         self.r = run
         self.cfg = run.cfg
-        self.steps: dict[int, dict] = {}         # step -> what its states produced
-        self.loader_states: dict[int, dict] = {}  # step -> loader position before its prompts
+        self.steps: dict[int, StepRecord] = {}   # step -> what its states produced
+        self.owed_saves: dict[int, dict] = {}     # step -> its resume state, until saved
         self.metrics = MetricsTracker()
         self.val: dict[int, dict] = {}
         # Scores each response in a worker process as soon as it finishes (streaming).
@@ -103,7 +103,7 @@ class Driver:
         k = a.step
         fn = {"generate": self.generate, "reward": self.reward, "ref_logp": self.ref_logp,
               "values": self.values, "logp": self.logp, "actor-train": self.train,
-              "sync": self.sync,
+              "sync": self.sync, "checkpoint": self.checkpoint,
               "val-generate": self.val_generate, "val-score": self.val_score}[a.task]
         t0 = time.perf_counter()
         await fn(a.version if a.task.startswith("val-") else k)
@@ -118,8 +118,9 @@ class Driver:
         r = self.r
         # What is owed training before this step's prompts: where a checkpoint of step k-1
         # resumes (the loader position, and the partial-rollout cache as it is now).
-        self.loader_states[k] = {"loader": r.loader.state_dict(),
-                                 "partial": self.partial.state_dict() if self.partial else None}
+        rec = self.steps[k] = StepRecord(k, {
+            "loader": r.loader.state_dict(),
+            "partial": self.partial.state_dict() if self.partial else None})
         sp = sampling_params(self.cfg.actor_rollout_ref.rollout, r.eos_ids,
                              self.cfg.trainer.seed * 1_000_003 + k,
                              max_new_tokens=r.max_new_tokens)
@@ -134,7 +135,7 @@ class Driver:
                                             self.scorer, f"s{k}")
         dt = time.perf_counter() - t0
         tokens = sum(len(s.response_ids) for s in samples)
-        self.steps[k] = {"samples": samples, "scores": scores, "dropped": dropped}
+        rec.samples, rec.scores, rec.dropped = samples, scores, dropped
         self.metrics.update(k, extra)
         # engines alive, failed, replaced and requests sent again during this GENERATE
         self.metrics.update(k, r.manager.pop_metrics())
@@ -169,11 +170,10 @@ class Driver:
             await asyncio.sleep(0.002)
 
     async def reward(self, k: int) -> None:
-        d = self.steps[k]
-        await asyncio.gather(*d["scores"])  # scoring started as each response finished
-        samples = d["samples"]
-        d["batch"] = build_batch(samples, self.r.pad_id)
-        rw = d["batch"]["rewards"]
+        rec = self.steps[k]
+        await asyncio.gather(*rec.scores)  # scoring started as each response finished
+        rec.batch = build_batch(rec.samples, self.r.pad_id)
+        rw = rec.batch["rewards"]
         self.metrics.update(k, {"reward/mean": rw.mean().item(), "reward/max": rw.max().item(),
                                 "reward/min": rw.min().item(),
                                 "reward/exact_frac": (rw >= 1.0).float().mean().item()})
@@ -181,7 +181,7 @@ class Driver:
     def _advantages(self, k: int) -> None:
         """Advantages of step k's batch, at the start of TRAIN(k): the in-reward KL penalty
         needs the reference and proximal log-probs of REF_LOGP(k) and LOGP(k)."""
-        b = self.steps[k]["batch"]
+        b = self.steps[k].batch
         alg = self.cfg.algorithm
         rewards = b["rewards"]
         if alg.use_kl_in_reward:
@@ -201,13 +201,13 @@ class Driver:
                                     "critic/returns_mean": b["returns"][valid].mean().item()})
             return
         b["advantages"] = compute_advantages(
-            alg.adv_estimator, rewards, [s.uid for s in self.steps[k]["samples"]],
+            alg.adv_estimator, rewards, [s.uid for s in self.steps[k].samples],
             b["response_mask"], norm_by_std=alg.norm_adv_by_std_in_grpo, gamma=alg.gamma)
 
     async def ref_logp(self, k: int) -> None:
         if self.r.ref is None:  # no KL anywhere: nothing consumes reference log-probs
             return
-        b = self.steps[k]["batch"]
+        b = self.steps[k].batch
         out = await self.r.ref.compute_logp(self._model_inputs(b), self.r.temperature,
                                             self.cfg.actor_rollout_ref.ref
                                             .log_prob_micro_batch_size_per_gpu)
@@ -215,7 +215,7 @@ class Driver:
 
     async def values(self, k: int) -> None:
         """VALUES(k): the critic's value of every prefix of step k's batch, for GAE."""
-        b = self.steps[k]["batch"]
+        b = self.steps[k].batch
         c = self.cfg.critic
         out = await self.r.critic.compute_values(
             self._model_inputs(b), c.forward_micro_batch_size_per_gpu
@@ -237,7 +237,7 @@ class Driver:
         """The proximal policy's log-probs: the weights TRAIN(k) starts from (version k),
         computed by the actor itself or, with logp on a group of its own, by its replica
         there once it holds version k (SYNC(k-1) sent it; the machine orders LOGP after it)."""
-        b = self.steps[k]["batch"]
+        b = self.steps[k].batch
         mbs = self.cfg.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu
         if self.r.logp is None:
             out, version = await self.r.actor.compute_logp(self._model_inputs(b),
@@ -255,7 +255,7 @@ class Driver:
 
     async def train(self, k: int) -> None:
         self._advantages(k)
-        b = self.steps[k]["batch"]
+        b = self.steps[k].batch
         actor = self.cfg.actor_rollout_ref.actor
         mbs = mini_batches(b, self.cfg.actor_rollout_ref.rollout.n, actor.ppo_mini_batch_size,
                            actor.ppo_epochs)
@@ -282,10 +282,10 @@ class Driver:
 
     def _record_prompts(self, k: int) -> None:
         """Append which prompts step k trained on (an audit trail that resume tests read)."""
-        uids = sorted({s.uid for s in self.steps[k]["samples"]})
+        uids = sorted({s.uid for s in self.steps[k].samples})
         rec = {"step": k, "uids": uids}
-        if self.steps[k].get("dropped"):
-            rec["dropped"] = sorted(self.steps[k]["dropped"])  # over max_staleness
+        if self.steps[k].dropped:
+            rec["dropped"] = sorted(self.steps[k].dropped)  # over max_staleness
         self.r.ckpt_root.mkdir(parents=True, exist_ok=True)
         with open(self.r.ckpt_root / "trained_prompts.jsonl", "a") as f:
             f.write(json.dumps(rec) + "\n")
@@ -328,10 +328,13 @@ class Driver:
         self.steps.pop(k, None)
         t = self.cfg.trainer
         last = k + 1 == self.p.total_steps
-        if t.timeline_freq > 0 and ((k + 1) % t.timeline_freq == 0 or last):
-            self.write_timeline(k, t.timeline_freq)
-        if t.save_freq > 0 and ((k + 1) % t.save_freq == 0 or last):
-            await self.save(k)
+        if t.timeline_freq > 0 and (k + 1) % t.timeline_freq == 0 and not last:
+            self.write_timeline(k, t.timeline_freq)  # the last: when the run is over
+        if self.p.checkpoint_due(k):
+            # What a resume needs, as it stands when SYNC(k) has finished: CHECKPOINT(k) runs
+            # later, beside GENERATE(k+2) and REF_LOGP(k+1), which move the loader and the KL
+            # coefficient on.
+            self.owed_saves[k] = self._resume_state(k)
 
     def write_timeline(self, k: int, last_steps: int) -> None:
         """`timeline.json` (the whole run so far) and `timeline.png` (steps k-last_steps+1..k,
@@ -354,25 +357,29 @@ class Driver:
     def _model_inputs(self, b: dict) -> dict:
         return {"input_ids": b["input_ids"], "attention_mask": b["attention_mask"]}
 
-    async def save(self, k: int) -> None:
-        """Checkpoint after SYNC(k): the trainer holds version k+1; the next step's prompts
-        have not been trained on, so the loader is saved at the position before them."""
-        root = self.r.ckpt_root
+    def _resume_state(self, k: int) -> dict:
+        """The driver's part of checkpoint k: the trainer holds version k+1; the next step's
+        prompts have not been trained on, so the loader is saved at the position before them."""
+        nxt = self.steps.get(k + 1)  # GENERATE(k+1) has started (one step off or more)
+        owed = nxt.resume_before if nxt is not None else {
+            "loader": self.r.loader.state_dict(),
+            "partial": self.partial.state_dict() if self.partial else None}
+        return {"step": k, "weight_version": k + 1, "loader": owed["loader"],
+                "partial": owed["partial"], "kl_coef": self.kl_coef, "rng": ckpt.rng_state()}
+
+    async def checkpoint(self, k: int) -> None:
+        """CHECKPOINT(k), on the trainer's group: the weights SYNC(k) published (TRAIN(k+1)
+        waits for this), with the resume state taken when SYNC(k) finished."""
+        root, t0 = self.r.ckpt_root, time.perf_counter()
         tmp = ckpt.begin(root, k)
         await self.r.actor.save(str(tmp / "actor"), step=k)
         if self.r.critic is not None:
             await self.r.critic.save(str(tmp / "critic"), step=k)
-        owed = self.loader_states.get(k + 1) or {
-            "loader": self.r.loader.state_dict(),
-            "partial": self.partial.state_dict() if self.partial else None}
-        state = {"step": k, "weight_version": k + 1, "loader": owed["loader"],
-                 "partial": owed["partial"], "kl_coef": self.kl_coef, "rng": ckpt.rng_state()}
         # every rank's files are complete (the save returned on all of them); checksumming a
         # large checkpoint takes a while, so it runs off the event loop
-        await asyncio.to_thread(ckpt.commit, root, k, state,
+        await asyncio.to_thread(ckpt.commit, root, k, self.owed_saves.pop(k),
                                 keep=self.cfg.trainer.max_actor_ckpt_to_keep)
-        for old in [s for s in self.loader_states if s <= k]:
-            self.loader_states.pop(old)
+        self.r.loggers.log(k + 1, {"timing/checkpoint": time.perf_counter() - t0})
 
 
 
@@ -392,10 +399,13 @@ async def _run(cfg, val_only: bool) -> dict:
         pipeline = Pipeline(r.ahead, r.total_steps, cfg.trainer.test_freq,
                             cfg.trainer.val_before_train, groups=r.groups,
                             val_only=val_only, start_step=r.start_step,
-                            critic=r.critic is not None)
+                            critic=r.critic is not None, save_freq=cfg.trainer.save_freq)
         t0 = time.perf_counter()
         await d.main(pipeline)
         await r.actor_wait()
+        if cfg.trainer.timeline_freq > 0 and not val_only and r.total_steps > r.start_step:
+            # the whole run: the last step's save and validation come after its SYNC
+            d.write_timeline(r.total_steps - 1, cfg.trainer.timeline_freq)
         summary = {"steps": r.total_steps, "start_step": r.start_step,
                    "seconds": time.perf_counter() - t0, "validation": d.val_results,
                    "incidents": len(pipeline.incidents)}

@@ -60,11 +60,13 @@ TRANSITION_LOG_LEVEL = logging.DEBUG
 S, V = StepState, ValidationState
 
 TASK_OF_STATE = {S.GENERATE: "generate", S.REWARD: "reward", S.REF_LOGP: "ref_logp",
-                 S.VALUES: "values", S.LOGP: "logp", S.TRAIN: "actor-train", S.SYNC: "sync"}
+                 S.VALUES: "values", S.LOGP: "logp", S.TRAIN: "actor-train", S.SYNC: "sync",
+                 S.CHECKPOINT: "checkpoint"}
 """The task (topology name) that does each state's work; "sync" is the trainer's export,
-"values" the critic's forward (on the group of the topology task "critic")."""
+"values" the critic's forward (on the group of the topology task "critic"), "checkpoint" the
+trainer's save (on the actor-train group)."""
 VAL_TASK_OF_PHASE = {V.GENERATE: "val-generate", V.SCORE: "val-score"}
-_ORDER = {state: i for i, state in enumerate(CRITIC_WORK_STATES)}
+_ORDER = {state: i for i, state in enumerate(CRITIC_WORK_STATES + (S.CHECKPOINT,))}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,8 +84,8 @@ class Action:
 
     @property
     def task(self) -> str:
-        """generate | reward | ref_logp | values | logp | actor-train | sync | val-generate |
-        val-score"""
+        """generate | reward | ref_logp | values | logp | actor-train | sync | checkpoint |
+        val-generate | val-score"""
         if self.state is S.VALIDATE:
             return VAL_TASK_OF_PHASE[self.phase]
         return TASK_OF_STATE[self.state]
@@ -194,13 +196,14 @@ class Pipeline:
     def __init__(self, generate_ahead_steps: int, total_steps: int, test_freq: int = -1,
                  val_before_train: bool = False, *, groups: Mapping[str, str] | None = None,
                  val_only: bool = False, start_step: int = 0, critic: bool = False,
-                 clock: Callable[[], float] = time.monotonic):
+                 save_freq: int = -1, clock: Callable[[], float] = time.monotonic):
         if generate_ahead_steps < 1:
             raise ValueError(f"trainer.generate_ahead_steps must be >= 1, got "
                              f"{generate_ahead_steps}")
         if not 0 <= start_step <= total_steps:
             raise ValueError(f"start step {start_step} outside [0, total_steps={total_steps}]")
         self.ahead, self.total_steps, self.test_freq = generate_ahead_steps, total_steps, test_freq
+        self.save_freq = save_freq
         self.start_step, self.val_only, self.clock = start_step, val_only, clock
         self.groups = self._resolve_groups(groups)
         # logp on a group of its own computes on a replica the weight sync keeps current
@@ -241,6 +244,7 @@ class Pipeline:
         if missing:
             raise ValueError(f"no group given for task(s) {', '.join(missing)}")
         groups.setdefault("sync", groups["actor-train"])
+        groups.setdefault("checkpoint", groups["actor-train"])
         groups.setdefault("val-generate", groups["generate"])
         groups.setdefault("val-score", groups["reward"])
         groups.setdefault("values", groups.get("critic", groups["actor-train"]))
@@ -251,6 +255,15 @@ class Pipeline:
     def weight_version_for_generate(self, step: int) -> int:
         """The version GENERATE(step) starts on: max(start_step, step - a + 1)."""
         return max(self.start_step, step - self.ahead + 1)
+
+    def checkpoint_due(self, step: int) -> bool:
+        """Whether CHECKPOINT(step) follows SYNC(step): every `save_freq` steps and the last."""
+        return (self.save_freq > 0 and not self.val_only
+                and ((step + 1) % self.save_freq == 0 or step + 1 == self.total_steps))
+
+    def _saved(self, step: int) -> bool:
+        """Step's checkpoint, if one is due, has been written (True for steps before the run)."""
+        return not self.checkpoint_due(step) or self._past(step, S.CHECKPOINT)
 
     def staleness(self, step: int) -> int:
         """Versions between step's first generated tokens and the TRAIN(step) that uses them."""
@@ -288,9 +301,11 @@ class Pipeline:
 
     def _step_candidate(self, k: int, started: set[Action]) -> Action | None:
         m = self.steps[k]
-        if m.running or m.state in (S.VALIDATE, S.DONE):
+        if m.running or m.state in (S.CHECKPOINT, S.VALIDATE, S.DONE):
             return None
-        # (a finished SYNC never waits here: `finish` moves it on to VALIDATE or DONE)
+        if m.state is S.SYNC:  # finished, and `finish` left it here: a checkpoint is due
+            action = Action(k, S.CHECKPOINT, self.groups["checkpoint"])
+            return None if action in started else action
         nxt = S.GENERATE if m.state is S.PENDING else self.work[self.work.index(m.state) + 1]
         action = Action(k, nxt, self.groups[TASK_OF_STATE[nxt]])
         if action in started or not self._past(k - 1, nxt):
@@ -301,8 +316,8 @@ class Pipeline:
             return None
         if nxt is S.LOGP and self.separate_logp and not self._past(k - 1, S.SYNC):
             return None  # the logp group's replica receives version k through SYNC(k-1)
-        if nxt is S.TRAIN and not self._past(k - 1, S.SYNC):
-            return None
+        if nxt is S.TRAIN and not (self._past(k - 1, S.SYNC) and self._saved(k - 1)):
+            return None  # the checkpoint of step k-1 holds the weights TRAIN(k) changes
         if nxt is S.SYNC and (not self._generate_started(k + self.ahead - 1, started)
                               or self._val_blocks_sync(k)):
             return None
@@ -392,16 +407,22 @@ class Pipeline:
             return
         m = self.steps[action.step]
         m.complete(group=action.group, now=now)
+        k = action.step
+        validates = validates_after(k, total_steps=self.total_steps, test_freq=self.test_freq)
         if action.state is S.SYNC:
-            self.weight_version = action.step + 1
-            if validates_after(action.step, total_steps=self.total_steps,
-                               test_freq=self.test_freq):
+            self.weight_version = k + 1
+            if validates:  # queued now, so it overlaps a checkpoint rather than follow it
+                self.val_queue.append(k + 1)
+            if self.checkpoint_due(k):
+                return  # stays in SYNC (finished) until CHECKPOINT(k) starts
+        if action.state in (S.SYNC, S.CHECKPOINT):
+            if validates and k + 1 not in self.val_scored:
                 m.advance(S.VALIDATE, group=self.groups["val-generate"], now=now,
-                          reason=f"test_freq={self.test_freq}: validate v{action.step + 1}")
-                self.val_queue.append(action.step + 1)
+                          reason=f"test_freq={self.test_freq}: validate v{k + 1}")
             else:
-                m.advance(S.DONE, group=action.group, reason="synced; no validation due",
-                          now=now)
+                m.advance(S.DONE, group=action.group, now=now,
+                          reason="saved" if action.state is S.CHECKPOINT else
+                          "synced; no checkpoint or validation due")
                 self._advance_first()
 
     def _finish_validation(self, action: Action, now: float) -> None:
@@ -444,6 +465,8 @@ class Pipeline:
                     f"(generate_ahead_steps={self.ahead})")
         if state is S.SYNC:
             return f"publish v{k + 1}"
+        if state is S.CHECKPOINT:
+            return f"save_freq={self.save_freq}: save v{k + 1}"
         prev = self.work[self.work.index(state) - 1]
         return f"{prev} finished"
 

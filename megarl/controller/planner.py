@@ -36,7 +36,13 @@ from .machine import Pipeline, simulate, task_groups
 logger = logging.getLogger(__name__)
 
 SCALES = frozenset({"generate", "ref_logp", "logp", "actor-train"})
-"""Tasks whose time divides over their group's devices (data parallel)."""
+"""Tasks whose time divides over their group's devices (data parallel), with scaling
+"linear"."""
+SCALINGS = ("linear", "none")
+"""How a task's time follows its group's device count: "linear" (accelerators: twice the
+devices, half the time for the tasks in SCALES), "none" (devices that share a host's cores,
+as trainer.device=cpu does: more processes make nothing faster, so the measured time
+stands). `plan` picks "none" for CPU runs and "linear" otherwise unless told."""
 WARMUP_STEPS = 2  # first steps left out of the medians (model loading, first compiles)
 SIM_STEPS = 16
 
@@ -71,8 +77,8 @@ def measure(trace: str | Path) -> Measured:
     per = defaultdict(float)  # (task, step) -> seconds
     task_group = {}
     for e in (e for e in events if e.get("ph") == "X"):
-        if e["cat"].startswith("val-"):
-            continue
+        if e["cat"].startswith("val-") or e["cat"] == "checkpoint":
+            continue  # planned layouts are compared without validations and saves
         per[(e["cat"], int(e["args"]["step"]))] += float(e["dur"]) / 1e6
         task_group[e["cat"]] = group_of.get(e["pid"], "?")
     steps = sorted({s for _, s in per})
@@ -134,14 +140,16 @@ def _splits(total: int, k: int) -> Iterator[tuple[int, ...]]:
 
 
 def predict(m: Measured, groups: Sequence[Sequence[str]], devices: Sequence[int], ahead: int,
-            steps: int = SIM_STEPS) -> tuple[float, dict[str, float]]:
+            steps: int = SIM_STEPS, scaling: str = "linear") -> tuple[float, dict[str, float]]:
     """Steady-state seconds per step and idle ratio per group of one layout (simulated)."""
+    if scaling not in SCALINGS:
+        raise ValueError(f"scaling {scaling!r}: one of {', '.join(SCALINGS)}")
     mapping = task_groups([list(g) for g in groups])
     dev = {group_name(g): d for g, d in zip(groups, devices)}
 
     def cost(action) -> float:
         t = m.seconds.get(action.task, 0.0)
-        if action.task in SCALES and action.task in m.devices:
+        if scaling == "linear" and action.task in SCALES and action.task in m.devices:
             t *= m.devices[action.task] / dev[mapping[action.task]]
         return t
 
@@ -157,13 +165,21 @@ def predict(m: Measured, groups: Sequence[Sequence[str]], devices: Sequence[int]
     return (hi - lo) / (last - first + 1), {g: r for g, r in idle.items() if g in dev}
 
 
+def default_scaling(device: str) -> str:
+    """"none" for CPU devices (processes on one host's cores), "linear" for accelerators."""
+    return "none" if device == "cpu" else "linear"
+
+
 def plan(config: str | None, overrides: Sequence[str], m: Measured,
-         gpu_memory_gib: float = 80.0, aheads: Iterable[int] | None = None) -> list[Candidate]:
-    """Every layout of the config's devices, priced; fitting ones first, fastest first."""
+         gpu_memory_gib: float = 80.0, aheads: Iterable[int] | None = None,
+         scaling: str | None = None) -> list[Candidate]:
+    """Every layout of the config's devices, priced; fitting ones first, fastest first.
+    `scaling`: see SCALINGS; None picks by trainer.device."""
     from .dryrun import needs_ref, plan_run
 
     cfg = load_config(config, overrides)
     t = cfg.trainer
+    scaling = scaling or default_scaling(t.device)
     if cfg.algorithm.adv_estimator == "gae":
         raise ConfigError("algorithm.adv_estimator=gae: megarl plan does not price a critic "
                           "yet (its values and critic-train tasks); plan the actor without it")
@@ -195,7 +211,8 @@ def plan(config: str | None, overrides: Sequence[str], m: Measured,
             for ahead in aheads:
                 c = dataclasses.replace(fit, ahead=ahead)
                 if c.refused is None:
-                    c.step_s, c.idle = predict(m, c.groups, c.devices, ahead)
+                    c.step_s, c.idle = predict(m, c.groups, c.devices, ahead,
+                                               scaling=scaling)
                 out.append(c)
     ok = sorted((c for c in out if c.refused is None), key=lambda c: (c.step_s, c.ahead))
     if not ok:

@@ -6,12 +6,14 @@ This module owns the vocabulary of the controller: `StepState`, `TRANSITIONS` an
 (`megarl.controller.validation`).
 
     PENDING -> GENERATE -> REWARD -> REF_LOGP -> [VALUES] -> LOGP -> TRAIN -> SYNC
-                                                              SYNC -> VALIDATE -> DONE
-                                                                  \\______________/
+                              SYNC -> [CHECKPOINT] -> VALIDATE -> DONE
+                                  \\________________\\______________/
 
 VALUES (the critic's value of every prefix, for GAE) is a state of a run with a critic
 (``algorithm.adv_estimator=gae``) and of no other: such a run walks `CRITIC_WORK_STATES`, any
-other `WORK_STATES`; REF_LOGP has one edge for each.
+other `WORK_STATES`; REF_LOGP has one edge for each. CHECKPOINT is a step's when
+`trainer.save_freq` asks for one after it: it runs on the trainer's group while the other
+groups go on (GENERATE(k+2) overlaps CHECKPOINT(k) one step off), and TRAIN(k+1) waits for it.
 
 A step is in a state from the moment that state's work starts until the next state's work
 starts; whether the work of the current state has finished is the machine's business.
@@ -32,6 +34,7 @@ class StepState(enum.Enum):
     LOGP = "logp"
     TRAIN = "train"
     SYNC = "sync"
+    CHECKPOINT = "checkpoint"
     VALIDATE = "validate"
     DONE = "done"
 
@@ -58,9 +61,15 @@ _EDGES: dict[StepState, tuple[tuple[StepState, str], ...]] = {
     S.LOGP: ((S.TRAIN, "advantages and the decoupled importance ratio need rewards, reference, "
                        "proximal and behaviour log-probs"),),
     S.TRAIN: ((S.SYNC, "new trainer weights are worth nothing until the generators have them"),),
-    S.SYNC: ((S.VALIDATE, "test_freq (or the last step) asks to validate the weights just "
+    S.SYNC: ((S.CHECKPOINT, "save_freq (or the last step) asks to save the weights just "
+                            "synced with where the data stands; the trainer's group saves "
+                            "while the other groups go on"),
+             (S.VALIDATE, "test_freq (or the last step) asks to validate the weights just "
                           "synced, on the generate group"),
-             (S.DONE, "no validation is due after this step")),
+             (S.DONE, "no checkpoint and no validation is due after this step")),
+    S.CHECKPOINT: ((S.VALIDATE, "saved; the validation of this step's weights (started when "
+                                "SYNC finished) has not been scored yet"),
+                   (S.DONE, "saved, and no validation is due or it has been scored")),
     S.VALIDATE: ((S.DONE, "validation of this step's weights has been scored"),),
     S.DONE: (),
 }

@@ -21,7 +21,7 @@ from collections import defaultdict
 from typing import Iterable, Mapping, Sequence
 
 TIMING_NAME = {"generate": "generate", "reward": "reward", "ref_logp": "ref_logp",
-               "logp": "logp", "actor-train": "train", "sync": "sync",
+               "logp": "logp", "actor-train": "train", "sync": "sync", "checkpoint": "checkpoint",
                "val-generate": "val_generate", "val-score": "val_score"}
 """Pipeline task -> the `timing/<name>` it reports under."""
 

@@ -46,7 +46,7 @@ def write_chrome_trace(intervals: Iterable, path: str | Path,
 # One colour per task (the states' order), so a task keeps its colour in every picture.
 TASK_COLOURS = {"generate": (66, 133, 244), "reward": (251, 188, 5), "ref_logp": (52, 168, 83),
                 "values": (0, 150, 136), "logp": (171, 71, 188), "actor-train": (234, 67, 53),
-                "sync": (96, 125, 139), "val-generate": (121, 85, 72),
+                "sync": (96, 125, 139), "checkpoint": (33, 33, 33), "val-generate": (121, 85, 72),
                 "val-score": (255, 112, 67)}
 _OTHER = (158, 158, 158)
 

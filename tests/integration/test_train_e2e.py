@@ -222,6 +222,28 @@ def test_design_usage_keys_run_a_short_training(quickstart_assets, tmp_path):
     assert sorted(scalars(tmp_path, "weight_sync/blocking_s")) == [1, 2, 3]
 
 
+def check_saves_overlap_generation(run_dir, saved: int, steps: int, save_freq: int) -> None:
+    """CHECKPOINT is an action of the trainer's group, not a stall of the driver: in the
+    resumed run's timeline every due step is saved once, after its SYNC and before the next
+    TRAIN, and generation one step off goes on while a step is saved (GENERATE(k+2) overlaps
+    CHECKPOINT(k); a save that blocked the driver would have kept it from starting)."""
+    events = [e for e in json.loads((Path(run_dir) / "megarl" / "t" / "timeline.json")
+                                    .read_text())["traceEvents"] if e["ph"] == "X"]
+    span = {(e["cat"], e["args"]["step"]): (e["ts"], e["ts"] + e["dur"]) for e in events}
+    saves = sorted(k for task, k in span if task == "checkpoint")
+    assert saves == [k for k in range(saved + 1, steps) if (k + 1) % save_freq == 0], saves
+    for k in saves:
+        start, end = span[("checkpoint", k)]
+        assert start >= span[("sync", k)][1]
+        if ("actor-train", k + 1) in span:
+            assert span[("actor-train", k + 1)][0] >= end
+    overlapped = [k for k in saves if ("generate", k + 2) in span
+                  and span[("generate", k + 2)][0] < span[("checkpoint", k)][1]]
+    assert overlapped, {k: (span[("checkpoint", k)], span.get(("generate", k + 2)))
+                        for k in saves}
+    assert scalars(run_dir, "timing/checkpoint")
+
+
 def test_kill_after_checkpoint_then_resume(quickstart_assets, tmp_path):
     extra = ["trainer.total_training_steps=8", "trainer.save_freq=2", "trainer.test_freq=-1",
              "trainer.val_before_train=False"]
@@ -236,6 +258,7 @@ def test_kill_after_checkpoint_then_resume(quickstart_assets, tmp_path):
     for k in range(8):
         assert steps[k] == sorted(p.uid for p in loader.next_batch()), k
     assert len(scalars(tmp_path, "reward/mean")) >= 8 - saved - 1
+    check_saves_overlap_generation(tmp_path, saved, 8, save_freq=2)
     # validation-only on the run's latest checkpoint: the engines serve its weights (v8)
     out = megarl("validate", _args(quickstart_assets, tmp_path, *extra))
     assert "validation of weights v8:" in out

@@ -185,3 +185,46 @@ def test_critic_beside_actor_train_by_default():
     p, tl, _ = run(1, SEPARATED, steps=3, durations={**DUR, "values": 0.75}, critic=True)
     assert p.groups["values"] == p.groups["actor-train"]
     assert all(i.group == p.groups["actor-train"] for i in by(tl, "values"))
+
+
+# ------------------------------------------------------------------ CHECKPOINT, a scheduled action
+SAVE = {**DUR, "checkpoint": 3.0}
+
+
+@pytest.mark.parametrize("test_freq", [-1, 2])
+def test_a_checkpoint_runs_on_the_trainer_group_beside_generation(test_freq):
+    """save_freq=2 over 6 steps one step off: CHECKPOINT(1), (3), (5) on the trainer's group;
+    GENERATE(k+2) runs while step k is saved, TRAIN(k+1) waits for the save; a validation due
+    at the same step does not wait for the save, and the run ends after the last save."""
+    p, tl, _ = run(2, SEPARATED, durations=SAVE, save_freq=2, test_freq=test_freq)
+    saves = by(tl, "checkpoint")
+    assert [i.step for i in saves] == [1, 3, 5]
+    assert {i.group for i in saves} == {SEPARATED["actor-train"]}
+    for c in saves:
+        k = c.step
+        assert c.start == by(tl, "sync", k).end  # saving starts as soon as the weights are out
+        if k + 2 < 6:
+            assert overlaps(by(tl, "generate", k + 2), c)
+        if k + 1 < 6:
+            assert by(tl, "actor-train", k + 1).start >= c.end
+        if test_freq == 2:  # queued when SYNC(k) finished: it needs only the generate group
+            assert by(tl, "val-generate", k).start < c.end or \
+                by(tl, "val-generate", k).start == by(tl, "generate", k + 2).end
+        walked = [st for st in p.steps[k].started if st not in (S.VALIDATE, S.DONE)]
+        assert walked[-2:] == [S.SYNC, S.CHECKPOINT]
+    if test_freq == -1:
+        assert max(i.end for i in tl) == saves[-1].end
+    # steps without a save never enter CHECKPOINT
+    assert all(S.CHECKPOINT not in p.steps[k].started for k in (0, 2, 4))
+
+
+def test_without_save_freq_no_step_is_saved_and_the_schedule_is_unchanged():
+    _, plain, _ = run(2, SEPARATED)
+    _, off, _ = run(2, SEPARATED, durations=SAVE, save_freq=-1)
+    assert plain == off and not by(off, "checkpoint")
+
+
+def test_the_last_step_is_saved_whatever_save_freq():
+    p, tl, _ = run(1, COLOCATED, steps=5, durations=SAVE, save_freq=4)
+    assert [i.step for i in by(tl, "checkpoint")] == [3, 4]
+    assert p.checkpoint_due(4) and not p.checkpoint_due(2)

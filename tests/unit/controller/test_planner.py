@@ -59,6 +59,24 @@ def test_a_colocated_step_is_the_sum_and_overlap_hides_the_shorter_side(tmp_path
     assert idle["logp+actor-train+ref_logp"] == pytest.approx(1 - trainer / step)
 
 
+def test_devices_sharing_a_host_scale_nothing(tmp_path):
+    """scaling="none" (CPU devices: processes on one host's cores) keeps each task's measured
+    time whatever its group's devices, so the layout that overlaps most wins; "linear" makes
+    a task on twice the devices take half the time. `plan` picks by trainer.device."""
+    m = planner.measure(_trace(tmp_path))
+    every = [("generate", "ref_logp", "logp", "actor-train")]
+    none, _ = planner.predict(m, every, [16], ahead=1, scaling="none")
+    assert none == pytest.approx(sum(SECONDS.values()))
+    linear, _ = planner.predict(m, every, [16], ahead=1)
+    assert linear < none
+    apart = [("logp",), ("ref_logp",), ("actor-train",), ("generate",)]
+    assert planner.predict(m, apart, [4, 4, 4, 4], 2, scaling="none")[0] < none
+    with pytest.raises(ValueError, match="scaling 'cubic'"):
+        planner.predict(m, every, [16], 1, scaling="cubic")
+    assert (planner.default_scaling("cpu"), planner.default_scaling("cuda")) == \
+        ("none", "linear")
+
+
 def test_plan_ranks_fitting_layouts_and_refuses_what_does_not_fit(tmp_path):
     m = planner.measure(_trace(tmp_path))
     cands = planner.plan(QWEN2, [], m, gpu_memory_gib=80.0)

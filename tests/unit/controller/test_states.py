@@ -24,9 +24,11 @@ def test_table_is_the_documented_chain():
             assert b in TRANSITIONS[a]
     # REF_LOGP is the one fork: VALUES with a critic, LOGP without
     assert TRANSITIONS[S.REF_LOGP] == {S.VALUES, S.LOGP}
-    for a in set(StepState) - {S.REF_LOGP, S.SYNC, S.VALIDATE, S.DONE}:
+    for a in set(StepState) - {S.REF_LOGP, S.SYNC, S.CHECKPOINT, S.VALIDATE, S.DONE}:
         assert len(TRANSITIONS[a]) == 1
-    assert TRANSITIONS[S.SYNC] == {S.VALIDATE, S.DONE}
+    # after SYNC: an optional CHECKPOINT, then an optional VALIDATE
+    assert TRANSITIONS[S.SYNC] == {S.CHECKPOINT, S.VALIDATE, S.DONE}
+    assert TRANSITIONS[S.CHECKPOINT] == {S.VALIDATE, S.DONE}
     assert TRANSITIONS[S.VALIDATE] == {S.DONE}
     assert TRANSITIONS[S.DONE] == frozenset()
     assert set(TRANSITIONS) == set(StepState)
@@ -55,7 +57,8 @@ def walk(m, path, group="g"):
 
 
 @pytest.mark.parametrize("path", [PATH, CRITIC_PATH])
-@pytest.mark.parametrize("tail", [[S.DONE], [S.VALIDATE, S.DONE]])
+@pytest.mark.parametrize("tail", [[S.DONE], [S.VALIDATE, S.DONE], [S.CHECKPOINT, S.DONE],
+                                  [S.CHECKPOINT, S.VALIDATE, S.DONE]])
 def test_walk_every_path_logs_step_group_reason(path, tail, caplog):
     caplog.set_level(logging.DEBUG, logger="megarl.controller")
     m = walk(StepMachine(3), path + tail, group="gen")
