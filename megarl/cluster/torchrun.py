@@ -133,6 +133,10 @@ class Control:
         self._collector = None
         self.heartbeat_s = float(os.environ.get(HEARTBEAT_ENV, 60))
         self._seen: dict[int, tuple[int, float]] = {}
+        self.lost: cf.Future = cf.Future()
+        """Rank 0: fails with the first rank whose heartbeat stops, whether or not a call to
+        it is in flight (a rank serving an engine is reached over HTTP and the weight sync's
+        collectives, not through calls); the driver stops the run on it."""
         self._dead: set[int] = set()
         threading.Thread(target=self._beat, daemon=True, name="megarl-heartbeat").start()
 
@@ -224,7 +228,7 @@ class Control:
             time.sleep(nap)
 
     def _fail_silent(self, store, keys: list[str]) -> None:
-        for rank in {int(k.split("/")[1]) for k in keys} - self._dead:
+        for rank in set(range(self.world)) - {self.rank} - self._dead:
             if not self._silent(store, rank):
                 continue
             self._dead.add(rank)
@@ -237,6 +241,8 @@ class Control:
                          ", ".join(what.split(": ", 1)[1] for _, what in futs) or "none")
             for fut, what in futs:
                 fut.set_exception(RemoteError(f"{what}: {gone}"))
+            if not self.lost.done():
+                self.lost.set_exception(RemoteError(f"{gone} (host down, cut off or killed)"))
 
     def release(self, timeout_s: float = 120.0) -> None:
         """Tell every other rank to leave its loop, and wait until each has."""

@@ -109,6 +109,10 @@ def load_config(path: str | None = None, overrides: Sequence[str] = ()) -> DictC
     if rollout.max_new_tokens is None:
         rollout.max_new_tokens = cfg.data.max_response_length
     _resolve_ahead(cfg, from_file, overridden, path)
+    logp, actor = cfg.actor_rollout_ref.logp, cfg.actor_rollout_ref.actor.megatron
+    for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
+        if logp[key] is None:  # the replica's layout is the actor's unless it says otherwise
+            logp[key] = actor[key]
     try:
         validate_config(cfg)
     except ConfigError as err:

@@ -155,6 +155,10 @@ def _check_model_files(cfg, path: Path) -> None:
     layouts = [("actor_rollout_ref.actor.megatron", arr.actor.megatron)]
     if arr.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:  # the run builds a ref model
         layouts.append(("actor_rollout_ref.ref.megatron", arr.ref.megatron))
+    from megarl.config.validate import plan_task_groups
+
+    if not any({"logp", "actor-train"} <= set(g.tasks) for g in plan_task_groups(cfg)):
+        layouts.append(("actor_rollout_ref.logp", arr.logp))  # the replica's own layout
     for prefix, m in layouts:
         problem = layout_error(args, m.tensor_model_parallel_size,
                                m.pipeline_model_parallel_size)

@@ -128,6 +128,8 @@ RANGES: Dict[str, Range] = {
        for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
                    "make_vocab_size_divisible_by")},
     f"{_A}.actor.megatron.seed": SEED,
+    f"{_A}.logp.tensor_model_parallel_size": POSITIVE,
+    f"{_A}.logp.pipeline_model_parallel_size": POSITIVE,
     f"{_A}.ref.megatron.seed": SEED,
     f"{_A}.ref.log_prob_micro_batch_size_per_gpu": POSITIVE,
     f"{_A}.rollout.server_start_timeout_s": POSITIVE,
@@ -413,6 +415,16 @@ class RefConfig:
 
 
 @dataclass
+class LogpConfig:
+    tensor_model_parallel_size: Optional[int] = None
+    """TP of the actor's replica that computes LOGP when ``logp`` has a task group of its own
+    (fed by the weight sync, which reshards into it); null means the actor's TP. Only for that
+    layout: beside actor-train, LOGP runs on the trainer itself."""
+    pipeline_model_parallel_size: Optional[int] = None
+    """PP of that replica; null means the actor's PP."""
+
+
+@dataclass
 class ActorRolloutRefConfig:
     async_pipeline: bool = False
     """Alias of ``trainer.generate_ahead_steps`` (the seed's key): true sets it to 2 (one step
@@ -427,6 +439,8 @@ class ActorRolloutRefConfig:
     """Generation engines and weight sync to them."""
     ref: RefConfig = field(default_factory=RefConfig)
     """Reference policy for KL."""
+    logp: LogpConfig = field(default_factory=LogpConfig)
+    """The proximal policy's replica, when ``logp`` runs on a group of its own."""
 
 
 @dataclass

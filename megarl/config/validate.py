@@ -26,8 +26,8 @@ _ARR = "actor_rollout_ref"
 # Which model-parallel layout each task's workers run, as the keys whose product must divide
 # the group's device count. ``reward`` runs no model.
 _PARALLEL_KEYS = {
-    "logp": (f"{_ARR}.actor.megatron.tensor_model_parallel_size",
-             f"{_ARR}.actor.megatron.pipeline_model_parallel_size"),
+    "logp": (f"{_ARR}.logp.tensor_model_parallel_size",
+             f"{_ARR}.logp.pipeline_model_parallel_size"),
     "actor-train": (f"{_ARR}.actor.megatron.tensor_model_parallel_size",
                     f"{_ARR}.actor.megatron.pipeline_model_parallel_size"),
     "ref_logp": (f"{_ARR}.ref.megatron.tensor_model_parallel_size",
@@ -50,6 +50,7 @@ def validate_config(cfg: DictConfig) -> None:
     _check_staleness(cfg)
     plans = plan_task_groups(cfg)
     _check_critic(cfg, plans)
+    _check_logp(cfg, plans)
     critic_host = critic_hosted(plans) if cfg.algorithm.adv_estimator == "gae" else None
     for plan in plans:
         _check_group_parallelism(cfg, plan, with_critic=plan is critic_host)
@@ -235,6 +236,19 @@ def _check_critic(cfg: DictConfig, plans: list[GroupPlan]) -> None:
                           f"data.train_batch_size={cfg.data.train_batch_size}")
 
 
+def _check_logp(cfg: DictConfig, plans: list[GroupPlan]) -> None:
+    """The replica's own layout is for logp on a group of its own; beside actor-train, LOGP
+    runs on the trainer, whose layout is the actor's."""
+    shared = any({"logp", "actor-train"} <= set(p.tasks) for p in plans)
+    logp, actor = cfg.actor_rollout_ref.logp, cfg.actor_rollout_ref.actor.megatron
+    for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
+        if shared and logp[key] is not None and logp[key] != actor[key]:
+            raise ConfigError(
+                f"{_ARR}.logp.{key}: {logp[key]}, but logp shares the actor-train group, where "
+                f"it runs on the trainer itself ({_ARR}.actor.megatron.{key}={actor[key]}); "
+                f"give logp a group of its own in trainer.separated_node_tasks, or drop it")
+
+
 def _check_group_parallelism(cfg: DictConfig, plan: GroupPlan,
                              with_critic: bool = False) -> None:
     tasks = list(plan.tasks)
@@ -242,6 +256,8 @@ def _check_group_parallelism(cfg: DictConfig, plan: GroupPlan,
         tasks.append("critic")  # the critic runs beside actor-train when not placed itself
     for task in tasks:
         keys = _PARALLEL_KEYS[task]
+        if task == "logp" and ("actor-train" in tasks or _get(cfg, keys[0]) is None):
+            keys = _PARALLEL_KEYS["actor-train"]  # on the trainer, or the actor's layout
         if not keys:
             continue
         sizes = [_get(cfg, k) for k in keys]

@@ -79,6 +79,9 @@ class Driver:
     async def main(self, pipeline: Pipeline) -> None:
         self.p = pipeline
         running: dict[asyncio.Task, object] = {}
+        # A host lost under torchrun may leave the work in flight waiting on it for minutes
+        # (a collective, an HTTP call); its silence ends the run as soon as it is noticed.
+        lost = asyncio.wrap_future(self.r.lost) if self.r.lost is not None else None
         try:
             while not pipeline.done:
                 for action in pipeline.ready():
@@ -86,7 +89,13 @@ class Driver:
                     running[asyncio.create_task(self.execute(action))] = action
                 if not running:
                     raise RuntimeError("pipeline stalled: nothing ready and nothing running")
-                finished, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+                watch = set(running) | ({lost} if lost is not None else set())
+                finished, _ = await asyncio.wait(watch, return_when=asyncio.FIRST_COMPLETED)
+                if lost is not None and lost in finished:
+                    doing = ", ".join(str(a) for a in running.values())
+                    logger.error("a rank was lost while %s ran: %s", doing,
+                                 _describe(lost.exception()))
+                    raise RuntimeError(f"{lost.exception()}; in flight: {doing}")
                 for t in finished:
                     action = running.pop(t)
                     err = None if t.cancelled() else t.exception()
@@ -98,6 +107,8 @@ class Driver:
         finally:
             for t in running:
                 t.cancel()
+            if lost is not None and not lost.done():
+                lost.cancel()
 
     async def execute(self, a) -> None:
         k = a.step

@@ -148,6 +148,8 @@ def plan_run(cfg: DictConfig, gpu_memory_gib: float = 80.0) -> RunPlan:
     _check_layout(a, actor, f"{_ARR}.actor.megatron")
     if needs_ref(cfg):
         _check_layout(a, arr.ref.megatron, f"{_ARR}.ref.megatron")
+    if "actor-train" not in _hosting(groups, "logp").tasks:
+        _check_layout(a, replica_megatron(cfg), f"{_ARR}.logp")
     gen = _hosting(groups, "generate")
     servers = plan_servers(cfg, gen)
     stages = plan_stage_buckets(a, actor.pipeline_model_parallel_size, actor.params_dtype,
@@ -252,7 +254,7 @@ def roles(cfg: DictConfig, g: GroupPlan) -> tuple[str, ...]:
                    + "): " + _parallel(arr.actor.megatron, g.num_devices))
     elif "logp" in g.tasks:
         out.append("actor replica (logp, fed by the weight sync): "
-                   + _parallel(arr.actor.megatron, g.num_devices))
+                   + _parallel(replica_megatron(cfg), g.num_devices))
     if "ref_logp" in g.tasks and needs_ref(cfg):
         out.append("reference (ref_logp): " + _parallel(arr.ref.megatron, g.num_devices))
     elif "ref_logp" in g.tasks:
@@ -460,11 +462,20 @@ def reference_memory(cfg: DictConfig, a: ModelArgs) -> list[MemoryItem]:
                        _logits_bytes(cfg, a, ref.megatron, ref.log_prob_micro_batch_size_per_gpu))]
 
 
+def replica_megatron(cfg: DictConfig) -> DictConfig:
+    """The logp replica's Megatron settings: the actor's, with its own TP/PP when given."""
+    m = OmegaConf.to_container(cfg.actor_rollout_ref.actor.megatron)
+    logp = cfg.actor_rollout_ref.logp
+    for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
+        m[key] = logp[key] or m[key]
+    return OmegaConf.create(m)
+
+
 def replica_memory(cfg: DictConfig, a: ModelArgs, stages: list[StageBuckets]
                    ) -> list[MemoryItem]:
     """The logp group's replica: the actor's shard, the whole HF-named copy its receiver
     holds (staged and live), and the logits of one log-prob micro-batch."""
-    m = cfg.actor_rollout_ref.actor.megatron
+    m = replica_megatron(cfg)
     n, e = _rank_params(a, m), itemsize(m.params_dtype)
     hf = sum(s.total for s in stages)
     return [MemoryItem(f"replica params ({_count(n)} × {e} B)", n * e),

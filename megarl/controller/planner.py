@@ -103,18 +103,22 @@ class Candidate:
     idle: dict[str, float] = dataclasses.field(default_factory=dict)
     memory_gib: float = 0.0  # the fullest device's estimate
     refused: str | None = None  # why it cannot run (placement or memory)
+    rollout_tp: int | None = None  # the engines' TP, when not the config's
 
     def overrides(self) -> list[str]:
         total = sum(self.devices)
         tasks = ",".join(f"[{','.join(g)}]" for g in self.groups)
         ratios = ",".join(f"{d / total:g}" for d in self.devices)
+        tp = [] if self.rollout_tp is None else [
+            f"actor_rollout_ref.rollout.tensor_model_parallel_size={self.rollout_tp}"]
         return [f"trainer.separated_node_tasks=[{tasks}]",
                 f"trainer.separated_node_ratios=[{ratios}]",
                 f"actor_rollout_ref.async_pipeline={self.ahead > 1}",
-                f"trainer.generate_ahead_steps={self.ahead}"]
+                f"trainer.generate_ahead_steps={self.ahead}", *tp]
 
     def label(self) -> str:
-        return "  ".join(f"[{'+'.join(g)}]x{d}" for g, d in zip(self.groups, self.devices))
+        tp = "" if self.rollout_tp is None else f"  (rollout TP {self.rollout_tp})"
+        return "  ".join(f"[{'+'.join(g)}]x{d}" for g, d in zip(self.groups, self.devices)) + tp
 
 
 def _partitions(units: Sequence[tuple[str, ...]]) -> Iterator[list[tuple[str, ...]]]:
@@ -165,6 +169,39 @@ def predict(m: Measured, groups: Sequence[Sequence[str]], devices: Sequence[int]
     return (hi - lo) / (last - first + 1), {g: r for g, r in idle.items() if g in dev}
 
 
+def _rollout_tps(config_tp: int, devices: int) -> list[int]:
+    """The config's rollout TP first, then every other power of two that splits `devices`."""
+    others, tp = [], 1
+    while tp <= devices:
+        if tp != config_tp and devices % tp == 0:
+            others.append(tp)
+        tp *= 2
+    return [config_tp, *others]
+
+
+def _fit(config, overrides, c: Candidate, cfg, gpu_memory_gib: float) -> Candidate:
+    """`c` with its memory estimate, placed by the dry run (placement and memory do not depend
+    on how far generation runs ahead). Where the config's rollout TP cannot run on the
+    generate group (it does not split the group's devices, or an engine does not fit), the
+    smallest other TP that can is taken; if none can, the config's TP's reason refuses it."""
+    from .dryrun import plan_run
+
+    gen = next(d for g, d in zip(c.groups, c.devices) if "generate" in g)
+    config_tp = cfg.actor_rollout_ref.rollout.tensor_model_parallel_size
+    first_reason = None
+    for tp in _rollout_tps(config_tp, gen):
+        trial = dataclasses.replace(c, rollout_tp=None if tp == config_tp else tp)
+        try:
+            run = plan_run(load_config(config, [*overrides, *trial.overrides()]),
+                           gpu_memory_gib=gpu_memory_gib)
+        except ConfigError as e:
+            first_reason = first_reason or str(e)
+            continue
+        trial.memory_gib = max(g.total for g in run.memory) / 2**30
+        return trial
+    return dataclasses.replace(c, refused=first_reason)
+
+
 def default_scaling(device: str) -> str:
     """"none" for CPU devices (processes on one host's cores), "linear" for accelerators."""
     return "none" if device == "cpu" else "linear"
@@ -175,7 +212,7 @@ def plan(config: str | None, overrides: Sequence[str], m: Measured,
          scaling: str | None = None) -> list[Candidate]:
     """Every layout of the config's devices, priced; fitting ones first, fastest first.
     `scaling`: see SCALINGS; None picks by trainer.device."""
-    from .dryrun import needs_ref, plan_run
+    from .dryrun import needs_ref
 
     cfg = load_config(config, overrides)
     t = cfg.trainer
@@ -201,13 +238,8 @@ def plan(config: str | None, overrides: Sequence[str], m: Measured,
             groups = [g + ("ref_logp",) if "actor-train" in g else g for g in groups]
         for shares in _splits(total // unit, len(groups)):
             devices = tuple(x * unit for x in shares)
-            fit = Candidate(tuple(tuple(g) for g in groups), devices, aheads[0])
-            try:  # placement and memory do not depend on how far generation runs ahead
-                run = plan_run(load_config(config, [*overrides, *fit.overrides()]),
-                               gpu_memory_gib=gpu_memory_gib)
-                fit.memory_gib = max(g.total for g in run.memory) / 2**30
-            except ConfigError as e:
-                fit.refused = str(e)
+            fit = _fit(config, overrides, Candidate(tuple(tuple(g) for g in groups), devices,
+                                                    aheads[0]), cfg, gpu_memory_gib)
             for ahead in aheads:
                 c = dataclasses.replace(fit, ahead=ahead)
                 if c.refused is None:

@@ -46,6 +46,7 @@ class Run:
     driver_state: dict | None = None   # the resumed checkpoint's driver_state.json
     critic: Any = None                 # the value model (adv_estimator=gae), else None
     logp: Any = None                   # logp's replica, when logp has a group of its own
+    lost: Any = None  # torchrun: a concurrent Future failing when a rank's heartbeat stops
 
     async def actor_wait(self) -> None:
         if self.actor is not None and self.actor.sync_initialised:
@@ -138,6 +139,7 @@ async def setup_run(cfg, val_only: bool) -> Run:
         from megarl.cluster.torchrun import TorchrunMegatronGroup as MegatronGroup
         from megarl.cluster.torchrun import TorchrunRolloutGroup as RolloutGroup
         from megarl.cluster.torchrun import no_ray as init_ray
+        from megarl.cluster.torchrun import _control
     arr, t = cfg.actor_rollout_ref, cfg.trainer
     # Pick and verify the checkpoint first: a damaged one is named, with the fallback, before
     # any model, data or worker is loaded (and before Ray, under either launcher).
@@ -239,4 +241,5 @@ async def setup_run(cfg, val_only: bool) -> Run:
                manager=manager, loggers=loggers, groups=groups, ahead=ahead, total_steps=total,
                start_step=start_step, max_new_tokens=arr.rollout.max_new_tokens,
                temperature=float(arr.rollout.temperature), ckpt_root=root,
-               device_groups=list(dgs.values()), driver_state=state, critic=critic, logp=logp)
+               device_groups=list(dgs.values()), driver_state=state, critic=critic, logp=logp,
+               lost=_control().lost if cfg.trainer.launcher == "torchrun" else None)

@@ -351,19 +351,22 @@ def test_validation_only_mode(quickstart_assets, tmp_path):
 def test_logp_on_a_group_of_its_own_matches_logp_beside_the_trainer(quickstart_assets,
                                                                     tmp_path):
     """The seed layout with every task on its own group, spelt as the seed's usage example
-    spells it (`+`, `sperated_*`), on 4 CPU devices: LOGP(k) runs on a replica of the actor
-    that the weight sync feeds, at exactly version k (lag 0), its weights verified against
-    the trainer's after every version; its log-probs, and so the whole run, equal those of
-    the seed layout where logp shares the trainer's group."""
-    common = ["trainer.n_gpus_per_node=4", "trainer.total_training_steps=4",
+    spells it (`+`, `sperated_*`): LOGP(k) runs on a replica of the actor that the weight sync
+    feeds, at exactly version k (lag 0), its weights verified against the trainer's after
+    every version. The replica has a layout of its own (TP=2 on 2 of 5 CPU devices; the
+    trainer is TP=1): the sync's HF-named weights are resharded into it. Its log-probs, and
+    so the whole run, equal those of the seed layout where logp shares the trainer's group
+    (4 devices)."""
+    common = ["trainer.total_training_steps=4",
               "trainer.save_freq=-1", "trainer.test_freq=-1", "trainer.val_before_train=False",
               "+actor_rollout_ref.async_pipeline=True", "+trainer.generate_ahead_steps=2",
               "actor_rollout_ref.rollout.verify_weight_sync=True"]
     layouts = {
         "own": ["+trainer.sperated_node_tasks=[logp,ref_logp,actor-train,generate]",
-                "+trainer.sperated_node_ratios=[0.25,0.25,0.25,0.25]"],
+                "+trainer.sperated_node_ratios=[0.4,0.2,0.2,0.2]", "trainer.n_gpus_per_node=5",
+                "actor_rollout_ref.logp.tensor_model_parallel_size=2"],
         "shared": ["+trainer.sperated_node_tasks=[[logp,actor-train],ref_logp,generate]",
-                   "+trainer.sperated_node_ratios=[0.5,0.25,0.25]"],
+                   "+trainer.sperated_node_ratios=[0.5,0.25,0.25]", "trainer.n_gpus_per_node=4"],
     }
     runs, outs = {}, {}
     for name, layout in layouts.items():
@@ -372,8 +375,9 @@ def test_logp_on_a_group_of_its_own_matches_logp_beside_the_trainer(quickstart_a
     own = outs["own"]
     assert "logp replica receives weights at http://127.0.0.1:" in own, own[-3000:]
     # versions 1..4 reached the replica and the engine, checksums equal to the trainer's
-    for v in range(1, 5):
-        assert f"weights v{v} stage 0 verified on 2 engine(s)" in own, own[-3000:]
+    assert "logp model: 2 process(es) on group logp" in own, own[-3000:]
+    for v in range(1, 5):  # the generate group's engine and one receiver per replica rank
+        assert f"weights v{v} stage 0 verified on 3 engine(s)" in own, own[-3000:]
     assert scalars(runs["own"], "actor/logp_version") == {s: s - 1.0 for s in range(1, 5)}
     assert set(scalars(runs["own"], "actor/logp_version_lag").values()) == {0.0}
     for tag in ("reward/mean", "rollout/logp_mismatch_mean", "actor/pg_loss"):

@@ -99,8 +99,11 @@ class MegatronWorker:
             raise ValueError(f"role must be 'actor', 'ref', 'logp' or 'critic', got {role!r}")
         # `logp`: a frozen replica of the actor on a group of its own (fed by the weight sync)
         mcfg = arr.ref.megatron if role == "ref" else arr.actor.megatron
-        return cls(arr.model.path, mcfg.tensor_model_parallel_size,
-                   mcfg.pipeline_model_parallel_size, params_dtype=mcfg.params_dtype,
+        tp, pp = mcfg.tensor_model_parallel_size, mcfg.pipeline_model_parallel_size
+        if role == "logp":  # its own layout (actor_rollout_ref.logp; null: the actor's)
+            tp = arr.logp.tensor_model_parallel_size or tp
+            pp = arr.logp.pipeline_model_parallel_size or pp
+        return cls(arr.model.path, tp, pp, params_dtype=mcfg.params_dtype,
                    optim=OptimConfig.from_config(arr.actor.optim, mcfg) if role == "actor" else None,
                    make_vocab_size_divisible_by=mcfg.make_vocab_size_divisible_by,
                    seed=mcfg.seed, trainable=role == "actor")

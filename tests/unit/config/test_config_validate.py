@@ -220,3 +220,31 @@ def test_sglang_with_given_servers_loads():
     cfg = load_config(None, ["actor_rollout_ref.rollout.name=sglang",
                              "actor_rollout_ref.rollout.server_urls=[http://10.1.2.3:30000]"])
     assert list(cfg.actor_rollout_ref.rollout.server_urls) == ["http://10.1.2.3:30000"]
+
+
+# ------------------------------------------------------------------ the logp replica's own layout
+APART = ["trainer.separated_node_tasks=[logp,ref_logp,actor-train,generate]"]
+
+
+def test_the_logp_replica_takes_the_actors_layout_unless_it_has_its_own():
+    cfg = load_config(None, [*APART, "trainer.n_gpus_per_node=8",
+                             "trainer.separated_node_ratios=[0.25,0.25,0.25,0.25]",
+                             f"{ARR}.actor.megatron.tensor_model_parallel_size=2"])
+    assert (cfg.actor_rollout_ref.logp.tensor_model_parallel_size,
+            cfg.actor_rollout_ref.logp.pipeline_model_parallel_size) == (2, 1)
+    cfg = load_config(None, [*APART, "trainer.n_gpus_per_node=5",
+                             "trainer.separated_node_ratios=[0.4,0.2,0.2,0.2]",
+                             f"{ARR}.logp.tensor_model_parallel_size=2"])
+    assert cfg.actor_rollout_ref.logp.tensor_model_parallel_size == 2
+    assert cfg.actor_rollout_ref.actor.megatron.tensor_model_parallel_size == 1
+
+
+def test_the_logp_replica_layout_must_fit_its_group_and_needs_one():
+    msg = error_of(*APART, "trainer.n_gpus_per_node=4",
+                   "trainer.separated_node_ratios=[0.25,0.25,0.25,0.25]",
+                   f"{ARR}.logp.tensor_model_parallel_size=2")
+    assert msg.startswith(f"{ARR}.logp.tensor_model_parallel_size: group 'logp' has 1 devices")
+    # beside actor-train LOGP runs on the trainer: a layout of its own would be ignored
+    msg = error_of(f"{ARR}.logp.pipeline_model_parallel_size=2")
+    assert msg.startswith(f"{ARR}.logp.pipeline_model_parallel_size: 2, but logp shares the "
+                          "actor-train group")

@@ -142,3 +142,30 @@ def test_plan_refuses_what_it_cannot_price(tmp_path, capsys):
     with pytest.raises(ConfigError, match="no measured time for task"):
         planner.plan(QWEN2, [], planner.measure(gen_only))
     assert json.loads((tmp_path / "timeline.json").read_text())["traceEvents"]
+
+
+def test_plan_takes_a_rollout_tp_that_fits_where_the_configs_does_not(tmp_path):
+    """On one node of 8 devices with rollout TP 4, a generate group of 2 or 6 devices cannot
+    hold TP-4 engines: the planner takes the smallest power of two that places and fits the
+    engines there, says so in the layout and in the overrides, and the overrides load."""
+    from megarl.config import load_config
+
+    m = planner.measure(_trace(tmp_path))
+    one_node = ["trainer.nnodes=1", "trainer.n_gpus_per_node=8",
+                "trainer.separated_node_tasks=[[logp,actor-train,ref_logp],[generate]]",
+                "trainer.separated_node_ratios=[0.5,0.5]",
+                "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+                "actor_rollout_ref.ref.megatron.tensor_model_parallel_size=2",
+                "actor_rollout_ref.rollout.tensor_model_parallel_size=4"]
+    ok = [c for c in planner.plan(QWEN2, one_node, m, gpu_memory_gib=80.0)
+          if c.refused is None]
+    retuned = [c for c in ok if c.rollout_tp is not None]
+    assert retuned, [c.label() for c in ok]
+    for c in retuned:
+        gen = next(d for g, d in zip(c.groups, c.devices) if "generate" in g)
+        assert gen % 4 and gen % c.rollout_tp == 0
+        assert f"(rollout TP {c.rollout_tp})" in c.label()
+        cfg = load_config(QWEN2, [*one_node, *c.overrides()])
+        assert cfg.actor_rollout_ref.rollout.tensor_model_parallel_size == c.rollout_tp
+    assert planner._rollout_tps(4, 8) == [4, 1, 2, 8]
+    assert planner._rollout_tps(16, 8) == [16, 1, 2, 4, 8]
