@@ -75,9 +75,12 @@ class Snapshot:
 
 
 class _EngineFailed(Exception):
-    def __init__(self, engines: dict[str, str], delivered: bool):
-        self.engines, self.delivered = engines, delivered  # delivered: the broadcast completed
-        super().__init__("; ".join(f"{n}: {w}" for n, w in engines.items()))
+    """Engines to drop (none: the group failed, not an engine) and whether the broadcast
+    completed; `why` is the transport's error."""
+
+    def __init__(self, engines: dict[str, str], delivered: bool, why: str = ""):
+        self.engines, self.delivered, self.why = engines, delivered, why
+        super().__init__("; ".join(f"{n}: {w}" for n, w in engines.items()) or why)
 
 
 class _LoopThread:
@@ -323,16 +326,22 @@ class WeightProducer:
                 b.meta.request(self.group_name)))
             self.sent_checksums.update((n, tensor_checksum(t))
                                        for n, t in unpack_bucket(flat, layout))
+        last = ""
         for _ in range(len(self.links) + 1):
             try:
                 self._broadcast(b, flat, tag)
                 return
             except _EngineFailed as f:
+                if not f.engines:
+                    last = f"; last: {f.why}"
+                    logger.warning("stage %d bucket %d: the broadcast failed (%s) with every "
+                                   "engine healthy; a new group, the bucket again", self.stage,
+                                   b.meta.index, f.why)
                 self.mark_stale(f.engines)
                 self._rebuild()  # raises once no engine is left
                 if f.delivered:
                     return  # every engine still in the group has this bucket
-        raise WeightSyncError(b.meta.version, b.meta.index, "engines kept failing",
+        raise WeightSyncError(b.meta.version, b.meta.index, "engines kept failing" + last,
                               stage=self.stage)
 
     def _broadcast(self, b: Bucket, flat: torch.Tensor, tag: int | None) -> None:
@@ -345,37 +354,61 @@ class WeightProducer:
         work = self.group.broadcast_async(flat, 0)
         sent = self._last_sent = in_daemon_thread(work.wait)
         deadline = time.monotonic() + timeout
-        failed: dict[str, str] = {}
         # Until the bytes are out, an engine that answers with a failure has refused without
-        # receiving (stock SGLang checks before it receives): the broadcast cannot complete.
+        # receiving (stock SGLang checks before it receives), or died: the broadcast cannot
+        # complete. One whose receive failed has not refused: a peer left the group.
+        broken = None
         while not sent.done():
-            done, _ = concurrent.futures.wait([sent, *answers], deadline - time.monotonic(),
-                                              concurrent.futures.FIRST_COMPLETED)
-            failed.update(_failures(links, answers, timeout))
-            if failed or time.monotonic() >= deadline:
-                silent = {l.name: f"no answer within {timeout:g} s"
-                          for l, a in zip(links, answers) if not a.done()}
-                raise _EngineFailed(failed or silent, delivered=False)
-        if sent.exception() is not None:
-            # A peer left the group. The engines still in it fail their receive too; the
-            # culprit is the one that refused without receiving (or said nothing at all).
-            until = time.monotonic() + min(timeout, 5.0)
-            failed = {}
-            while not failed and time.monotonic() < until and not all(a.done() for a in answers):
-                concurrent.futures.wait(answers, until - time.monotonic(),
-                                        concurrent.futures.FIRST_COMPLETED)
-                failed = {n: w for n, w in _failures(links, answers, timeout).items()
-                          if RECEIVE_FAILED not in w}
-            silent = {l.name: f"no answer after the broadcast failed ({sent.exception()})"
-                      for l, a in zip(links, answers) if not a.done()}
-            raise _EngineFailed(failed or silent or {
-                l.name: f"broadcast failed: {sent.exception()}" for l in links}, delivered=False)
+            concurrent.futures.wait([sent, *answers], deadline - time.monotonic(),
+                                    concurrent.futures.FIRST_COMPLETED)
+            failed = _failures(links, answers, timeout)
+            refused = {n: w for n, w in failed.items() if RECEIVE_FAILED not in w}
+            if refused:
+                raise _EngineFailed(refused, delivered=False)
+            if failed:
+                broken = next(iter(failed.values()))
+                break
+            if time.monotonic() >= deadline:
+                raise _EngineFailed({l.name: f"no answer within {timeout:g} s"
+                                     for l, a in zip(links, answers) if not a.done()},
+                                    delivered=False)
+        if broken is None and sent.exception() is not None:
+            broken = str(sent.exception())
+        if broken is not None:
+            raise _EngineFailed(self._culprits(links, answers, broken, timeout),
+                                delivered=False, why=broken)
         concurrent.futures.wait(answers, max(0.0, deadline - time.monotonic()))
         failed = _failures(links, answers, timeout)
         failed.update({l.name: f"no answer within {timeout:g} s"
                        for l, a in zip(links, answers) if not a.done()})
         if failed:
             raise _EngineFailed(failed, delivered=True)
+
+    def _culprits(self, links, answers, error: str, timeout: float) -> dict[str, str]:
+        """A peer left the group mid-broadcast: which engine. The engines still in it fail
+        their receive too (`RECEIVE_FAILED`); the culprit refused without receiving, failed
+        otherwise (its connection dropped: a dead process) or says nothing. Every answer is
+        read at least once, however many are already in: under load they all are by the time
+        the broadcast's failure is seen. Where every engine answered a failed receive, each is
+        asked for /health and those that do not answer are the culprits; with none, the
+        failure is the group's, not an engine's (empty: rebuild with everyone, send again)."""
+        until = time.monotonic() + min(timeout, 5.0)
+        while True:
+            failed = {n: w for n, w in _failures(links, answers, timeout).items()
+                      if RECEIVE_FAILED not in w}
+            if failed or all(a.done() for a in answers) or time.monotonic() >= until:
+                break
+            concurrent.futures.wait(answers, until - time.monotonic(),
+                                    concurrent.futures.FIRST_COMPLETED)
+        if failed:
+            return failed
+        silent = {l.name: f"no answer after the broadcast failed ({error})"
+                  for l, a in zip(links, answers) if not a.done()}
+        if silent:
+            return silent
+        alive = self._each(links, lambda l: l.health(), timeout=min(timeout, 5.0))
+        return {l.name: f"broadcast failed ({error}) and /health does not answer"
+                for l, ok in zip(links, alive) if ok is not True}
 
     def _packing_buffer(self, index: int, nbytes: int) -> torch.Tensor:
         if self._pack_buf is None or self._pack_buf.numel() < nbytes:

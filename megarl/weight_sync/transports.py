@@ -69,5 +69,8 @@ class EngineLink:
         out = await self.client.weights_checker("checksum")
         return dict(out["ranks"][0]["checksums"])
 
+    async def health(self) -> bool:
+        return await self.client.health()
+
     async def close(self) -> None:
         await self.client.close()

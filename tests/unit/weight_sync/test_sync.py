@@ -188,3 +188,43 @@ def test_engine_gone_before_a_version_is_dropped_not_the_sync(ws_model, ws_model
     finally:
         prod.close()
         good.close()
+
+
+def _answered(exc=None):
+    import concurrent.futures
+
+    f = concurrent.futures.Future()
+    f.set_exception(exc) if exc is not None else f.set_result({"success": True})
+    return f
+
+
+def test_a_peer_leaving_mid_broadcast_blames_the_dead_engine_not_the_survivors(
+        ws_model, ws_model_b):
+    """Under load every answer is in by the time the broadcast's failure is seen: the survivor's
+    failed receive and the dead engine's dropped connection. Only the dead one is dropped; if
+    every engine answered a failed receive, /health decides; if every engine is healthy, nobody
+    is (the group is rebuilt with all of them and the bucket sent again)."""
+    import aiohttp
+
+    from megarl.backends.sglang.client import SGLangError
+
+    good, gone = EngineServer(ws_model), EngineServer(ws_model)
+    links = [EngineLink(good.url, pause_for_update=False), EngineLink(gone.url)]
+    prod = connect(links, consume_bucket_mb=8 * KB, timeout_s=10)
+    receive = SGLangError("/update_weights_from_distributed", 400,
+                          "Failed to receive weights: Connection closed by peer")
+    try:
+        gone.close()
+        dropped = aiohttp.ServerDisconnectedError()
+        assert prod._culprits(links, [_answered(receive), _answered(dropped)], "peer", 10) == {
+            gone.url: f"ServerDisconnectedError: {dropped}"}
+        # every answer a failed receive: the engine that does not answer /health
+        blamed = prod._culprits(links, [_answered(receive), _answered(receive)], "peer", 10)
+        assert list(blamed) == [gone.url] and "/health" in blamed[gone.url]
+        assert prod._culprits(links[:1], [_answered(receive)], "peer", 10) == {}
+        # the whole path: the dead engine leaves, the survivor gets the version
+        stats = deliver(prod, trainer_weights(ws_model_b), 5)
+        assert stats.stale == [gone.url] and good.engine.weight_version == "5"
+    finally:
+        prod.close()
+        good.close()
