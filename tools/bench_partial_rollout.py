@@ -36,6 +36,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megarl.controller.partial import PartialRollout  # noqa: E402
+from megarl.controller.trajectory import TrajectoryRunner  # noqa: E402
 from megarl.data.dataset import Prompt  # noqa: E402
 from megarl.data.loader import PromptLoader  # noqa: E402
 from megarl.rollout.engine import EmbeddedEngine  # noqa: E402
@@ -71,7 +72,8 @@ class Side:
                                    shuffle=False)
         self.mgr = RolloutManager([engine])
         self.pr = PartialRollout(
-            self.mgr, engine.tokenizer, self.loader, n=args.n, need=args.batch, over=args.over,
+            TrajectoryRunner(self.mgr, engine.tokenizer), self.loader, n=args.n,
+            need=args.batch, over=args.over,
             sampling_for=lambda p, i, sp: dataclasses.replace(
                 sp, max_new_tokens=length_of(args, p.index, i))) if partial else None
         self.times, self.model_steps, self.tokens, self.spans, self.ratio = [], [], 0, [], []

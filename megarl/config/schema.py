@@ -404,6 +404,12 @@ class RolloutConfig:
     over_sample_prompts: Optional[int] = None
     """With partial rollout: prompt groups kept in flight beyond ``data.train_batch_size`` so
     the engines never idle while the long tail runs; null means half the batch (at least 1)."""
+    rollout_fn: Optional[str] = None
+    """Import path ``module:function`` (or ``file.py:function``) of a rollout function
+    ``async fn(ctx, sampling) -> StepRollout`` that makes a step's samples (multi-turn, tools,
+    a custom prompt mix); ``ctx`` is a ``megarl.controller.trajectory.RolloutContext`` whose
+    ``runner`` generates, resumes after aborts and scores. null: the built-in (plain, or
+    partial with ``partial_rollout``)."""
 
 
 @dataclass
@@ -553,6 +559,11 @@ class TrainerConfig:
     generate_ahead_steps: int = 1
     """How far generation may run ahead of training: 1 is on-policy, 2 one-step-off (also set
     by its alias ``actor_rollout_ref.async_pipeline``)."""
+    sync_between_generations: bool = False
+    """With generation ahead (>= 2): SYNC(k) waits until GENERATE(k + ahead - 1) has finished
+    instead of until it has started, so every step's generation runs on one weight version
+    (verl's one-step-off) and a seeded run's schedule, hence its samples, do not depend on
+    timing. Costs the overlap of a transfer with generation."""
     total_epochs: int = 1
     """Passes over the training set."""
     total_training_steps: Optional[int] = None

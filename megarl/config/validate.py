@@ -20,6 +20,7 @@ from omegaconf.errors import OmegaConfBaseException
 from megarl.cluster.topology import GroupPlan, TopologyError, plan_groups
 from megarl.config.errors import ConfigError
 from megarl.config.schema import CHOICES, RANGES
+from megarl.utils.imports import check_import_path
 
 _ARR = "actor_rollout_ref"
 
@@ -47,6 +48,7 @@ def validate_config(cfg: DictConfig) -> None:
     _check_actor(cfg, cfg.actor_rollout_ref.actor)
     _check_trainer(cfg.trainer, cfg.data)
     _check_reward(cfg.reward)
+    _check_rollout_fn(cfg.actor_rollout_ref.rollout)
     _check_staleness(cfg)
     plans = plan_task_groups(cfg)
     _check_critic(cfg, plans)
@@ -209,9 +211,18 @@ def _check_trainer(t: DictConfig, data: DictConfig) -> None:
 
 
 def _check_reward(reward: DictConfig) -> None:
-    fn = reward.reward_fn
-    if fn is not None and (fn.count(":") != 1 or not all(fn.split(":"))):
-        raise ConfigError(f"reward.reward_fn: {fn!r} is not an import path `module:function`")
+    if reward.reward_fn is not None:
+        check_import_path(reward.reward_fn, "reward.reward_fn")
+
+
+def _check_rollout_fn(rollout: DictConfig) -> None:
+    if rollout.rollout_fn is None:
+        return
+    check_import_path(rollout.rollout_fn, f"{_ARR}.rollout.rollout_fn")
+    if rollout.partial_rollout:
+        raise ConfigError(f"{_ARR}.rollout.rollout_fn: a rollout function replaces the built-in "
+                          f"policies; {_ARR}.rollout.partial_rollout=true is one of them (set one "
+                          "or the other)")
 
 
 def critic_hosted(plans: list[GroupPlan]) -> GroupPlan:

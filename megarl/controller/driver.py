@@ -25,10 +25,9 @@ from megarl.rollout.protocol import version_int
 
 from . import checkpoint as ckpt
 from .batch import StepRecord, build_batch, mini_batches
-from .generation import rollout, sampling_params
 from .machine import Pipeline
-from .partial import PartialRollout
 from .setup import Run, setup_run
+from .trajectory import TrajectoryRunner, make_policy, sampling_params
 from .validation import first_last_table
 
 logger = logging.getLogger(__name__)
@@ -60,20 +59,15 @@ class Driver:
         saved = run.driver_state or {}
         # In-reward KL coefficient: the adaptive controller's value survives a resume.
         self.kl_coef = float(saved.get("kl_coef", self.cfg.algorithm.kl_ctrl.kl_coef))
-        self.partial = None
+        # GENERATE's policy over one trajectory runner: plain, partial, or the user's function
         rc = self.cfg.actor_rollout_ref.rollout
-        if rc.partial_rollout:
-            need = self.cfg.data.train_batch_size
-            over = rc.over_sample_prompts if rc.over_sample_prompts is not None \
-                else max(1, need // 2)
-            self.partial = PartialRollout(
-                run.manager, run.tokenizer, run.loader, n=rc.n, need=need, over=over,
-                scorer=self.scorer, max_staleness=self.cfg.algorithm.max_staleness,
-                stale_policy=self.cfg.algorithm.stale_policy)
-            if saved.get("partial"):
-                self.partial.load_state_dict(saved["partial"])
-                logger.info("partial rollout: %d cached prompt group(s) restored",
-                            len(self.partial.cache))
+        self.runner = TrajectoryRunner(run.manager, run.tokenizer, self.scorer)
+        self.rollout = make_policy(rc, self.runner, run.loader,
+                                   need=self.cfg.data.train_batch_size,
+                                   max_staleness=self.cfg.algorithm.max_staleness,
+                                   stale_policy=self.cfg.algorithm.stale_policy,
+                                   rollout_fn=run.rollout_fn)
+        self.rollout.load_state_dict(saved.get("partial"))
 
     # ---------------------------------------------------------------- the loop
     async def main(self, pipeline: Pipeline) -> None:
@@ -129,24 +123,19 @@ class Driver:
         r = self.r
         # What is owed training before this step's prompts: where a checkpoint of step k-1
         # resumes (the loader position, and the partial-rollout cache as it is now).
-        rec = self.steps[k] = StepRecord(k, {
-            "loader": r.loader.state_dict(),
-            "partial": self.partial.state_dict() if self.partial else None})
+        rec = self.steps[k] = StepRecord(k, {"loader": r.loader.state_dict(),
+                                             "partial": self.rollout.state_dict()})
         sp = sampling_params(self.cfg.actor_rollout_ref.rollout, r.eos_ids,
                              self.cfg.trainer.seed * 1_000_003 + k,
                              max_new_tokens=r.max_new_tokens)
         waited = await self._engines_at(max(r.start_step, k - r.ahead + 1))
         t0 = time.perf_counter()
-        extra, dropped = {"timing/wait_for_weights_s": waited}, []
-        if self.partial is not None:
-            # TRAIN(k) starts from version k: staleness is measured against that
-            samples, scores, extra, dropped = await self.partial.run_step(k, sp, k)
-        else:
-            samples, scores = await rollout(r.manager, r.loader.next_batch(), sp, r.tokenizer,
-                                            self.scorer, f"s{k}")
+        # TRAIN(k) starts from version k: staleness is measured against that
+        out = await self.rollout.run_step(k, sp, k)
+        samples, extra = out.samples, {"timing/wait_for_weights_s": waited, **out.metrics}
         dt = time.perf_counter() - t0
         tokens = sum(len(s.response_ids) for s in samples)
-        rec.samples, rec.scores, rec.dropped = samples, scores, dropped
+        rec.samples, rec.scores, rec.dropped = samples, out.scores, out.dropped
         self.metrics.update(k, extra)
         # engines alive, failed, replaced and requests sent again during this GENERATE
         self.metrics.update(k, r.manager.pop_metrics())
@@ -312,9 +301,8 @@ class Driver:
         sp = sampling_params(self.cfg.actor_rollout_ref.rollout, r.eos_ids,
                              self.cfg.trainer.seed, validation=True,
                              max_new_tokens=r.max_new_tokens)
-        samples, scores = await rollout(r.manager, list(r.val_dataset), sp, r.tokenizer,
-                                        self.scorer, f"v{version}")
-        self.val[version] = {"samples": samples, "scores": scores}
+        out = await self.runner.prompts(list(r.val_dataset), sp, f"v{version}")
+        self.val[version] = {"samples": out.samples, "scores": out.scores}
 
     async def val_score(self, version: int) -> None:
         d = self.val.pop(version)
@@ -373,8 +361,7 @@ class Driver:
         prompts have not been trained on, so the loader is saved at the position before them."""
         nxt = self.steps.get(k + 1)  # GENERATE(k+1) has started (one step off or more)
         owed = nxt.resume_before if nxt is not None else {
-            "loader": self.r.loader.state_dict(),
-            "partial": self.partial.state_dict() if self.partial else None}
+            "loader": self.r.loader.state_dict(), "partial": self.rollout.state_dict()}
         return {"step": k, "weight_version": k + 1, "loader": owed["loader"],
                 "partial": owed["partial"], "kl_coef": self.kl_coef, "rng": ckpt.rng_state()}
 
@@ -410,7 +397,8 @@ async def _run(cfg, val_only: bool) -> dict:
         pipeline = Pipeline(r.ahead, r.total_steps, cfg.trainer.test_freq,
                             cfg.trainer.val_before_train, groups=r.groups,
                             val_only=val_only, start_step=r.start_step,
-                            critic=r.critic is not None, save_freq=cfg.trainer.save_freq)
+                            critic=r.critic is not None, save_freq=cfg.trainer.save_freq,
+                            sync_between_generations=cfg.trainer.sync_between_generations)
         t0 = time.perf_counter()
         await d.main(pipeline)
         await r.actor_wait()

@@ -26,8 +26,9 @@ Scheduling rules (with a = generate_ahead_steps, steps start_step .. total_steps
 - With a critic (`critic=True`), VALUES(k) runs between REF_LOGP(k) and LOGP(k), on the
   critic's group, and waits for TRAIN(k-1), which trains the critic too: values come from
   the critic TRAIN(k) starts from, as log-probs come from that actor.
-- SYNC(k) waits until GENERATE(k + a - 1) has started (when that step exists), and until
-  every due validation of a version <= k has finished its GENERATE. This pins what generation
+- SYNC(k) waits until GENERATE(k + a - 1) has started (when that step exists; with
+  `sync_between_generations`, until it has finished), and until every due validation of a
+  version <= k has finished its GENERATE. This pins what generation
   sees, even when everything shares one group (there a = 2 still means one-step-off):
 
   **Weight versions.** Version v is the trainer's weights after v train steps (version
@@ -196,7 +197,8 @@ class Pipeline:
     def __init__(self, generate_ahead_steps: int, total_steps: int, test_freq: int = -1,
                  val_before_train: bool = False, *, groups: Mapping[str, str] | None = None,
                  val_only: bool = False, start_step: int = 0, critic: bool = False,
-                 save_freq: int = -1, clock: Callable[[], float] = time.monotonic):
+                 save_freq: int = -1, sync_between_generations: bool = False,
+                 clock: Callable[[], float] = time.monotonic):
         if generate_ahead_steps < 1:
             raise ValueError(f"trainer.generate_ahead_steps must be >= 1, got "
                              f"{generate_ahead_steps}")
@@ -204,6 +206,8 @@ class Pipeline:
             raise ValueError(f"start step {start_step} outside [0, total_steps={total_steps}]")
         self.ahead, self.total_steps, self.test_freq = generate_ahead_steps, total_steps, test_freq
         self.save_freq = save_freq
+        # SYNC(k) after GENERATE(k+a-1) has finished: each generation on one version
+        self.sync_between_generations = sync_between_generations
         self.start_step, self.val_only, self.clock = start_step, val_only, clock
         self.groups = self._resolve_groups(groups)
         # logp on a group of its own computes on a replica the weight sync keeps current
@@ -289,6 +293,8 @@ class Pipeline:
     def _generate_started(self, step: int, started: set[Action]) -> bool:
         if step >= self.total_steps:
             return True  # no such step: nothing to pin
+        if self.sync_between_generations:
+            return self._past(step, S.GENERATE)
         return (self.steps[step].state is not S.PENDING
                 or Action(step, S.GENERATE, self.groups["generate"]) in started)
 
@@ -464,6 +470,9 @@ class Pipeline:
             return (f"weights v{self.weight_version_for_generate(k)} "
                     f"(generate_ahead_steps={self.ahead})")
         if state is S.SYNC:
+            if self.sync_between_generations and k + self.ahead - 1 < self.total_steps:
+                return (f"publish v{k + 1}, GENERATE({k + self.ahead - 1}) finished "
+                        "(sync_between_generations)")
             return f"publish v{k + 1}"
         if state is S.CHECKPOINT:
             return f"save_freq={self.save_freq}: save v{k + 1}"

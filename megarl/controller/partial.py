@@ -29,40 +29,14 @@ import dataclasses
 import logging
 from typing import Any, Callable
 
+import torch
+
+from megarl.algo.staleness import staleness_mask
 from megarl.rollout.protocol import GenerateRequest, SamplingParams
 
-from .batch import Sample
-from .generation import extra_info_of
+from .trajectory import StepRollout, Trajectory, TrajectoryRunner
 
 logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass
-class Trajectory:
-    """One sample of a group, possibly unfinished (``finish is None``)."""
-    ids: list[int] = dataclasses.field(default_factory=list)
-    logprobs: list[float] = dataclasses.field(default_factory=list)
-    versions: list[int] = dataclasses.field(default_factory=list)
-    finish: str | None = None
-    reward: float | None = None
-    interrupted: int = 0          # times cut off at the end of a step
-    text: str = ""
-    # transient: the scoring future and the Sample it scores (not checkpointed)
-    future: Any = dataclasses.field(default=None, repr=False, compare=False)
-    sample: Any = dataclasses.field(default=None, repr=False, compare=False)
-
-    def to_dict(self) -> dict:
-        # copies: the live lists grow in place while a snapshot waits to be written
-        return {"ids": list(self.ids), "logprobs": list(self.logprobs),
-                "versions": list(self.versions),
-                "finish": self.finish, "reward": self.reward, "interrupted": self.interrupted,
-                "text": self.text}
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "Trajectory":
-        return cls(ids=list(d["ids"]), logprobs=[float(x) for x in d["logprobs"]],
-                   versions=[int(v) for v in d["versions"]], finish=d["finish"],
-                   reward=d["reward"], interrupted=int(d["interrupted"]), text=d["text"])
 
 
 @dataclasses.dataclass
@@ -110,58 +84,73 @@ class PromptGroup:
 
 
 class PartialRollout:
-    """The GENERATE state's work with partial rollout, and its cache (see the module doc).
+    """The GENERATE state's work with partial rollout, and its cache (see the module doc);
+    each sample runs on the `TrajectoryRunner`, which scores it when it finishes."""
 
-    `scorer.submit(sample)` must return an awaitable of the reward (the streaming scorer)."""
-
-    def __init__(self, manager, tokenizer, loader, *, n: int, need: int, over: int,
-                 scorer=None, max_staleness: int | None = None, stale_policy: str = "drop",
-                 max_resumes: int = 100, sampling_for: Callable | None = None):
+    def __init__(self, runner: TrajectoryRunner, loader, *, n: int, need: int, over: int,
+                 max_staleness: int | None = None, stale_policy: str = "drop",
+                 sampling_for: Callable | None = None):
         if need <= 0 or n <= 0 or over < 0:
             raise ValueError(f"partial rollout: need={need}, n={n}, over={over}")
-        self.manager, self.tokenizer, self.loader = manager, tokenizer, loader
+        self.runner, self.loader = runner, loader
         self.n, self.need, self.over = n, need, over
-        self.scorer = scorer
         self.max_staleness, self.stale_policy = max_staleness, stale_policy
-        self.max_resumes = max_resumes
         # optional (prompt, sample index, step params) -> params of that one sample, e.g. a
         # per-prompt length budget from the data
         self.sampling_for = sampling_for
         self.cache: list[PromptGroup] = []
         self._stopping = False
-        self._running: dict[str, None] = {}   # rids in flight (insertion-ordered set)
 
     # ------------------------------------------------------------------ checkpoint state
     def state_dict(self) -> dict:
         return {"version": 1, "n": self.n, "groups": [g.to_dict() for g in self.cache]}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict | None) -> None:
+        if not state:
+            return
         if state.get("version") != 1:
             raise ValueError(f"partial rollout cache: unknown version {state.get('version')!r}")
         if state["n"] != self.n:
             raise ValueError(f"partial rollout cache: saved with rollout.n={state['n']}, this "
                              f"run has {self.n}")
         self.cache = [PromptGroup.from_dict(g, self.loader.dataset) for g in state["groups"]]
+        logger.info("partial rollout: %d cached prompt group(s) restored", len(self.cache))
 
     # ------------------------------------------------------------------ one step
+    def _over_limit(self, trainer_version: int) -> tuple[set[int], float]:
+        """The cached groups (by id) over `max_staleness` at `trainer_version`, judged by
+        `algo.staleness` (a group goes whole), and how many samples they hold."""
+        started = [g for g in self.cache if g.started]
+        rows = [t.versions for g in started for t in g.samples]
+        if self.max_staleness is None or not any(rows):
+            return set(), 0.0
+        versions = torch.zeros(len(rows), max(map(len, rows)), dtype=torch.long)
+        mask = torch.zeros_like(versions)
+        for i, r in enumerate(rows):
+            versions[i, :len(r)] = torch.tensor(r, dtype=torch.long)
+            mask[i, :len(r)] = 1
+        groups = [j for j, g in enumerate(started) for _ in g.samples]
+        keep, m = staleness_mask(versions, mask, trainer_version, self.max_staleness, groups)
+        return {id(g) for j, g in enumerate(started) if not keep[groups.index(j)]}, \
+            m["rollout/stale_dropped"]
+
     async def run_step(self, step: int, sp: SamplingParams, trainer_version: int
-                       ) -> tuple[list[Sample], list, dict[str, float], list[str]]:
-        """Generate until `need` groups are complete; returns (samples of those groups in
-        group order, their score futures, metrics, uids dropped as too stale)."""
+                       ) -> StepRollout:
+        """Generate until `need` groups are complete: their samples in group order, their
+        score futures, metrics, and the uids dropped as too stale."""
         metrics = collections.Counter()
         queue: collections.deque[PromptGroup] = collections.deque()
         dropped: list[str] = []
+        over, samples_over = self._over_limit(trainer_version)
+        if over:  # in samples, as `staleness_mask` counts them
+            metrics["rollout/stale_regenerated" if self.stale_policy == "regenerate"
+                    else "rollout/stale_dropped"] += samples_over
         for g in self.cache:
-            old = g.oldest_version()
-            if (self.max_staleness is not None and old is not None
-                    and trainer_version - old > self.max_staleness):
-                if self.stale_policy == "regenerate":
-                    g.restart()
-                    metrics["rollout/stale_regenerated"] += 1
-                else:
+            if id(g) in over:
+                if self.stale_policy != "regenerate":
                     dropped.append(g.prompt.uid)
-                    metrics["rollout/stale_dropped"] += 1
                     continue
+                g.restart()
             queue.append(g)
         self.cache = []
         resumed = sum(g.started for g in queue)
@@ -181,6 +170,7 @@ class PartialRollout:
             active[asyncio.ensure_future(self._run_group(g, step, sp))] = g
 
         target = self.need + self.over
+        running = self.runner.running
         try:
             while len(active) < target:
                 launch(next_group())
@@ -195,9 +185,9 @@ class PartialRollout:
                     launch(next_group())
             # enough: cut the tail off; each aborted request returns its partial output
             self._stopping = True
-            if self._running:
-                metrics["rollout/partial/aborted_requests"] += len(self._running)
-                await self.manager.abort(list(self._running))
+            if running:
+                metrics["rollout/partial/aborted_requests"] += len(running)
+                await self.runner.manager.abort(list(running))
             await asyncio.gather(*active)  # each aborted sample has stored its partial output
         finally:
             self._stopping = False
@@ -207,11 +197,8 @@ class PartialRollout:
         # Complete groups beyond the batch (several can finish in one wait) are trained next.
         extra, complete = complete[self.need:], complete[:self.need]
         self.cache = extra + leftovers + list(queue)
-        samples, futures = [], []
-        for g in complete:
-            for t in g.samples:
-                samples.append(t.sample)
-                futures.append(t.future)
+        samples = [t.sample for g in complete for t in g.samples]
+        futures = [t.future for g in complete for t in g.samples]
         spans = [max(s.token_versions) - min(s.token_versions) + 1
                  for s in samples if s.token_versions]
         resumed_samples = sum(1 for g in complete for t in g.samples if t.interrupted)
@@ -224,7 +211,7 @@ class PartialRollout:
             "rollout/partial/cached_started_groups": float(sum(g.started
                                                                for g in self.cache)),
         })
-        return samples, futures, out, dropped
+        return StepRollout(samples, futures, out, dropped)
 
     async def _run_group(self, g: PromptGroup, step: int, sp: SamplingParams) -> None:
         await asyncio.gather(*[self._run_sample(g, i, step, sp)
@@ -234,77 +221,22 @@ class PartialRollout:
         t = g.samples[i]
         if self.sampling_for is not None:
             sp = self.sampling_for(g.prompt, i, sp)
-        attempts = 0
-        while t.finish is None:
-            budget = sp.max_new_tokens - len(t.ids)
-            if budget <= 0:
-                t.finish = "length"
-                break
-            if self._stopping:
-                t.interrupted += 1
-                return
+
+        def request_for(t: Trajectory, attempt: int) -> GenerateRequest:
             seed = sp.sampling_seed
             if seed is not None:  # reproducible per (step seed, prompt, sample, position)
                 seed = (seed * 1_000_003 + g.prompt.index * 4099 + i * 131 + len(t.ids)) \
                     % (2**63)
-            req = GenerateRequest(
+            return GenerateRequest(
                 list(g.prompt.prompt_ids) + t.ids,
-                dataclasses.replace(sp, n=1, max_new_tokens=budget, sampling_seed=seed,
+                dataclasses.replace(sp, n=1, max_new_tokens=sp.max_new_tokens - len(t.ids),
+                                    sampling_seed=seed,
                                     min_new_tokens=max(0, sp.min_new_tokens - len(t.ids)),
                                     stop_token_ids=list(sp.stop_token_ids)),
-                True, f"s{step}-{g.prompt.uid}-{i}+{len(t.ids)}.{attempts}")
-            attempts += 1
-            self._running[req.rid] = None
-            try:
-                out = await self.manager.generate(req)
-            finally:
-                self._running.pop(req.rid, None)
-            t.ids += out.output_ids
-            t.logprobs += out.output_logprobs or [0.0] * len(out.output_ids)
-            t.versions += out.token_versions()
-            if not out.aborted:
-                t.finish = out.finish_reason.type
-            elif self._stopping:
-                t.interrupted += 1
-                return
-            elif attempts > self.max_resumes:
-                raise RuntimeError(f"request {req.rid}: aborted {attempts} times in a row")
-            else:
-                await asyncio.sleep(0.01)  # a weight update aborted us; let it land
-        self._finish(g, t)
+                True, f"s{step}-{g.prompt.uid}-{i}+{len(t.ids)}.{attempt}")
 
-    def _finish(self, g: PromptGroup, t: Trajectory) -> None:
-        """Make the finished trajectory a Sample and start scoring it (once)."""
-        if t.sample is not None:
-            return
-        p = g.prompt
-        if not t.text:
-            t.text = self.tokenizer.decode(t.ids, skip_special_tokens=True)
-        t.sample = Sample(uid=p.uid, prompt_ids=list(p.prompt_ids), response_ids=list(t.ids),
-                          rollout_logprobs=list(t.logprobs),
-                          weight_version=t.versions[0] if t.versions else -1,
-                          token_versions=list(t.versions), finish=t.finish,
-                          ground_truth=p.ground_truth, data_source=p.data_source,
-                          response_text=t.text, extra_info=extra_info_of(p))
-        if t.reward is not None:  # scored before a checkpoint: keep that score
-            t.sample.reward = t.reward
-            t.future = _done(t.reward)
-        elif self.scorer is not None:
-            fut = asyncio.ensure_future(self.scorer.submit(t.sample))
-            fut.add_done_callback(_store_reward(t))
-            t.future = fut
-        else:
-            t.future = _done(0.0)
+        if await self.runner.extend(t, sp.max_new_tokens, request_for,
+                                    lambda: self._stopping):
+            self.runner.finish(g.prompt, t)
 
 
-def _store_reward(t: Trajectory) -> Callable:
-    def cb(fut: asyncio.Future) -> None:
-        if not fut.cancelled() and fut.exception() is None:
-            t.reward = float(fut.result())
-    return cb
-
-
-def _done(value: float) -> asyncio.Future:
-    fut = asyncio.get_running_loop().create_future()
-    fut.set_result(value)
-    return fut

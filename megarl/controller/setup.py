@@ -14,6 +14,7 @@ from typing import Any
 
 from megarl.config import ConfigError, plan_task_groups
 from megarl.config.validate import critic_hosted
+from megarl.utils.imports import load_callable
 
 from . import checkpoint as ckpt
 from .machine import task_groups
@@ -47,6 +48,7 @@ class Run:
     critic: Any = None                 # the value model (adv_estimator=gae), else None
     logp: Any = None                   # logp's replica, when logp has a group of its own
     lost: Any = None  # torchrun: a concurrent Future failing when a rank's heartbeat stops
+    rollout_fn: Any = None  # actor_rollout_ref.rollout.rollout_fn, imported
 
     async def actor_wait(self) -> None:
         if self.actor is not None and self.actor.sync_initialised:
@@ -163,6 +165,9 @@ async def setup_run(cfg, val_only: bool) -> Run:
                           seed=cfg.data.seed)
     # Loads the reward function once here, so a bad reward.reward_fn fails before Ray starts.
     reward_pool = RewardPool.from_config(cfg.reward)
+    # ... and the rollout function, likewise
+    rollout_fn = (load_callable(arr.rollout.rollout_fn, "actor_rollout_ref.rollout.rollout_fn")
+                  if arr.rollout.rollout_fn else None)
     ahead = t.generate_ahead_steps  # with async_pipeline, its alias, resolved on load
 
     start_step, state = 0, None
@@ -242,4 +247,5 @@ async def setup_run(cfg, val_only: bool) -> Run:
                start_step=start_step, max_new_tokens=arr.rollout.max_new_tokens,
                temperature=float(arr.rollout.temperature), ckpt_root=root,
                device_groups=list(dgs.values()), driver_state=state, critic=critic, logp=logp,
-               lost=_control().lost if cfg.trainer.launcher == "torchrun" else None)
+               lost=_control().lost if cfg.trainer.launcher == "torchrun" else None,
+               rollout_fn=rollout_fn)

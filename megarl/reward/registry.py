@@ -10,14 +10,11 @@ pool with per-call timeouts lives in ``megarl.reward.pool``, the code sandbox in
 """
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import logging
 import math
-from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-from megarl.utils.errors import ConfigError
+from megarl.utils.imports import load_callable
 from megarl.reward import code_exec, last_digit, math_exact, quickstart
 
 logger = logging.getLogger(__name__)
@@ -54,43 +51,13 @@ def default_compute_score(data_source: str, solution_str: str, ground_truth,
     return fn(data_source, solution_str, ground_truth, extra_info)
 
 
-def _import_module(spec: str, path: str):
-    if spec.endswith(".py"):
-        file = Path(spec)
-        if not file.is_file():
-            raise ConfigError(f"reward.reward_fn: {path!r}: no such file {file}")
-        mod_spec = importlib.util.spec_from_file_location(f"megarl_user_reward_{file.stem}", file)
-        module = importlib.util.module_from_spec(mod_spec)
-        try:
-            mod_spec.loader.exec_module(module)
-        except Exception as err:
-            raise ConfigError(f"reward.reward_fn: {path!r}: importing {file} failed: "
-                              f"{type(err).__name__}: {err}") from err
-        return module
-    try:
-        return importlib.import_module(spec)
-    except Exception as err:  # ImportError, or any error raised by the module's own code
-        raise ConfigError(f"reward.reward_fn: {path!r}: cannot import module {spec!r}: "
-                          f"{type(err).__name__}: {err}") from err
-
-
 def load_reward_fn(path: Optional[str | RewardFn]) -> RewardFn:
     """The reward function for ``reward.reward_fn``; None gives the data-source dispatch."""
     if path is None or (isinstance(path, str) and not path.strip()):
         return default_compute_score
     if callable(path):
         return path
-    module_name, sep, fn_name = path.rpartition(":")
-    if not sep or not module_name or not fn_name:
-        raise ConfigError(f"reward.reward_fn: {path!r} is not an import path "
-                          f"'module:function' (or 'file.py:function')")
-    module = _import_module(module_name.strip(), path)
-    fn = getattr(module, fn_name.strip(), None)
-    if fn is None:
-        raise ConfigError(f"reward.reward_fn: {path!r}: module {module_name!r} has no "
-                          f"attribute {fn_name!r}")
-    if not callable(fn):
-        raise ConfigError(f"reward.reward_fn: {path!r}: {fn_name!r} is not callable")
+    fn = load_callable(path, "reward.reward_fn")
     logger.info("reward function: %s", path)
     return fn
 

@@ -281,18 +281,19 @@ def version_int(v: str | int) -> int:
                          "(an integer); was the server updated by another trainer?") from None
 
 
-def continuation(request: GenerateRequest, partial: GenerateOutput) -> GenerateRequest:
-    """A request resuming an aborted sample: prompt + tokens so far, the remaining budget.
+def continuation(request: GenerateRequest, so_far: list[int]) -> GenerateRequest:
+    """A request resuming an aborted sample: prompt + the tokens generated so far (`so_far`,
+    over every attempt), the budget left.
 
-    The caller keeps `partial`'s tokens, log-probs and version spans and appends the
+    The caller keeps the earlier attempts' tokens, log-probs and versions and appends the
     continuation's (partial rollout: the tail resumes later under newer weights).
     """
-    done = len(partial.output_ids)
+    done = len(so_far)
     sp = dataclasses.replace(
         request.sampling, n=1, stop_token_ids=list(request.sampling.stop_token_ids),
         max_new_tokens=max(1, request.sampling.max_new_tokens - done),
         min_new_tokens=max(0, request.sampling.min_new_tokens - done))
-    return GenerateRequest(list(request.input_ids) + list(partial.output_ids), sp,
+    return GenerateRequest(list(request.input_ids) + list(so_far), sp,
                            request.return_logprob, f"{request.rid}+{done}")
 
 

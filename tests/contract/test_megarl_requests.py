@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from megarl.backends.sglang.engine import SGLangEngine
-from megarl.controller.generation import sampling_params
+from megarl.controller.trajectory import sampling_params
 from megarl.rollout.engine import EmbeddedEngine
 from megarl.rollout.manager import RolloutManager
 from megarl.rollout.protocol import GenerateRequest

@@ -391,3 +391,43 @@ def test_logp_on_a_group_of_its_own_matches_logp_beside_the_trainer(quickstart_a
     start = {(e["cat"], e["args"]["step"]): e["ts"] for e in events}
     for k in range(1, 4):
         assert start[("logp", k)] >= end[("sync", k - 1)]
+
+
+TWO_TURNS = '''
+import dataclasses
+
+from megarl.controller.trajectory import StepRollout
+from megarl.rollout.protocol import GenerateRequest
+
+
+async def two_turns(ctx, sampling):
+    """A first answer, then a second turn that sees it; the second is trained on."""
+    done = []
+    for p in ctx.loader.next_batch():
+        first = await ctx.runner.sample(p, GenerateRequest(
+            p.prompt_ids, dataclasses.replace(sampling, n=1), True, f"s{ctx.step}-{p.uid}-d"))
+        base = GenerateRequest(p.prompt_ids + first.ids, sampling, True, f"s{ctx.step}-{p.uid}")
+        done += [await ctx.runner.sample(p, r) for r in base.expand()]
+    return StepRollout([t.sample for t in done], [t.future for t in done],
+                       {"rollout/user/turns": 2.0,
+                        "rollout/user/context_len_mean": sum(
+                            len(t.sample.prompt_ids) for t in done) / len(done)})
+'''
+
+
+def test_a_rollout_function_by_import_path_drives_generate(quickstart_assets, tmp_path):
+    """`actor_rollout_ref.rollout.rollout_fn=file.py:function`: the user's function makes each
+    step's samples over the runner; the run trains on them, exactly the loader's prompts."""
+    (tmp_path / "user_rollout.py").write_text(TWO_TURNS)
+    extra = ["trainer.total_training_steps=3", "trainer.save_freq=-1", "trainer.test_freq=-1",
+             "trainer.val_before_train=False",
+             f"actor_rollout_ref.rollout.rollout_fn={tmp_path}/user_rollout.py:two_turns"]
+    megarl("train", _args(quickstart_assets, tmp_path, *extra))
+    assert scalars(tmp_path, "rollout/user/turns") == {1: 2.0, 2: 2.0, 3: 2.0}
+    ctx = scalars(tmp_path, "rollout/user/context_len_mean")
+    loader = fresh_loader(quickstart_assets)
+    batches = {k: loader.next_batch() for k in range(3)}
+    # the second turn's prompt holds the first answer
+    assert all(ctx[k + 1] > max(len(p.prompt_ids) for p in b) for k, b in batches.items())
+    assert sorted(scalars(tmp_path, "reward/mean")) == [1, 2, 3]
+    assert trained(tmp_path) == {k: sorted(p.uid for p in b) for k, b in batches.items()}

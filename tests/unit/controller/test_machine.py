@@ -228,3 +228,21 @@ def test_the_last_step_is_saved_whatever_save_freq():
     p, tl, _ = run(1, COLOCATED, steps=5, durations=SAVE, save_freq=4)
     assert [i.step for i in by(tl, "checkpoint")] == [3, 4]
     assert p.checkpoint_due(4) and not p.checkpoint_due(2)
+
+
+@pytest.mark.parametrize("a", [2, 3])
+def test_sync_between_generations_puts_each_generate_on_one_version(a):
+    """Default: SYNC(k) may land while GENERATE(k+a-1) runs (its later tokens newer). With
+    the switch, no SYNC overlaps any GENERATE, each GENERATE sees one version, and training
+    still overlaps generation."""
+    _, free, _ = run(a, SEPARATED)
+    assert any(overlaps(s, g) for s in by(free, "sync") for g in by(free, "generate"))
+    p, tl, seen = run(a, SEPARATED, sync_between_generations=True)
+    for s in by(tl, "sync"):
+        assert not any(overlaps(s, g) for g in by(tl, "generate")), s
+        if s.step + a - 1 < 6:
+            assert s.start >= by(tl, "generate", s.step + a - 1).end
+    assert all(seen[j] == max(0, j - a + 1) for j in range(6))
+    assert any(overlaps(t, g) for t in by(tl, "actor-train") for g in by(tl, "generate"))
+    assert p._reason(Action(0, S.SYNC, "x")) == \
+        f"publish v1, GENERATE({a - 1}) finished (sync_between_generations)"

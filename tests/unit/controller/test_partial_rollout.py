@@ -10,6 +10,7 @@ import json
 import pytest
 
 from megarl.controller.partial import PartialRollout
+from megarl.controller.trajectory import TrajectoryRunner
 from megarl.data.dataset import Prompt
 from megarl.data.loader import PromptLoader
 from megarl.rollout.engine import EmbeddedEngine
@@ -46,9 +47,9 @@ def engine(qwen_dir):
 
 
 def _new(engine, loader, scorer, **kw):
-    mgr = RolloutManager([engine])
-    return PartialRollout(mgr, engine.tokenizer, loader, n=N, need=kw.pop("need", 2),
-                          over=kw.pop("over", 4), scorer=scorer, **kw)
+    runner = TrajectoryRunner(RolloutManager([engine]), engine.tokenizer, scorer)
+    return PartialRollout(runner, loader, n=N, need=kw.pop("need", 2),
+                          over=kw.pop("over", 4), **kw)
 
 
 async def _bump(engine, version: int):
@@ -170,9 +171,9 @@ def test_stale_cached_groups_are_dropped_or_regenerated(engine, scorer, policy):
         assert 1 - min(s.token_versions) <= 0
     if policy == "drop":
         assert set(dropped) == started
-        assert m["rollout/stale_dropped"] == len(started)
+        assert m["rollout/stale_dropped"] == len(started) * N  # samples
         assert not {s.uid for s in samples} & started
         assert not {g.prompt.uid for g in pr.cache} & started
     else:
         assert not dropped
-        assert m["rollout/stale_regenerated"] == len(started)
+        assert m["rollout/stale_regenerated"] == len(started) * N

@@ -51,7 +51,7 @@ def test_generate_until_aborts_the_long_tail_and_partials_resume(manager):
     partial = next(o for o in outs if o.rid == "r2000")
     assert 0 < len(partial.output_ids) < 2000
     # The tail resumes where it stopped and, greedy, continues the same sequence.
-    nxt = continuation(reqs[2], partial)
+    nxt = continuation(reqs[2], partial.output_ids)
     rest = run(manager.generate(GenerateRequest(nxt.input_ids, greedy(5), rid="resume")))
     full = run(manager.generate(GenerateRequest([7, 8, 9], greedy(len(partial.output_ids) + 5))))
     assert partial.output_ids + rest.output_ids == full.output_ids

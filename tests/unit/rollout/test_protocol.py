@@ -83,7 +83,7 @@ def test_versions_that_megarl_did_not_set_are_refused_by_name():
 def test_continuation_resumes_with_remaining_budget():
     req = GenerateRequest([1, 2], SamplingParams(max_new_tokens=10, min_new_tokens=4), rid="r")
     partial = GenerateOutput("r", 2, [3, 4, 5], [-1.0] * 3, FinishReason("abort"), "0")
-    nxt = continuation(req, partial)
+    nxt = continuation(req, partial.output_ids)
     assert nxt.input_ids == [1, 2, 3, 4, 5]
     assert nxt.sampling.max_new_tokens == 7 and nxt.sampling.min_new_tokens == 1
     assert nxt.rid != req.rid

@@ -1,0 +1,274 @@
+"""One trajectory runner, and the plain rollout policy over it.
+
+`TrajectoryRunner` owns what every way of rolling out shares: send a request, keep what came
+back (tokens, behaviour log-probs, per-token weight versions), resume after an abort (a weight
+update, or a stop asked for by the policy) with the budget left, make the finished trajectory a
+`Sample` once and start scoring it as soon as it is complete. A policy decides which prompts,
+how many in flight, when to stop, and how each request is formed (rid, seed):
+
+- `PlainRollout` (here): every prompt of the step's batch, n samples each, all to the end.
+- `megarl.controller.partial.PartialRollout`: a fixed number of groups in flight, the tail cut
+  off and cached for later steps.
+- a user's function, named by import path in `actor_rollout_ref.rollout.rollout_fn`
+  (`module:function`, as `reward.reward_fn`): `async fn(ctx, step, sampling) -> list[Sample]`
+  with a `RolloutContext`; see `load_rollout_fn`.
+
+Every policy's `run_step(step, sampling, trainer_version)` returns a `StepRollout`.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from typing import Any, Awaitable, Callable
+
+from megarl.rollout.protocol import GenerateRequest, SamplingParams, continuation
+
+from megarl.utils.errors import ConfigError
+
+from .batch import Sample
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class Trajectory:
+    """One sample, possibly unfinished (``finish is None``)."""
+    ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    versions: list[int] = dataclasses.field(default_factory=list)
+    finish: str | None = None
+    reward: float | None = None
+    interrupted: int = 0          # times the policy stopped it before it finished
+    text: str = ""
+    # transient: the scoring future and the Sample it scores (not checkpointed)
+    future: Any = dataclasses.field(default=None, repr=False, compare=False)
+    sample: Any = dataclasses.field(default=None, repr=False, compare=False)
+
+    def to_dict(self) -> dict:
+        # copies: the live lists grow in place while a snapshot waits to be written
+        return {"ids": list(self.ids), "logprobs": list(self.logprobs),
+                "versions": list(self.versions),
+                "finish": self.finish, "reward": self.reward, "interrupted": self.interrupted,
+                "text": self.text}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Trajectory":
+        return cls(ids=list(d["ids"]), logprobs=[float(x) for x in d["logprobs"]],
+                   versions=[int(v) for v in d["versions"]], finish=d["finish"],
+                   reward=d["reward"], interrupted=int(d["interrupted"]), text=d["text"])
+
+
+@dataclasses.dataclass
+class StepRollout:
+    """What GENERATE(k) produced: samples in group order, their reward awaitables (same
+    order), metrics, and the uids of prompts dropped as too stale."""
+    samples: list[Sample]
+    scores: list[Awaitable[float]]
+    metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+    dropped: list[str] = dataclasses.field(default_factory=list)
+
+    def __iter__(self):
+        """Unpacks as (samples, scores, metrics, dropped)."""
+        return iter((self.samples, self.scores, self.metrics, self.dropped))
+
+
+def sampling_params(rollout_cfg, eos_ids: list[int], seed: int | None, *, validation=False,
+                    max_new_tokens: int) -> SamplingParams:
+    """A step's (or, with `validation`, the validation's) sampling from `rollout.*`."""
+    src = rollout_cfg.val_kwargs if validation else rollout_cfg
+    greedy = validation and not src.do_sample
+    return SamplingParams(
+        max_new_tokens=max_new_tokens, temperature=0.0 if greedy else float(src.temperature),
+        top_p=float(src.top_p), top_k=int(src.top_k), n=int(src.n),
+        stop_token_ids=list(eos_ids), sampling_seed=seed)
+
+
+def extra_info_of(prompt) -> dict:
+    return dict(getattr(prompt, "extra_info", None) or {})
+
+
+# (trajectory so far, attempt number) -> the request that continues it
+RequestFor = Callable[[Trajectory, int], GenerateRequest]
+
+
+class TrajectoryRunner:
+    """Runs trajectories on the rollout manager; `scorer.submit(sample)` returns an awaitable
+    of the reward (the streaming `megarl.reward.pool.RewardPool`), None skips scoring."""
+
+    def __init__(self, manager, tokenizer, scorer=None, max_resumes: int = 100):
+        self.manager, self.tokenizer, self.scorer = manager, tokenizer, scorer
+        self.max_resumes = max_resumes
+        self.running: dict[str, None] = {}  # rids in flight (insertion-ordered set)
+
+    async def extend(self, t: Trajectory, budget: int, request_for: RequestFor,
+                     stopping: Callable[[], bool] = lambda: False) -> bool:
+        """Generate into `t` until it finishes (True) or `stopping()` holds (False, counted
+        in `t.interrupted`). An abort while not stopping is a weight update: the request is
+        resumed with the budget left, under the new weights."""
+        attempts = 0
+        while t.finish is None:
+            if budget - len(t.ids) <= 0:
+                t.finish = "length"
+                break
+            if stopping():
+                t.interrupted += 1
+                return False
+            req = request_for(t, attempts)
+            attempts += 1
+            self.running[req.rid] = None
+            try:
+                out = await self.manager.generate(req)
+            finally:
+                self.running.pop(req.rid, None)
+            t.ids += out.output_ids
+            t.logprobs += out.output_logprobs or [0.0] * len(out.output_ids)
+            t.versions += out.token_versions()
+            if not out.aborted:
+                t.finish = out.finish_reason.type
+            elif stopping():
+                t.interrupted += 1
+                return False
+            elif attempts > self.max_resumes:
+                raise RuntimeError(f"request {req.rid}: aborted {attempts} times in a row")
+            else:
+                await asyncio.sleep(0.01)  # let the update that aborted it land
+        return True
+
+    def finish(self, prompt, t: Trajectory, prompt_ids: list[int] | None = None) -> Sample:
+        """The finished trajectory as a Sample, scoring started (once; a reward already
+        known, e.g. from a checkpoint, is kept). `prompt_ids`: what the model was given
+        before the response, where that is more than the data's prompt (a later turn)."""
+        if t.sample is not None:
+            return t.sample
+        if not t.text:
+            t.text = self.tokenizer.decode(t.ids, skip_special_tokens=True)
+        t.sample = Sample(uid=prompt.uid, prompt_ids=list(prompt_ids or prompt.prompt_ids),
+                          response_ids=list(t.ids), rollout_logprobs=list(t.logprobs),
+                          weight_version=t.versions[0] if t.versions else -1,
+                          token_versions=list(t.versions), finish=t.finish,
+                          ground_truth=prompt.ground_truth, data_source=prompt.data_source,
+                          response_text=t.text, extra_info=extra_info_of(prompt))
+        if t.reward is not None:
+            t.sample.reward = t.reward
+            t.future = _done(t.reward)
+        elif self.scorer is not None:
+            fut = asyncio.ensure_future(self.scorer.submit(t.sample))
+            fut.add_done_callback(_store_reward(t))
+            t.future = fut
+        else:
+            t.future = _done(0.0)
+        return t.sample
+
+    async def sample(self, prompt, request: GenerateRequest) -> Trajectory:
+        """One whole sample from `request` (n=1), resumed as `continuation` forms it; its
+        `sample` made and `future` scoring."""
+        if request.sampling.n != 1:
+            raise ValueError(f"request {request.rid}: sampling.n={request.sampling.n}; one "
+                             "trajectory is one sample (GenerateRequest.expand() gives n)")
+        t = Trajectory()
+
+        def request_for(t: Trajectory, attempt: int) -> GenerateRequest:
+            if not t.ids:
+                return request
+            return continuation(request, t.ids)
+        await self.extend(t, request.sampling.max_new_tokens, request_for)
+        self.finish(prompt, t, request.input_ids)
+        return t
+
+    async def prompts(self, prompts, sp: SamplingParams, rid_prefix: str) -> StepRollout:
+        """n samples of every prompt, all to the end, scored as each finishes."""
+        jobs = []
+        for p in prompts:
+            base = GenerateRequest(list(p.prompt_ids), sp, True, f"{rid_prefix}-{p.uid}")
+            jobs += [self.sample(p, req) for req in base.expand()]
+        done = await asyncio.gather(*jobs)
+        return StepRollout([t.sample for t in done], [t.future for t in done])
+
+
+class PlainRollout:
+    """The step's batch of prompts, n samples each, every one to its end."""
+
+    def __init__(self, runner: TrajectoryRunner, loader):
+        self.runner, self.loader = runner, loader
+
+    async def run_step(self, step: int, sp: SamplingParams, trainer_version: int
+                       ) -> StepRollout:
+        return await self.runner.prompts(self.loader.next_batch(), sp, f"s{step}")
+
+    def state_dict(self) -> None:
+        return None
+
+    def load_state_dict(self, state) -> None:
+        pass
+
+
+@dataclasses.dataclass
+class RolloutContext:
+    """What a rollout function gets: the runner (generate, resume, score), the prompt loader
+    (`loader.next_batch()` draws the step's prompts; what it draws is owed training), the
+    samples per prompt, and the step with the version TRAIN(step) starts from."""
+    runner: TrajectoryRunner
+    loader: Any
+    n: int
+    step: int
+    trainer_version: int
+
+
+class FunctionRollout:
+    """A user's rollout function (`actor_rollout_ref.rollout.rollout_fn`) as a policy."""
+
+    def __init__(self, fn: Callable, name: str, runner: TrajectoryRunner, loader, n: int):
+        if not asyncio.iscoroutinefunction(fn):
+            raise ConfigError(f"actor_rollout_ref.rollout.rollout_fn: {name!r} is not an "
+                              "`async def` function (ctx, sampling) -> StepRollout")
+        self.fn, self.name, self.runner, self.loader, self.n = fn, name, runner, loader, n
+
+    async def run_step(self, step: int, sp: SamplingParams, trainer_version: int
+                       ) -> StepRollout:
+        out = await self.fn(RolloutContext(self.runner, self.loader, self.n, step,
+                                           trainer_version), sp)
+        if not isinstance(out, StepRollout) or not out.samples:
+            raise TypeError(f"rollout function {self.name} returned {type(out).__name__}"
+                            f"{' with no samples' if isinstance(out, StepRollout) else ''}; "
+                            "it must return a StepRollout with the step's samples")
+        if len(out.scores) != len(out.samples):
+            raise TypeError(f"rollout function {self.name}: {len(out.samples)} samples but "
+                            f"{len(out.scores)} reward awaitables (TrajectoryRunner.finish "
+                            "starts one per sample)")
+        return out
+
+    def state_dict(self) -> None:
+        return None
+
+    def load_state_dict(self, state) -> None:
+        pass
+
+
+def make_policy(rollout_cfg, runner: TrajectoryRunner, loader, *, need: int,
+                max_staleness: int | None, stale_policy: str, rollout_fn: Callable | None):
+    """The GENERATE state's policy for this run's `actor_rollout_ref.rollout`."""
+    if rollout_fn is not None:
+        return FunctionRollout(rollout_fn, rollout_cfg.rollout_fn, runner, loader,
+                               int(rollout_cfg.n))
+    if not rollout_cfg.partial_rollout:
+        return PlainRollout(runner, loader)
+    from .partial import PartialRollout
+
+    over = rollout_cfg.over_sample_prompts
+    return PartialRollout(runner, loader, n=int(rollout_cfg.n), need=need,
+                          over=over if over is not None else max(1, need // 2),
+                          max_staleness=max_staleness, stale_policy=stale_policy)
+
+
+def _store_reward(t: Trajectory) -> Callable:
+    def cb(fut: asyncio.Future) -> None:
+        if not fut.cancelled() and fut.exception() is None:
+            t.reward = float(fut.result())
+    return cb
+
+
+def _done(value: float) -> asyncio.Future:
+    fut = asyncio.get_running_loop().create_future()
+    fut.set_result(value)
+    return fut

@@ -1,0 +1,155 @@
+"""The trajectory runner and the rollout policies over it, against a real embedded engine:
+resume after an abort, the plain policy, and a user's rollout function named by import path."""
+import asyncio
+import textwrap
+
+import pytest
+from omegaconf import OmegaConf
+
+from megarl.config import ConfigError
+from megarl.controller.trajectory import (FunctionRollout, PlainRollout, StepRollout,
+                                          TrajectoryRunner, make_policy)
+from megarl.data.dataset import Prompt
+from megarl.data.loader import PromptLoader
+from megarl.reward.pool import RewardPool
+from megarl.rollout.engine import EmbeddedEngine
+from megarl.rollout.manager import RolloutManager
+from megarl.rollout.protocol import GenerateRequest, SamplingParams
+from megarl.utils.imports import load_callable
+
+KEY = "actor_rollout_ref.rollout.rollout_fn"
+
+
+def _prompts(count):
+    return [Prompt(index=i, uid=f"p{i}", prompt_ids=[5 + i, 7, 11], raw_prompt="",
+                   data_source="t", ground_truth=str(i)) for i in range(count)]
+
+
+def greedy(n, k=1):
+    return SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True, n=k)
+
+
+@pytest.fixture(scope="module")
+def scorer():
+    pool = RewardPool("megarl.reward.testing:length_score", 1, 30.0)
+    yield pool
+    pool.close()
+
+
+@pytest.fixture
+def engine(qwen_dir):
+    eng = EmbeddedEngine(qwen_dir, weight_version="0", seed=3)
+    yield eng
+    asyncio.run(eng.close())
+
+
+def test_an_aborted_sample_resumes_to_the_same_tokens_and_keeps_its_versions(engine, scorer):
+    """A weight update that aborts every request (`abort_all_requests`, SGLang's) mid-sample:
+    the runner resumes with the budget left; greedy on unchanged weights, the tokens are what
+    an undisturbed request gives, and the versions say where the update landed."""
+    runner = TrajectoryRunner(RolloutManager([engine]), engine.tokenizer, scorer)
+    prompt = _prompts(1)[0]
+
+    async def go():
+        ref = await runner.sample(prompt, GenerateRequest(prompt.prompt_ids, greedy(400), True,
+                                                          "ref"))
+        task = asyncio.ensure_future(runner.sample(
+            prompt, GenerateRequest(prompt.prompt_ids, greedy(400), True, "cut")))
+        while not runner.running or engine.model_steps < 20:
+            await asyncio.sleep(0.005)
+        await engine.update_weight_version("1", abort_all_requests=True)
+        t = await task
+        return ref, t, await t.future
+
+    ref, t, reward = asyncio.run(go())
+    assert t.ids == ref.ids and len(t.ids) == 400 and t.finish == "length"
+    cut = t.versions.index(1)
+    assert 0 < cut < 400 and set(t.versions[:cut]) == {0} and set(t.versions[cut:]) == {1}
+    assert t.sample.token_versions == t.versions and t.sample.weight_version == 0
+    assert reward == t.sample.reward and runner.running == {}
+
+
+def test_plain_policy_draws_the_batch_and_gives_n_scored_samples_each(engine, scorer):
+    loader = PromptLoader(_prompts(8), 3, shuffle=False)
+    policy = PlainRollout(TrajectoryRunner(RolloutManager([engine]), engine.tokenizer, scorer),
+                          loader)
+
+    async def go():
+        out = await policy.run_step(0, greedy(6, k=2), 0)
+        return out, await asyncio.gather(*out.scores)
+
+    out, rewards = asyncio.run(go())
+    assert [s.uid for s in out.samples] == ["p0", "p0", "p1", "p1", "p2", "p2"]
+    assert rewards == [s.reward for s in out.samples] and policy.state_dict() is None
+    assert loader.state_dict()["offset"] == 3
+
+
+USER_FN = textwrap.dedent('''
+    from megarl.controller.trajectory import StepRollout
+    from megarl.rollout.protocol import GenerateRequest
+
+
+    async def two_turns(ctx, sampling):
+        """Each prompt twice: its first answer is appended to the prompt of the second."""
+        samples, scores = [], []
+        for p in ctx.loader.next_batch():
+            first = await ctx.runner.sample(p, GenerateRequest(p.prompt_ids, sampling, True,
+                                                               f"s{ctx.step}-{p.uid}-a"))
+            second = await ctx.runner.sample(p, GenerateRequest(
+                p.prompt_ids + first.ids, sampling, True, f"s{ctx.step}-{p.uid}-b"))
+            samples.append(second.sample)
+            scores.append(second.future)
+        return StepRollout(samples, scores, {"rollout/turns": 2.0})
+
+
+    async def nothing(ctx, sampling):
+        return []
+
+
+    def not_async(ctx, sampling):
+        return None
+''')
+
+
+def test_a_rollout_function_by_import_path_runs_as_the_policy(engine, scorer, tmp_path):
+    (tmp_path / "user_rollout.py").write_text(USER_FN)
+    cfg = OmegaConf.create({"n": 1, "partial_rollout": False, "over_sample_prompts": None,
+                            "rollout_fn": f"{tmp_path}/user_rollout.py:two_turns"})
+    loader = PromptLoader(_prompts(4), 2, shuffle=False)
+    runner = TrajectoryRunner(RolloutManager([engine]), engine.tokenizer, scorer)
+    policy = make_policy(cfg, runner, loader, need=2, max_staleness=None, stale_policy="drop",
+                         rollout_fn=load_callable(cfg.rollout_fn, KEY))
+    assert isinstance(policy, FunctionRollout)
+
+    async def go():
+        out = await policy.run_step(3, greedy(5), 3)
+        return out, await asyncio.gather(*out.scores)
+
+    out, rewards = asyncio.run(go())
+    assert [s.uid for s in out.samples] == ["p0", "p1"] and out.metrics == {"rollout/turns": 2.0}
+    # the second turn's prompt holds the first answer
+    assert all(len(s.prompt_ids) == 3 + 5 and len(s.response_ids) == 5 for s in out.samples)
+    assert rewards == [s.reward for s in out.samples]
+
+    bad = FunctionRollout(load_callable(f"{tmp_path}/user_rollout.py:nothing", KEY),
+                          "nothing", runner, loader, 1)
+    with pytest.raises(TypeError, match="nothing returned list; it must return a StepRollout"):
+        asyncio.run(bad.run_step(0, greedy(2), 0))
+    with pytest.raises(ConfigError, match=f"{KEY}: 'x' is not an `async def`"):
+        FunctionRollout(load_callable(f"{tmp_path}/user_rollout.py:not_async", KEY), "x",
+                        runner, loader, 1)
+    with pytest.raises(ConfigError, match=f"{KEY}: .*has no attribute 'missing'"):
+        load_callable(f"{tmp_path}/user_rollout.py:missing", KEY)
+    assert StepRollout([], []).metrics == {}
+
+
+@pytest.mark.parametrize("override,match", [
+    ("actor_rollout_ref.rollout.rollout_fn=nocolon", f"{KEY}: 'nocolon' is not an import path"),
+    ("actor_rollout_ref.rollout.rollout_fn=a:b", "partial_rollout=true is one of them"),
+])
+def test_config_refuses_a_bad_rollout_fn_naming_the_key(override, match):
+    from megarl.config import load_config
+
+    extra = ["actor_rollout_ref.rollout.partial_rollout=true"] if "a:b" in override else []
+    with pytest.raises(ConfigError, match=match):
+        load_config("configs/quickstart.yaml", [override, *extra])
