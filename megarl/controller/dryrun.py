@@ -10,7 +10,8 @@ This module owns the dry run: from a validated config and the model's HF ``confi
   group per pipeline stage;
 - the bucket plan per pipeline stage (``megarl.weight_sync.buckets.plan_buckets`` over the HF
   tensors each stage exports, in export order);
-- a per-device memory estimate per group, whose formulas ``format_plan`` prints with it.
+- a per-device memory estimate per group (``megarl.controller.memory``), whose formulas
+  ``format_plan`` prints with it.
 
 ``plan_run`` returns a ``RunPlan`` or raises ``ConfigError`` when the plan cannot work (a
 group over the device capacity, rollout weights over their memory share, a replica that would
@@ -27,17 +28,18 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from megarl.backends.megatron.model import ModelArgs, padded_vocab_size
+from megarl.backends.megatron.model import ModelArgs
 from megarl.cluster.topology import GroupPlan
 from megarl.config import ConfigError, plan_task_groups
-from megarl.convert.plan import ConvertError, check_layout, hf_shapes, itemsize, \
-    stage_param_bytes
+from megarl.convert.plan import ConvertError, check_layout, hf_shapes
 from megarl.weight_sync.buckets import plan_buckets
 from megarl.weight_sync.protocol import MiB, BucketMeta, TensorSpec, update_group_ranks
 
+from .memory import (FORMULAS, GiB, GroupMemory, MemoryItem, _count, check_fit,  # noqa: F401
+                     estimate_memory, gib, needs_ref, replica_megatron)
+
 logger = logging.getLogger(__name__)
 
-GiB = 1 << 30
 _ARR = "actor_rollout_ref"
 PORT_BASE = 30000  # placeholder ports in the printed commands: real ones are chosen at launch
 UPDATE_GROUP_NAME = "megarl-weights"  # as megarl.weight_sync.trainer names it, + "-pp<stage>"
@@ -101,22 +103,6 @@ class StageBuckets:
         return sum(b.nbytes for b in self.buckets)
 
 
-@dataclass(frozen=True)
-class MemoryItem:
-    label: str
-    nbytes: int
-
-
-@dataclass(frozen=True)
-class GroupMemory:
-    group: str
-    items: tuple[MemoryItem, ...]
-
-    @property
-    def total(self) -> int:
-        return sum(i.nbytes for i in self.items)
-
-
 @dataclass
 class RunPlan:
     hf_config: str
@@ -169,10 +155,6 @@ def plan_run(cfg: DictConfig, gpu_memory_gib: float = 80.0) -> RunPlan:
     logger.debug("dry run: %d group(s), %d rollout server(s), %d pipeline stage(s)",
                  len(groups), len(servers), len(stages))
     return plan
-
-
-def needs_ref(cfg: DictConfig) -> bool:
-    return bool(cfg.actor_rollout_ref.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward)
 
 
 def _hosting(groups: list[GroupPlan], task: str) -> GroupPlan:
@@ -371,183 +353,9 @@ def plan_stage_buckets(a: ModelArgs, pp: int, params_dtype: str,
             for s, specs in enumerate(stage_specs(a, pp, params_dtype))]
 
 
-# ------------------------------------------------------------------------------ memory
-FORMULAS = [
-    "N = parameters one device holds (largest PP stage, TP-sharded, padded vocab), "
-    "e = bytes per element of params_dtype",
-    "s = data.max_prompt_length + data.max_response_length, h = hidden, V = padded vocab, "
-    "L = layers per PP stage",
-    "trainer   = N·e (params) + N·4 (fp32 main grads) + N·(4 master if e<4 + 8 Adam m,v) "
-    "/ (DP if use_distributed_optimizer else 1) + activations",
-    "activations = max(train, logp): train = L·s·b·h·(10 + 24/TP)·e/2 "
-    "[Korthikanti et al. 2022, SDPA, no sequence parallel; with gradient checkpointing "
-    "L·s·b·h·e + one such layer] × PP micro-batches in flight + 2·s·b·V/TP·4 (fp32 logits "
-    "+ their grad), b = actor.ppo_micro_batch_size_per_gpu; logp = s·b'·V/TP·4, "
-    "b' = rollout.log_prob_micro_batch_size_per_gpu",
-    "reference = N·e (params, ref layout) + s·b·V/TP·4 (fp32 logits), "
-    "b = ref.log_prob_micro_batch_size_per_gpu",
-    "rollout   = gpu_memory_utilization × capacity, reserved by each engine: "
-    "HF weights/TP + receive bucket (the largest bucket) + KV cache (the rest)",
-    "a group's estimate is the sum of what runs on it; it must fit the capacity "
-    "(--gpu-memory-gib)",
-]
-
-
-def estimate_memory(cfg: DictConfig, groups: list[GroupPlan], a: ModelArgs,
-                    stages: list[StageBuckets], capacity: int) -> list[GroupMemory]:
-    """Per-device memory of every group, by ``FORMULAS``."""
-    out = []
-    for g in groups:
-        items = []
-        if "actor-train" in g.tasks:
-            items += trainer_memory(cfg, a, g.num_devices)
-        elif "logp" in g.tasks:
-            items += replica_memory(cfg, a, stages)
-        if "ref_logp" in g.tasks and needs_ref(cfg):
-            items += reference_memory(cfg, a)
-        if "generate" in g.tasks:
-            items += rollout_memory(cfg, a, stages, capacity)
-        out.append(GroupMemory(g.name, tuple(items)))
-    return out
-
-
-def _rank_params(a: ModelArgs, m: DictConfig) -> int:
-    tp, pp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size
-    vocab = padded_vocab_size(a.vocab_size, m.make_vocab_size_divisible_by, tp)
-    return max(stage_param_bytes(a, tp, pp, vocab, "float32")) // 4
-
-
-def _seq_len(cfg: DictConfig) -> int:
-    return cfg.data.max_prompt_length + cfg.data.max_response_length
-
-
-def _logits_bytes(cfg: DictConfig, a: ModelArgs, m: DictConfig, batch: int) -> int:
-    tp = m.tensor_model_parallel_size
-    vocab = padded_vocab_size(a.vocab_size, m.make_vocab_size_divisible_by, tp)
-    return _seq_len(cfg) * batch * vocab // tp * 4
-
-
-def _activation_bytes(cfg: DictConfig, a: ModelArgs) -> int:
-    arr = cfg.actor_rollout_ref
-    m = arr.actor.megatron
-    tp, pp, e = m.tensor_model_parallel_size, m.pipeline_model_parallel_size, \
-        itemsize(m.params_dtype)
-    sbh = _seq_len(cfg) * arr.actor.ppo_micro_batch_size_per_gpu * a.hidden_size
-    layer = sbh * (10 + 24 / tp) * e / 2
-    layers = a.num_layers // pp
-    stack = (layers * sbh * e + layer) if arr.model.enable_gradient_checkpointing \
-        else layers * layer
-    train = stack * pp + 2 * _logits_bytes(cfg, a, m, arr.actor.ppo_micro_batch_size_per_gpu)
-    logp = _logits_bytes(cfg, a, m, arr.rollout.log_prob_micro_batch_size_per_gpu)
-    return int(max(train, logp))
-
-
-def trainer_memory(cfg: DictConfig, a: ModelArgs, devices: int) -> list[MemoryItem]:
-    m = cfg.actor_rollout_ref.actor.megatron
-    n, e = _rank_params(a, m), itemsize(m.params_dtype)
-    dp = devices // (m.tensor_model_parallel_size * m.pipeline_model_parallel_size)
-    shard = dp if m.use_distributed_optimizer else 1
-    state = (4 if e < 4 else 0) + 8
-    return [MemoryItem(f"trainer params ({_count(n)} × {e} B)", n * e),
-            MemoryItem("trainer fp32 main grads", n * 4),
-            MemoryItem(f"trainer optimizer ({state} B/param / {shard})", n * state // shard),
-            MemoryItem("trainer activations", _activation_bytes(cfg, a))]
-
-
-def reference_memory(cfg: DictConfig, a: ModelArgs) -> list[MemoryItem]:
-    ref = cfg.actor_rollout_ref.ref
-    n, e = _rank_params(a, ref.megatron), itemsize(ref.megatron.params_dtype)
-    return [MemoryItem(f"reference params ({_count(n)} × {e} B)", n * e),
-            MemoryItem("reference logits",
-                       _logits_bytes(cfg, a, ref.megatron, ref.log_prob_micro_batch_size_per_gpu))]
-
-
-def replica_megatron(cfg: DictConfig) -> DictConfig:
-    """The logp replica's Megatron settings: the actor's, with its own TP/PP when given."""
-    m = OmegaConf.to_container(cfg.actor_rollout_ref.actor.megatron)
-    logp = cfg.actor_rollout_ref.logp
-    for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
-        m[key] = logp[key] or m[key]
-    return OmegaConf.create(m)
-
-
-def replica_memory(cfg: DictConfig, a: ModelArgs, stages: list[StageBuckets]
-                   ) -> list[MemoryItem]:
-    """The logp group's replica: the actor's shard, the whole HF-named copy its receiver
-    holds (staged and live), and the logits of one log-prob micro-batch."""
-    m = replica_megatron(cfg)
-    n, e = _rank_params(a, m), itemsize(m.params_dtype)
-    hf = sum(s.total for s in stages)
-    return [MemoryItem(f"replica params ({_count(n)} × {e} B)", n * e),
-            MemoryItem("replica receiver (HF weights, live + staged)", 2 * hf),
-            MemoryItem("replica logits", _logits_bytes(
-                cfg, a, m, cfg.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu))]
-
-
-def rollout_weights(cfg: DictConfig, stages: list[StageBuckets]) -> tuple[int, int]:
-    """(HF weights per engine device, receive bucket) in bytes."""
-    tp = cfg.actor_rollout_ref.rollout.tensor_model_parallel_size
-    return sum(s.total for s in stages) // tp, max(s.largest for s in stages)
-
-
-def kv_bytes_per_token(a: ModelArgs, tp: int, e: int) -> int:
-    """K and V of one token on one device (KV heads shard over TP, replicate beyond it)."""
-    return 2 * a.num_layers * max(1, a.num_kv_heads // tp) * a.head_dim * e
-
-
-def rollout_memory(cfg: DictConfig, a: ModelArgs, stages: list[StageBuckets],
-                   capacity: int) -> list[MemoryItem]:
-    r = cfg.actor_rollout_ref.rollout
-    weights, bucket = rollout_weights(cfg, stages)
-    reserve = int(r.gpu_memory_utilization * capacity)
-    kv = max(0, reserve - weights - bucket)
-    per_token = kv_bytes_per_token(a, r.tensor_model_parallel_size,
-                                   itemsize(cfg.actor_rollout_ref.actor.megatron.params_dtype))
-    return [MemoryItem(f"rollout weights/TP{r.tensor_model_parallel_size}", weights),
-            MemoryItem("rollout receive bucket", bucket),
-            MemoryItem(f"rollout KV cache (~{kv // per_token:,} tokens)", kv)]
-
-
-def check_fit(cfg: DictConfig, plan: RunPlan, groups: list[GroupPlan]) -> None:
-    """``ConfigError`` naming the group, its estimate and the capacity when it cannot fit."""
-    cap = plan.capacity
-    for g, mem in zip(groups, plan.memory):
-        if "generate" in g.tasks:
-            _check_rollout_fit(cfg, plan, g.name, cap)
-        if mem.total > cap:
-            parts = ", ".join(f"{i.label} {gib(i.nbytes)}" for i in mem.items)
-            raise ConfigError(
-                f"group '{g.name}' does not fit: estimated {gib(mem.total)} per GPU "
-                f"({parts}) exceeds the capacity {gib(cap)} (megarl train --gpu-memory-gib)")
-
-
-def _check_rollout_fit(cfg: DictConfig, plan: RunPlan, name: str, cap: int) -> None:
-    r = cfg.actor_rollout_ref.rollout
-    weights, bucket = rollout_weights(cfg, plan.stages)
-    share = r.gpu_memory_utilization * cap
-    if weights + bucket > share:
-        raise ConfigError(
-            f"group '{name}' does not fit: rollout weights/TP{r.tensor_model_parallel_size} "
-            f"{gib(weights)} + receive bucket {gib(bucket)} = {gib(weights + bucket)} per GPU "
-            f"exceed {_ARR}.rollout.gpu_memory_utilization={r.gpu_memory_utilization} × "
-            f"capacity {gib(cap)} = {gib(share)} (raise the rollout TP, the utilization or "
-            "--gpu-memory-gib)")
-
-
 # ------------------------------------------------------------------------------ text
-def gib(n: float) -> str:
-    return f"{n / GiB:.2f} GiB"
-
-
 def mib(n: float) -> str:
     return f"{n / MiB:.1f} MiB"
-
-
-def _count(n: int) -> str:
-    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.2f}{unit}"
-    return str(n)
 
 
 def format_plan(plan: RunPlan) -> str:

@@ -52,12 +52,12 @@ from typing import Callable, Iterable, Mapping, Sequence, Union
 
 from megarl.cluster.topology import group_name, normalize_groups
 
-from .states import CRITIC_WORK_STATES, IllegalTransition, StepState, check, work_states
+from .states import (CRITIC_WORK_STATES, IllegalTransition, StepMachine,  # noqa: F401
+                     StepState, work_states)
 from .validation import ValidationMachine, ValidationState, validates_after
 
 logger = logging.getLogger(__name__)
 
-TRANSITION_LOG_LEVEL = logging.DEBUG
 S, V = StepState, ValidationState
 
 TASK_OF_STATE = {S.GENERATE: "generate", S.REWARD: "reward", S.REF_LOGP: "ref_logp",
@@ -110,56 +110,6 @@ class Interval:
     step: int
     start: float
     end: float
-
-
-class StepMachine:
-    """One training step's state; moves only along `states.TRANSITIONS`.
-
-    `running` says whether the current state's work is in flight or finished; `started` and
-    `finished` record when each state's work began and ended (timing metrics).
-    """
-
-    def __init__(self, step: int, clock: Callable[[], float] = time.monotonic):
-        self.step, self.clock = step, clock
-        self.state = S.PENDING
-        self.running = False
-        self.started: dict[StepState, float] = {}
-        self.finished: dict[StepState, float] = {}
-
-    def advance(self, to: StepState, *, group: str, reason: str,
-                now: float | None = None) -> None:
-        """Move to `to`, whose work starts now (DONE has none). Logs step, group, reason."""
-        check(self.step, self.state, to)
-        if self.running:
-            raise IllegalTransition(self.step, self.state, to, f"{self.state} is still running")
-        now = self.clock() if now is None else now
-        logger.log(TRANSITION_LOG_LEVEL, "step %d: %s -> %s on %s (%s)",
-                   self.step, self.state, to, group, reason)
-        self.state = to
-        self.running = to is not S.DONE
-        self.started[to] = now
-        if to is S.DONE:
-            self.finished[to] = now
-
-    def complete(self, *, group: str, reason: str = "", now: float | None = None) -> None:
-        """The current state's work has finished (the state stays until the next advance)."""
-        if not self.running:
-            raise IllegalTransition(self.step, self.state, self.state, "nothing is running")
-        now = self.clock() if now is None else now
-        self.running = False
-        self.finished[self.state] = now
-        logger.log(TRANSITION_LOG_LEVEL, "step %d: %s finished on %s in %.3fs%s", self.step,
-                   self.state, group, now - self.started[self.state],
-                   f" ({reason})" if reason else "")
-
-    def done_with(self, state: StepState) -> bool:
-        """Whether `state`'s work for this step has finished."""
-        return state in self.finished
-
-    def duration(self, state: StepState) -> float | None:
-        if state in self.started and state in self.finished:
-            return self.finished[state] - self.started[state]
-        return None
 
 
 def task_groups(separated_node_tasks: Sequence[Union[str, Sequence[str]]]) -> dict[str, str]:

@@ -123,14 +123,74 @@ def _hosts(plans, task: str):
     return next((p for p in plans if task in p.tasks), None)
 
 
-async def setup_run(cfg, val_only: bool) -> Run:
+def _resume_point(cfg, root: Path, val_only: bool):
+    """(the checkpoint to resume, verified, or None; its critic's directory for a gae run)."""
+    t, found = cfg.trainer, None
+    if t.resume_mode == "auto":
+        found = ckpt.resume_point(root)
+    elif t.resume_mode == "resume_path":
+        found = ckpt.resume_from(t.resume_from_path)
+    critic_ckpt = None
+    if found is not None and cfg.algorithm.adv_estimator == "gae" and not val_only:
+        critic_ckpt = _critic_dir(found.path)  # before any worker: a gae run needs its critic
+    return found, critic_ckpt
+
+
+def _position(cfg, found, loader, val_only: bool) -> tuple[int, dict | None, int]:
+    """(first step to run, the checkpoint's driver state or None, total steps); the loader
+    and the RNGs are put back where the checkpoint left them."""
+    start_step, state = 0, None
+    if found is not None:
+        state = found.state
+        start_step = state["step"] + 1
+        loader.load_state_dict(state["loader"])
+        ckpt.set_rng_state(state["rng"])
+        logger.info("resuming after step %d from %s", state["step"], found.path)
+    total = _total_steps(cfg, loader, val_only, start_step)
+    if start_step > total:  # a finished run's checkpoint under a smaller step budget
+        raise ConfigError(
+            f"trainer.total_training_steps: this run ends after step {total - 1}, but the "
+            f"checkpoint it resumes ({found.path}) has trained through step {start_step - 1}; "
+            f"raise trainer.total_training_steps, or start afresh with "
+            f"trainer.resume_mode=disable or another trainer.experiment_name")
+    return start_step, state, total
+
+
+def _data(cfg):
+    """(tokenizer, EOS ids, pad id, the training prompt loader, the validation set)."""
     from transformers import AutoTokenizer
 
+    from megarl.data.dataset import load_split
+    from megarl.data.loader import PromptLoader
+
+    model = cfg.actor_rollout_ref.model
+    tok = AutoTokenizer.from_pretrained(model.tokenizer_path or model.path)
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    loader = PromptLoader(load_split(cfg.data, tok, "train"), cfg.data.train_batch_size,
+                          shuffle=cfg.data.shuffle, seed=cfg.data.seed)
+    return tok, [tok.eos_token_id], pad_id, loader, load_split(cfg.data, tok, "val")
+
+
+def _device_groups(cfg, plans, dgs: dict, val_only: bool) -> tuple:
+    """The device groups of (actor, generate, reference, critic, logp replica); None where
+    the run has no such model."""
+    arr = cfg.actor_rollout_ref
+    need_ref = (arr.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward) and not val_only
+    actor_dg = dgs[_hosts(plans, "actor-train").name]
+    ref_dg = dgs[_hosts(plans, "ref_logp").name] if need_ref else None
+    # The critic (gae only) runs on its own task group, or beside actor-train.
+    need_critic = cfg.algorithm.adv_estimator == "gae" and not val_only
+    critic_dg = dgs[critic_hosted(plans).name] if need_critic else None
+    # `logp` on a group of its own: a frozen replica of the actor there, fed by the weight sync
+    logp_dg = dgs[_hosts(plans, "logp").name]
+    logp_dg = None if logp_dg is actor_dg or val_only else logp_dg
+    return actor_dg, dgs[_hosts(plans, "generate").name], ref_dg, critic_dg, logp_dg
+
+
+async def setup_run(cfg, val_only: bool) -> Run:
     from megarl.backends.sglang.engine import SGLangEngine
     from megarl.cluster.group import MegatronGroup, RolloutGroup
     from megarl.cluster.placement import DeviceGroup, init_ray
-    from megarl.data.dataset import load_split
-    from megarl.data.loader import PromptLoader
     from megarl.observability.loggers import make_loggers
     from megarl.reward.pool import RewardPool
     from megarl.rollout.manager import RolloutManager
@@ -146,23 +206,10 @@ async def setup_run(cfg, val_only: bool) -> Run:
     # Pick and verify the checkpoint first: a damaged one is named, with the fallback, before
     # any model, data or worker is loaded (and before Ray, under either launcher).
     root = Path(t.default_local_dir) / t.project_name / t.experiment_name
-    found = None
-    if t.resume_mode == "auto":
-        found = ckpt.resume_point(root)
-    elif t.resume_mode == "resume_path":
-        found = ckpt.resume_from(t.resume_from_path)
-    critic_ckpt = None
-    if found is not None and cfg.algorithm.adv_estimator == "gae" and not val_only:
-        critic_ckpt = _critic_dir(found.path)  # before any worker: a gae run needs its critic
+    found, critic_ckpt = _resume_point(cfg, root, val_only)
     prepare_assets(cfg)
     plans = plan_task_groups(cfg)
-    tok = AutoTokenizer.from_pretrained(arr.model.tokenizer_path or arr.model.path)
-    eos_ids = [tok.eos_token_id]
-    pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    train = load_split(cfg.data, tok, "train")
-    val = load_split(cfg.data, tok, "val")
-    loader = PromptLoader(train, cfg.data.train_batch_size, shuffle=cfg.data.shuffle,
-                          seed=cfg.data.seed)
+    tok, eos_ids, pad_id, loader, val = _data(cfg)
     # Loads the reward function once here, so a bad reward.reward_fn fails before Ray starts.
     reward_pool = RewardPool.from_config(cfg.reward)
     # ... and the rollout function, likewise
@@ -170,43 +217,15 @@ async def setup_run(cfg, val_only: bool) -> Run:
                   if arr.rollout.rollout_fn else None)
     ahead = t.generate_ahead_steps  # with async_pipeline, its alias, resolved on load
 
-    start_step, state = 0, None
-    if found is not None:
-        state = found.state
-        start_step = state["step"] + 1
-        loader.load_state_dict(state["loader"])
-        ckpt.set_rng_state(state["rng"])
-        logger.info("resuming after step %d from %s", state["step"], found.path)
-    total = _total_steps(cfg, loader, val_only, start_step)
-    if start_step > total:  # a finished run's checkpoint under a smaller step budget
-        raise ConfigError(
-            f"trainer.total_training_steps: this run ends after step {total - 1}, but the "
-            f"checkpoint it resumes ({found.path}) has trained through step {start_step - 1}; "
-            f"raise trainer.total_training_steps, or start afresh with "
-            f"trainer.resume_mode=disable or another trainer.experiment_name")
-
+    start_step, state, total = _position(cfg, found, loader, val_only)
     init_ray(cfg)
     dgs = {p.name: DeviceGroup(p, t.device) for p in plans if p.tasks != ("reward",)}
-    need_ref = (arr.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward) and not val_only
-    actor_dg = dgs[_hosts(plans, "actor-train").name]
-    gen_dg = dgs[_hosts(plans, "generate").name]
-    ref_dg = dgs[_hosts(plans, "ref_logp").name] if need_ref else None
-    # The critic (gae only) runs on its own task group, or beside actor-train.
-    need_critic = cfg.algorithm.adv_estimator == "gae" and not val_only
-    critic_dg = dgs[critic_hosted(plans).name] if need_critic else None
-    # `logp` on a group of its own: a frozen replica of the actor there, fed by the weight sync
-    logp_dg = dgs[_hosts(plans, "logp").name]
-    logp_dg = None if logp_dg is actor_dg or val_only else logp_dg
+    actor_dg, gen_dg, ref_dg, critic_dg, logp_dg = _device_groups(cfg, plans, dgs, val_only)
     # Processes per device of each group: a device is shared by every model placed on it.
     count = {n: 0 for n in dgs}
-    count[actor_dg.name] += 1
-    count[gen_dg.name] += 1
-    if ref_dg is not None:
-        count[ref_dg.name] += 1
-    if critic_dg is not None:
-        count[critic_dg.name] += 1
-    if logp_dg is not None:
-        count[logp_dg.name] += 1
+    for dg in (actor_dg, gen_dg, ref_dg, critic_dg, logp_dg):
+        if dg is not None:
+            count[dg.name] += 1
     share = {n: 1.0 / max(1, c) for n, c in count.items()}
     rollout = RolloutGroup(gen_dg, cfg, share[gen_dg.name], count[gen_dg.name],
                            log_dir=str(root / "logs"))

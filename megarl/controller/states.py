@@ -1,7 +1,7 @@
 """The states of one training step and the one table of legal moves between them.
 
-This module owns the vocabulary of the controller: `StepState`, `TRANSITIONS` and
-`IllegalTransition`. It says nothing about *when* a move happens (that is
+This module owns the vocabulary of the controller: `StepState`, `TRANSITIONS`,
+`IllegalTransition`, and `StepMachine` (one step's state and the times of its work). It says nothing about *when* a move happens (that is
 `megarl.controller.machine.Pipeline`) or about validation's own states
 (`megarl.controller.validation`).
 
@@ -21,8 +21,13 @@ starts; whether the work of the current state has finished is the machine's busi
 from __future__ import annotations
 
 import enum
+import logging
+import time
 from types import MappingProxyType
-from typing import Mapping
+from typing import Callable, Mapping
+
+logger = logging.getLogger(__name__)
+TRANSITION_LOG_LEVEL = logging.DEBUG
 
 
 class StepState(enum.Enum):
@@ -112,3 +117,53 @@ def check(step: int, frm: StepState, to: StepState) -> None:
     """Raise `IllegalTransition` unless the table allows `frm -> to`."""
     if to not in TRANSITIONS[frm]:
         raise IllegalTransition(step, frm, to)
+
+
+class StepMachine:
+    """One training step's state; moves only along `states.TRANSITIONS`.
+
+    `running` says whether the current state's work is in flight or finished; `started` and
+    `finished` record when each state's work began and ended (timing metrics).
+    """
+
+    def __init__(self, step: int, clock: Callable[[], float] = time.monotonic):
+        self.step, self.clock = step, clock
+        self.state = S.PENDING
+        self.running = False
+        self.started: dict[StepState, float] = {}
+        self.finished: dict[StepState, float] = {}
+
+    def advance(self, to: StepState, *, group: str, reason: str,
+                now: float | None = None) -> None:
+        """Move to `to`, whose work starts now (DONE has none). Logs step, group, reason."""
+        check(self.step, self.state, to)
+        if self.running:
+            raise IllegalTransition(self.step, self.state, to, f"{self.state} is still running")
+        now = self.clock() if now is None else now
+        logger.log(TRANSITION_LOG_LEVEL, "step %d: %s -> %s on %s (%s)",
+                   self.step, self.state, to, group, reason)
+        self.state = to
+        self.running = to is not S.DONE
+        self.started[to] = now
+        if to is S.DONE:
+            self.finished[to] = now
+
+    def complete(self, *, group: str, reason: str = "", now: float | None = None) -> None:
+        """The current state's work has finished (the state stays until the next advance)."""
+        if not self.running:
+            raise IllegalTransition(self.step, self.state, self.state, "nothing is running")
+        now = self.clock() if now is None else now
+        self.running = False
+        self.finished[self.state] = now
+        logger.log(TRANSITION_LOG_LEVEL, "step %d: %s finished on %s in %.3fs%s", self.step,
+                   self.state, group, now - self.started[self.state],
+                   f" ({reason})" if reason else "")
+
+    def done_with(self, state: StepState) -> bool:
+        """Whether `state`'s work for this step has finished."""
+        return state in self.finished
+
+    def duration(self, state: StepState) -> float | None:
+        if state in self.started and state in self.finished:
+            return self.finished[state] - self.started[state]
+        return None
