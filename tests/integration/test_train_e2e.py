@@ -300,14 +300,21 @@ def test_partial_rollout_kill_resume_trains_every_prompt_once(quickstart_assets,
 
 def test_kl_in_reward_with_adaptive_coefficient(quickstart_assets, tmp_path):
     """PPO-style in-reward KL: the reference model runs for it alone (no KL loss), the
-    penalty is logged each step and the adaptive coefficient is checkpointed."""
+    penalty is logged each step and the adaptive coefficient is checkpointed. (Also run with
+    each GENERATE on one weight version: `trainer.sync_between_generations`.)"""
     extra = ["trainer.total_training_steps=3", "trainer.save_freq=3", "trainer.test_freq=-1",
              "trainer.val_before_train=False", "algorithm.use_kl_in_reward=True",
              "algorithm.kl_penalty=low_var_kl", "algorithm.kl_ctrl.type=adaptive",
              "algorithm.kl_ctrl.target_kl=0.001",
              "algorithm.kl_ctrl.horizon=100", "actor_rollout_ref.actor.use_kl_loss=False",
-             "algorithm.max_staleness=1"]
+             "algorithm.max_staleness=1", "trainer.sync_between_generations=true"]
     megarl("train", _args(quickstart_assets, tmp_path, *extra))
+    # sync_between_generations: SYNC(k) starts once GENERATE(k+1) has ended, one step off
+    events = [e for e in json.loads((tmp_path / "megarl" / "t" / "timeline.json")
+                                    .read_text())["traceEvents"] if e["ph"] == "X"]
+    span = {(e["cat"], e["args"]["step"]): (e["ts"], e["ts"] + e["dur"]) for e in events}
+    assert all(span[("sync", k)][0] >= span[("generate", k + 1)][1] for k in range(2))
+    assert scalars(tmp_path, "rollout/staleness_max") == {1: 0.0, 2: 1.0, 3: 1.0}
     kl = scalars(tmp_path, "reward/kl_penalty")
     assert sorted(kl) == [1, 2, 3]
     assert all(v >= 0 for v in kl.values()) and max(kl.values()) > 0
