@@ -13,9 +13,7 @@ from megarl.controller.partial import PartialRollout
 from megarl.controller.trajectory import TrajectoryRunner
 from megarl.data.dataset import Prompt
 from megarl.data.loader import PromptLoader
-from megarl.rollout.engine import EmbeddedEngine
 from megarl.rollout.manager import RolloutManager
-from megarl.reward.pool import RewardPool
 from megarl.rollout.protocol import SamplingParams
 
 N = 2
@@ -30,20 +28,6 @@ def _sp(seed=1):
     return SamplingParams(max_new_tokens=48, temperature=1.0, stop_token_ids=list(range(0, 300,
                                                                                       10)),
                           sampling_seed=seed)
-
-
-@pytest.fixture(scope="module")
-def scorer():
-    pool = RewardPool("megarl.reward.testing:length_score", 2, 30.0)
-    yield pool
-    pool.close()
-
-
-@pytest.fixture
-def engine(qwen_dir):
-    eng = EmbeddedEngine(qwen_dir, weight_version="0", seed=3)
-    yield eng
-    asyncio.run(eng.close())
 
 
 def _new(engine, loader, scorer, **kw):

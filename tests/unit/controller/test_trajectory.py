@@ -11,8 +11,6 @@ from megarl.controller.trajectory import (FunctionRollout, PlainRollout, StepRol
                                           TrajectoryRunner, make_policy)
 from megarl.data.dataset import Prompt
 from megarl.data.loader import PromptLoader
-from megarl.reward.pool import RewardPool
-from megarl.rollout.engine import EmbeddedEngine
 from megarl.rollout.manager import RolloutManager
 from megarl.rollout.protocol import GenerateRequest, SamplingParams
 from megarl.utils.imports import load_callable
@@ -27,20 +25,6 @@ def _prompts(count):
 
 def greedy(n, k=1):
     return SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True, n=k)
-
-
-@pytest.fixture(scope="module")
-def scorer():
-    pool = RewardPool("megarl.reward.testing:length_score", 1, 30.0)
-    yield pool
-    pool.close()
-
-
-@pytest.fixture
-def engine(qwen_dir):
-    eng = EmbeddedEngine(qwen_dir, weight_version="0", seed=3)
-    yield eng
-    asyncio.run(eng.close())
 
 
 def test_an_aborted_sample_resumes_to_the_same_tokens_and_keeps_its_versions(engine, scorer):
