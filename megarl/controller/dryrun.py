@@ -35,8 +35,8 @@ from megarl.convert.plan import ConvertError, check_layout, hf_shapes
 from megarl.weight_sync.buckets import plan_buckets
 from megarl.weight_sync.protocol import MiB, BucketMeta, TensorSpec, update_group_ranks
 
-from .memory import (FORMULAS, GiB, GroupMemory, MemoryItem, _count, check_fit,  # noqa: F401
-                     estimate_memory, gib, needs_ref, replica_megatron)
+from .memory import (FORMULAS, GiB, GroupMemory, check_fit, estimate_memory, gib, needs_ref,
+                     replica_megatron)
 
 logger = logging.getLogger(__name__)
 

@@ -52,8 +52,7 @@ from typing import Callable, Iterable, Mapping, Sequence, Union
 
 from megarl.cluster.topology import group_name, normalize_groups
 
-from .states import (CRITIC_WORK_STATES, IllegalTransition, StepMachine,  # noqa: F401
-                     StepState, work_states)
+from .states import CRITIC_WORK_STATES, IllegalTransition, StepMachine, StepState, work_states
 from .validation import ValidationMachine, ValidationState, validates_after
 
 logger = logging.getLogger(__name__)

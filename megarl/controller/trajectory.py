@@ -186,7 +186,17 @@ class TrajectoryRunner:
         return StepRollout([t.sample for t in done], [t.future for t in done])
 
 
-class PlainRollout:
+class _Stateless:
+    """A policy that keeps nothing between steps: no checkpoint state."""
+
+    def state_dict(self) -> None:
+        return None
+
+    def load_state_dict(self, state) -> None:
+        pass
+
+
+class PlainRollout(_Stateless):
     """The step's batch of prompts, n samples each, every one to its end."""
 
     def __init__(self, runner: TrajectoryRunner, loader):
@@ -195,12 +205,6 @@ class PlainRollout:
     async def run_step(self, step: int, sp: SamplingParams, trainer_version: int
                        ) -> StepRollout:
         return await self.runner.prompts(self.loader.next_batch(), sp, f"s{step}")
-
-    def state_dict(self) -> None:
-        return None
-
-    def load_state_dict(self, state) -> None:
-        pass
 
 
 @dataclasses.dataclass
@@ -215,7 +219,7 @@ class RolloutContext:
     trainer_version: int
 
 
-class FunctionRollout:
+class FunctionRollout(_Stateless):
     """A user's rollout function (`actor_rollout_ref.rollout.rollout_fn`) as a policy."""
 
     def __init__(self, fn: Callable, name: str, runner: TrajectoryRunner, loader, n: int):
@@ -237,12 +241,6 @@ class FunctionRollout:
                             f"{len(out.scores)} reward awaitables (TrajectoryRunner.finish "
                             "starts one per sample)")
         return out
-
-    def state_dict(self) -> None:
-        return None
-
-    def load_state_dict(self, state) -> None:
-        pass
 
 
 def make_policy(rollout_cfg, runner: TrajectoryRunner, loader, *, need: int,
