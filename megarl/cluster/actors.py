@@ -1,17 +1,47 @@
-"""Ray actors: the thin shells around a Megatron worker rank and a rollout server.
+"""The per-rank worker objects: a Megatron rank, an embedded rollout server, a launched one.
 
+Plain classes that a transport (cluster/transport.py) starts in a worker process: a Ray actor
+wraps each (cluster/placement.py), or a torchrun rank builds it directly (cluster/torchrun.py).
 Methods are coarse (set up, compute log-probs, train on a batch, sync weights, save, load);
 their logic lives in plain modules (backends/megatron, algo, weight_sync, rollout) that tests
-call without Ray. Each actor pins its thread budget, so CPU "devices" do not fight for cores.
+call without either. Each worker pins its thread budget, so CPU "devices" do not fight for
+cores. Nothing here imports Ray: torchrun mode runs where it is not installed.
 """
 from __future__ import annotations
 
 import logging
 import os
 
-import ray
-
 logger = logging.getLogger(__name__)
+
+# Set in a torchrun rank (its node's address); a Ray worker asks Ray instead.
+_TORCHRUN_NODE: str | None = None
+
+
+def on_torchrun_node(address: str) -> None:
+    """This process is a torchrun rank on the node other nodes reach at `address`."""
+    global _TORCHRUN_NODE
+    _TORCHRUN_NODE = address
+
+
+def node_address() -> str:
+    """The address other nodes reach this process's node at."""
+    if _TORCHRUN_NODE is not None:
+        return _TORCHRUN_NODE
+    import ray
+
+    return ray.util.get_node_ip_address()
+
+
+def first_gpu() -> int | None:
+    """The node-local index of this worker's (first) GPU: torchrun's LOCAL_RANK, or the GPU
+    Ray gave the actor; None when it has none."""
+    if _TORCHRUN_NODE is not None:
+        return int(os.environ.get("LOCAL_RANK", 0))
+    import ray
+
+    ids = ray.get_gpu_ids()
+    return int(ids[0]) if ids else None
 
 
 def _threads(n: int) -> None:
@@ -33,8 +63,8 @@ class MegatronRank:
     """One rank of a Megatron model (actor, reference or critic) in its own torch.distributed
     world.
 
-    A plain class: `MegatronActor` is its Ray shell, and torchrun mode (cluster/torchrun.py)
-    runs it directly in the process torchrun started."""
+    Under Ray `MegatronActor` (cluster/placement.py) is its shell; torchrun mode runs it
+    directly in the process torchrun started."""
 
     def __init__(self, rank: int, world_size: int, threads: int, log_level: str = "INFO"):
         logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: "
@@ -43,7 +73,7 @@ class MegatronRank:
         self.rank, self.world_size = rank, world_size
         self.worker = None
         self.sync = None
-        self.cfg = None
+        self.spec = None
         self.replica = None  # the logp group's weight receiver (serve_replica)
 
     def rendezvous(self, single_node: bool) -> tuple[str, int]:
@@ -51,25 +81,25 @@ class MegatronRank:
         keeps every rendezvous on loopback."""
         from megarl.utils.launch import free_port
 
-        return ("127.0.0.1" if single_node else ray.util.get_node_ip_address()), free_port()
+        return ("127.0.0.1" if single_node else node_address()), free_port()
 
-    def setup(self, cfg_yaml: str, role: str, master_addr: str, master_port: int) -> dict:
-        from omegaconf import OmegaConf
-
+    def setup(self, spec, master_addr: str, master_port: int) -> dict:
+        """Build this rank's model from its `MegatronSpec` (cluster/spec.py): all it is told
+        of the run."""
         from megarl.backends.megatron.worker import MegatronWorker
 
         os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.world_size),
                           LOCAL_RANK="0", MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
-        self.cfg = OmegaConf.create(cfg_yaml)
-        self.role = role
-        self.worker = MegatronWorker.from_config(self.cfg, role)
+        self.spec = spec
+        self.role = spec.role
+        self.worker = MegatronWorker.from_spec(spec.model)
         ps = self.worker.ps
         return {"rank": self.rank, "dp_rank": ps.get_data_parallel_rank(),
                 "dp_size": ps.get_data_parallel_world_size(),
                 "tp_rank": ps.get_tensor_model_parallel_rank(),
                 "pp_rank": ps.get_pipeline_model_parallel_rank(),
                 # where it runs, for errors that must name the host of a lost rank
-                "host": ray.util.get_node_ip_address(), "pid": os.getpid()}
+                "host": node_address(), "pid": os.getpid()}
 
     def compute_logp(self, batch: dict, temperature: float, micro_batch_size: int,
                      with_entropy: bool = False) -> dict:
@@ -84,8 +114,8 @@ class MegatronRank:
         from megarl.rollout.engine import EmbeddedEngine
         from megarl.rollout.server import ServerThread
 
-        host = "127.0.0.1" if single_node else ray.util.get_node_ip_address()
-        engine = EmbeddedEngine(self.cfg.actor_rollout_ref.model.path, load_tokenizer=False,
+        host = "127.0.0.1" if single_node else node_address()
+        engine = EmbeddedEngine(self.spec.hf_path, load_tokenizer=False,
                                 weight_version=str(version), max_running_requests=1)
         self.replica = ServerThread(engine, host=host).__enter__()
         self.replica_version = version  # the version the Megatron model holds
@@ -130,22 +160,18 @@ class MegatronRank:
         `batch_masks[j]`: the response mask of the whole mini-batch j (every data-parallel
         shard); the loss is normalised by its count divided by the DP size, because the
         optimizer averages gradients over the replicas. None: this shard's own count."""
-        from megarl.algo.actor_loss import MAX_METRICS, make_actor_loss_from_config
+        from megarl.algo.actor_loss import MAX_METRICS
         from megarl.algo.aggregate import global_denom, stats_mode
 
         out = []
-        actor = self.cfg.actor_rollout_ref.actor
-        mode = actor.loss_agg_mode
-        # seq-mean-token-sum-norm's constant: null means the response budget (verl pads
-        # responses to it, so it is what verl's mask.shape[-1] fallback amounts to).
-        scale = actor.get("loss_scale_factor") or self.cfg.data.max_response_length
+        loss = self.spec.actor_loss
+        mode, scale = loss.loss_agg_mode, loss.loss_scale_factor
         dp = self.worker.ps.get_data_parallel_world_size() if batch_masks is not None else 1
         for j, mb in enumerate(mini_batches):
             whole = batch_masks[j] if batch_masks is not None else mb["response_mask"]
             denom = global_denom(whole, mode, scale, dp_size=dp)
-            loss_fn = make_actor_loss_from_config(
-                actor, denom, with_max_metrics=True,
-                stats_denom=global_denom(whole, stats_mode(mode), dp_size=dp))
+            loss_fn = loss.make(denom=denom, with_max_metrics=True,
+                                stats_denom=global_denom(whole, stats_mode(mode), dp_size=dp))
             # Entropy is always computed: it is a metric even when its coefficient is 0.
             out.append(self.worker.train_step(mb, loss_fn, micro_batch_size, temperature,
                                               with_entropy=True, max_metrics=MAX_METRICS))
@@ -160,24 +186,21 @@ class MegatronRank:
         normalises its shard by the whole mini-batch's mask (as `train` does)."""
         from megarl.algo.value_loss import make_critic_loss_for_batch
 
-        c = self.cfg.critic
-        mode = c.loss_agg_mode or self.cfg.actor_rollout_ref.actor.loss_agg_mode
+        c = self.spec.critic_loss
         dp = self.worker.ps.get_data_parallel_world_size()
         return [self.worker.train_values(
-                    mb, make_critic_loss_for_batch(c.cliprange_value, mode, whole, dp,
-                                                     self.cfg.data.max_response_length),
+                    mb, make_critic_loss_for_batch(c.cliprange_value, c.loss_agg_mode, whole, dp,
+                                                     c.max_response_length),
                     micro_batch_size)
                 for mb, whole in zip(mini_batches, batch_masks)]
 
     def init_weight_sync(self, engines: list[dict], address: str) -> None:
         """`engines`: {"url", "tp", "pause"} per rollout engine (see RolloutGroup.engines)."""
-        from megarl.weight_sync.protocol import SyncConfig
         from megarl.weight_sync.trainer import TrainerWeightSync
         from megarl.weight_sync.transports import EngineLink
 
-        cfg = SyncConfig.from_rollout_config(self.cfg.actor_rollout_ref.rollout)
         links = [EngineLink(e["url"], e["tp"], e["pause"]) for e in engines]
-        self.sync = TrainerWeightSync(self.worker, links, cfg, address=address)
+        self.sync = TrainerWeightSync(self.worker, links, self.spec.sync, address=address)
         self.sync.connect()
 
     def sync_weights(self, version: int) -> dict:
@@ -222,19 +245,14 @@ def _sync_metrics(stats) -> dict:
     return out
 
 
-@ray.remote
-class MegatronActor(MegatronRank):
-    """The Ray shell of `MegatronRank`."""
-
-
 class RolloutRank:
     """An embedded rollout engine behind SGLang's HTTP API, on one device of the generate group.
 
-    `host` is the address it binds and advertises: loopback under Ray on one machine, the
-    node's own address when other nodes must reach it (torchrun mode)."""
+    `host` is the address it binds and advertises: loopback on one machine; None, the node's
+    own address, when other nodes must reach it."""
 
     def __init__(self, model_path: str, threads: int, seed: int, context_length: int,
-                 log_level: str = "INFO", host: str = "127.0.0.1"):
+                 log_level: str = "INFO", host: str | None = "127.0.0.1"):
         logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: "
                             "%(message)s")
         _threads(threads)
@@ -243,7 +261,7 @@ class RolloutRank:
 
         engine = EmbeddedEngine(model_path, seed=seed, context_length=context_length,
                                 load_tokenizer=False, weight_version="0")
-        self.server = ServerThread(engine, host, 0).__enter__()
+        self.server = ServerThread(engine, host or node_address(), 0).__enter__()
 
     def url(self) -> str:
         return self.server.url
@@ -255,54 +273,35 @@ class RolloutRank:
 class ServerRank:
     """A launched rollout server process for one rollout replica (`python -m
     sglang.launch_server`, or a module serving the same contract), started from the replica's
-    first device, which the other devices of the replica serve too (`--tp-size`)."""
+    first device, which the other devices of the replica serve too (`--tp-size`). It binds
+    loopback on one machine, else the node's address; on CUDA it starts from this worker's
+    GPU (`--base-gpu-id`, counted on the node)."""
 
-    def __init__(self, cfg_yaml: str, index: int, host: str, base_gpu_id: int | None,
-                 log_dir: str, log_level: str = "INFO"):
+    def __init__(self, spec, single_node: bool, cuda: bool, log_dir: str,
+                 log_level: str = "INFO"):
+        """`spec`: a `ServerSpec` (cluster/spec.py), all the server is told of the run."""
         logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: "
                             "%(message)s")
+        import dataclasses
         from pathlib import Path
 
-        from omegaconf import OmegaConf
-
-        from megarl.backends.sglang.launcher import (launch_server, module_for,
-                                                     replica_server_args)
+        from megarl.backends.sglang.launcher import launch_server
         from megarl.utils.launch import free_port
 
-        cfg = OmegaConf.create(cfg_yaml)
-        rollout = cfg.actor_rollout_ref.rollout
-        args = replica_server_args(cfg, index, host=host, port=free_port(host),
+        host = "127.0.0.1" if single_node else node_address()
+        base_gpu_id = first_gpu() if cuda else None
+        args = dataclasses.replace(spec.args, host=host, port=free_port(host),
                                    base_gpu_id=base_gpu_id)
         Path(log_dir).mkdir(parents=True, exist_ok=True)
         env = {"CUDA_VISIBLE_DEVICES": ""} if base_gpu_id is None else {}
-        if base_gpu_id is not None:  # base_gpu_id counts the node's GPUs, not Ray's view
+        if base_gpu_id is not None:  # base_gpu_id counts the node's GPUs, not the worker's
             os.environ.pop("CUDA_VISIBLE_DEVICES", None)
-        self.server = launch_server(args, module=module_for(rollout),
-                                    timeout_s=rollout.server_start_timeout_s,
-                                    log_path=Path(log_dir) / f"rollout-{index}.log", env=env)
+        self.server = launch_server(args, module=spec.module, timeout_s=spec.start_timeout_s,
+                                    log_path=Path(log_dir) / f"rollout-{spec.index}.log",
+                                    env=env)
 
     def url(self) -> str:
         return self.server.url
 
     def shutdown(self) -> None:
         self.server.stop()
-
-
-@ray.remote
-class ServerActor(ServerRank):
-    """The Ray shell of `ServerRank`: binds this node's address when there are several nodes,
-    and starts the server on the GPU Ray gave this actor (the replica's first)."""
-
-    def __init__(self, cfg_yaml: str, index: int, single_node: bool, cuda: bool, log_dir: str):
-        host = "127.0.0.1" if single_node else ray.util.get_node_ip_address()
-        gpu = int(ray.get_gpu_ids()[0]) if cuda and ray.get_gpu_ids() else None
-        super().__init__(cfg_yaml, index, host, gpu, log_dir)
-
-
-@ray.remote
-class RolloutActor(RolloutRank):
-    """The Ray shell of `RolloutRank`; `host=None` binds and advertises this Ray node's own
-    address, which a multi-node run needs (the driver and trainers reach it from elsewhere)."""
-
-    def __init__(self, *args, host: str | None = "127.0.0.1", **kwargs):
-        super().__init__(*args, host=host or ray.util.get_node_ip_address(), **kwargs)

@@ -1,23 +1,23 @@
 """Worker groups: the handles the driver calls, one per model or engine set.
 
-`MegatronGroup` is one Megatron model (the actor, the frozen reference, or the critic) as one
-process per device of its task group, forming one torch.distributed world; it shards batches
-over the data-parallel ranks and gathers the results. `RolloutGroup` is one rollout server per
-device. Calls return Ray object refs wrapped as awaitables, so the asyncio driver can overlap groups.
+`MegatronGroup` is one Megatron model (the actor, the frozen reference, the critic, or the
+logp replica) as one process per device of its task group, forming one torch.distributed
+world; it shards batches over the data-parallel ranks and gathers the results. `RolloutGroup`
+is the generate group's rollout servers. Both are written once over a `Transport`
+(cluster/transport.py), Ray's or torchrun's; their methods are coroutines, so the asyncio
+driver overlaps groups.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 
-import ray
 import torch
-from omegaconf import OmegaConf
 
 from megarl.algo.actor_loss import MAX_METRICS
 
-from .actors import MegatronActor, RolloutActor, ServerActor
-from .placement import DeviceGroup, thread_budget
+from .spec import megatron_spec, server_spec
+from .transport import Transport
 
 logger = logging.getLogger(__name__)
 
@@ -37,40 +37,37 @@ class WorkerLost(RuntimeError):
     """A rank of a Megatron group is gone (its process, or its host, died)."""
 
 
-def _lost(e: BaseException) -> bool:
-    return isinstance(e, (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError))
-
-
 def _secondary(e: BaseException) -> bool:
     """An error a rank raised only because another rank failed (that one says why)."""
     return bool(getattr(getattr(e, "cause", e), "elsewhere", False))
 
 
 class MegatronGroup:
-    def __init__(self, devices: DeviceGroup, cfg, role: str, share: float,
-                 processes_per_device: int):
-        self.role = role
+    def __init__(self, transport: Transport, devices, cfg, role: str, share: float = 1.0,
+                 processes_per_device: int = 1):
+        self.t, self.role = transport, role
         n = devices.num_devices
-        threads = thread_budget(cfg, processes_per_device)
-        self.actors = [MegatronActor.options(**devices.options(i, share)).remote(i, n, threads)
+        threads = transport.threads(cfg, processes_per_device)
+        self.actors = [transport.spawn("megatron", devices, i, share, role, i, n, threads)
                        for i in range(n)]
         self.single_node = cfg.trainer.nnodes == 1
-        addr, port = ray.get(self.actors[0].rendezvous.remote(self.single_node))
-        yaml = OmegaConf.to_yaml(cfg, resolve=True)
-        self.ranks = ray.get([a.setup.remote(yaml, role, addr, port) for a in self.actors])
+        addr, port = self._each("rendezvous", [self.actors[0]], self.single_node)[0]
+        # Each rank is told its model's spec, not the run's config.
+        self.ranks = self._each("setup", self.actors, megatron_spec(cfg, role), addr, port)
         self.dp = self.ranks[0]["dp_size"]
-        # The first process of each data-parallel replica speaks for it.
-        self.leaders = {}
-        for a, r in zip(self.actors, self.ranks):
-            self.leaders.setdefault(r["dp_rank"], a)
-        logger.info("%s model: %d process(es) on group %s, DP=%d", role, n, devices.name,
-                    self.dp)
+        # Devices are global indices: under torchrun, the ranks.
+        logger.info("%s model: %d process(es) on group %s (devices %s), DP=%d, over %s", role,
+                    n, devices.name, list(devices.plan.devices), self.dp, transport.name)
 
-    async def _all(self, what: str, refs) -> list:
+    def _each(self, method: str, workers: list, *args) -> list:
+        """One call on each worker, waited for (set-up, before the run's loop starts)."""
+        return self.t.wait(self.t.broadcast(workers, method, *args))
+
+    async def _all(self, what: str, calls) -> list:
         """Await one call per rank. On failure raise the error that says why: a lost rank
-        (named with its host, as Ray's own error names only the actor id), else the first
-        rank's own error rather than one that only reports another rank's failure."""
-        futs = [asyncio.ensure_future(r) for r in refs]
+        (named with its host, as the transport's own error may name only a worker id), else
+        the first rank's own error rather than one that only reports another rank's failure."""
+        futs = [asyncio.ensure_future(self.t.awaitable(c)) for c in calls]
         try:
             await asyncio.wait(futs, return_when=asyncio.FIRST_EXCEPTION)
             if all(f.done() and not f.cancelled() and f.exception() is None for f in futs):
@@ -89,7 +86,7 @@ class MegatronGroup:
             elif not f.cancelled() and f.exception() is not None:
                 errors.append((i, f.exception()))
         for i, e in errors:
-            if _lost(e):
+            if self.t.is_lost(e):
                 r = self.ranks[i] if i < len(getattr(self, "ranks", [])) else {}
                 where = f" on host {r['host']} (pid {r['pid']})" if "host" in r else ""
                 first = (str(e).strip().splitlines() or [""])[0]
@@ -104,7 +101,7 @@ class MegatronGroup:
     async def compute_logp(self, batch: dict, temperature: float, micro_batch_size: int,
                            with_entropy: bool = False) -> dict:
         shards = self._shards(batch)
-        refs = [a.compute_logp.remote(s, temperature, micro_batch_size, with_entropy)
+        refs = [self.t.call(a, "compute_logp", s, temperature, micro_batch_size, with_entropy)
                 for a, s in zip(self.actors, shards)]
         results = await self._all("compute_logp", refs)
         by_dp = {}
@@ -121,9 +118,9 @@ class MegatronGroup:
                 per_rank[i].append(s)
         # Every rank normalises its shard by the whole mini-batch's count (MegatronRank.train).
         masks = [mb["response_mask"] for mb in mini_batches]
-        results = await self._all("train", [a.train.remote(mbs, micro_batch_size, temperature,
-                                                           masks)
-                                             for a, mbs in zip(self.actors, per_rank)])
+        results = await self._all("train", [self.t.call(a, "train", mbs, micro_batch_size,
+                                                        temperature, masks)
+                                            for a, mbs in zip(self.actors, per_rank)])
         leaders = [res for r, res in zip(self.ranks, results) if r["tp_rank"] == 0
                    and r["pp_rank"] == 0]
         steps = []
@@ -137,16 +134,15 @@ class MegatronGroup:
     async def serve_replicas(self, version: int) -> list[dict]:
         """The logp group: every rank's weight receiver, as engine links for the trainer's
         weight sync (one update-group rank each; never routed to for generation)."""
-        urls = await self._all("serve_replica", [a.serve_replica.remote(self.single_node,
-                                                                        version)
-                                                 for a in self.actors])
+        urls = await self._all("serve_replica", self.t.broadcast(self.actors, "serve_replica",
+                                                                 self.single_node, version))
         return [{"url": u, "tp": 1, "pause": False} for u in urls]
 
     async def compute_logp_at(self, batch: dict, temperature: float, micro_batch_size: int,
                               version: int, timeout_s: float) -> tuple[dict, int]:
         """`compute_logp` on the logp group's replica, under weight version `version`."""
-        refs = [a.compute_logp_at.remote(s, temperature, micro_batch_size, version, timeout_s)
-                for a, s in zip(self.actors, self._shards(batch))]
+        refs = [self.t.call(a, "compute_logp_at", s, temperature, micro_batch_size, version,
+                            timeout_s) for a, s in zip(self.actors, self._shards(batch))]
         results = await self._all("compute_logp_at", refs)
         by_dp = {}
         for r, res in zip(self.ranks, results):
@@ -156,7 +152,7 @@ class MegatronGroup:
 
     async def compute_values(self, batch: dict, micro_batch_size: int) -> dict:
         """The critic's values [B, S] (`MegatronWorker.compute_values`)."""
-        refs = [a.compute_values.remote(s, micro_batch_size)
+        refs = [self.t.call(a, "compute_values", s, micro_batch_size)
                 for a, s in zip(self.actors, self._shards(batch))]
         results = await self._all("compute_values", refs)
         by_dp = {}
@@ -172,7 +168,7 @@ class MegatronGroup:
                 per_rank[i].append(s)
         masks = [mb["response_mask"] for mb in mini_batches]
         results = await self._all("train_critic",
-                                  [a.train_critic.remote(mbs, micro_batch_size, masks)
+                                  [self.t.call(a, "train_critic", mbs, micro_batch_size, masks)
                                    for a, mbs in zip(self.actors, per_rank)])
         leaders = [res for r, res in zip(self.ranks, results)
                    if r["tp_rank"] == 0 and r["pp_rank"] == 0]
@@ -183,100 +179,97 @@ class MegatronGroup:
 
     async def init_weight_sync(self, engines: list[dict]) -> None:
         """Host one update group per pipeline stage and have the engines join them."""
-        addr, _ = ray.get(self.actors[0].rendezvous.remote(self.single_node))
+        [(addr, _)] = await self._all("rendezvous", [self.t.call(self.actors[0], "rendezvous",
+                                                                 self.single_node)])
         await self._all("init_weight_sync",
-                        [a.init_weight_sync.remote(engines, addr) for a in self.actors])
+                        self.t.broadcast(self.actors, "init_weight_sync", engines, addr))
         self.sync_initialised = True
 
     async def sync_weights(self, version: int) -> dict:
-        stats = await self._all("sync_weights",
-                                [a.sync_weights.remote(version) for a in self.actors])
-        return stats[0]
+        return (await self._all("sync_weights",
+                                self.t.broadcast(self.actors, "sync_weights", version)))[0]
 
     async def wait_weight_sync(self) -> dict:
-        stats = await self._all("wait_weight_sync",
-                                [a.wait_weight_sync.remote() for a in self.actors])
-        return stats[0]
+        return (await self._all("wait_weight_sync",
+                                self.t.broadcast(self.actors, "wait_weight_sync")))[0]
 
     async def replace_engine(self, index: int, engine: dict) -> None:
         """Rollout engine `index` was replaced: every rank's sender takes the new one into its
         update group at the next version."""
         await self._all("replace_engine",
-                        [a.replace_engine.remote(index, engine) for a in self.actors])
+                        self.t.broadcast(self.actors, "replace_engine", index, engine))
 
     async def save(self, path: str, **meta) -> None:
-        await self._all("save", [a.save.remote(path, **meta) for a in self.actors])
+        await self._all("save", self.t.broadcast(self.actors, "save", path, **meta))
 
     async def load(self, path: str) -> None:
-        await self._all("load", [a.load.remote(path) for a in self.actors])
+        await self._all("load", self.t.broadcast(self.actors, "load", path))
 
     def shutdown(self, timeout_s: float = 60.0) -> None:
-        try:
-            ray.get([a.shutdown.remote() for a in self.actors], timeout=timeout_s)
-        except Exception:  # noqa: BLE001 - shutting down anyway
+        if not self.t.shutdown(self.actors, timeout_s):
             logger.warning("%s group did not shut down cleanly", self.role)
-        for a in self.actors:
-            ray.kill(a)
 
 
 class RolloutGroup:
     """The rollout engines of the generate group, all speaking SGLang's HTTP API:
     - `embedded`: one in-process embedded engine server per device;
     - `sglang`: one launched server per rollout replica (`rollout.tensor_model_parallel_size`
-      devices each), or, with `rollout.server_urls`, servers the user runs (none launched).
+      devices each, started from the replica's first), or, with `rollout.server_urls`,
+      servers the user runs (none launched).
     `engines` is what the trainer's weight sync needs of each: URL, TP, and whether generation
     pauses while a version loads (stock SGLang: yes; the embedded engine stages: no)."""
 
-    def __init__(self, devices: DeviceGroup, cfg, share: float = 1.0,
+    def __init__(self, transport: Transport, devices, cfg, share: float = 1.0,
                  processes_per_device: int = 1, log_dir: str = "logs"):
         r = cfg.actor_rollout_ref.rollout
-        self.cfg = cfg
+        self.t, self.cfg = transport, cfg
         self.actors = []
-        self._start = None  # engine index -> a new actor in its place (None: not restartable)
+        self._start = None  # engine index -> a new worker in its place (None: not restartable)
         single = cfg.trainer.nnodes == 1
         if r.name == "sglang" and r.server_urls:
             self.urls = list(r.server_urls)
-        elif r.name == "sglang":
-            yaml = OmegaConf.to_yaml(cfg, resolve=True)
-            tp = r.tensor_model_parallel_size
-            self._start = lambda j: ServerActor.options(**devices.options(j * tp, share)).remote(
-                yaml, j, single, cfg.trainer.device == "cuda", log_dir)
-            self.actors = [self._start(j) for j in range(devices.num_devices // tp)]
-            self.urls = ray.get([a.url.remote() for a in self.actors])
         else:
-            model = cfg.actor_rollout_ref.model.path
-            ctx = cfg.data.max_prompt_length + cfg.data.max_response_length
-            threads = thread_budget(cfg, processes_per_device)
-            # One machine keeps the servers on loopback; across nodes they bind the node address.
-            host = "127.0.0.1" if single else None
-            self._start = lambda i: RolloutActor.options(**devices.options(i, share)).remote(
-                model, threads, cfg.trainer.seed + i, ctx, host=host)
-            self.actors = [self._start(i) for i in range(devices.num_devices)]
-            self.urls = ray.get([a.url.remote() for a in self.actors])
+            if r.name == "sglang":
+                tp = r.tensor_model_parallel_size
+                count = devices.num_devices // tp
+                self._start = lambda j: transport.spawn(
+                    "server", devices, j * tp, share, f"server{j}", server_spec(cfg, j), single,
+                    cfg.trainer.device == "cuda", log_dir)
+            else:
+                model = cfg.actor_rollout_ref.model.path
+                ctx = cfg.data.max_prompt_length + cfg.data.max_response_length
+                threads = transport.threads(cfg, processes_per_device)
+                # One machine keeps the servers on loopback; across nodes they bind the node's
+                # address (None).
+                host = "127.0.0.1" if single else None
+                count = devices.num_devices
+                self._start = lambda i: transport.spawn(
+                    "rollout", devices, i, share, f"rollout{i}", model, threads,
+                    cfg.trainer.seed + i, ctx, host=host)
+            self.actors = [self._start(i) for i in range(count)]
+            self.urls = transport.wait(transport.broadcast(self.actors, "url"))
         self.engines = engine_links(cfg, self.urls)
-        logger.info("rollout servers: %s (%s)", ", ".join(self.urls), r.name)
+        logger.info("rollout servers: %s (%s) over %s", ", ".join(self.urls), r.name,
+                    transport.name)
 
     async def restart(self, i: int) -> str:
-        """Engine `i` died: a new one on the same devices (its process killed first, should
-        it linger); returns its URL. Servers the user runs (`rollout.server_urls`) are not
-        megarl's to restart."""
+        """Engine `i` died: a new one on the same devices (what is left of the old one
+        stopped first); returns its URL. Servers the user runs (`rollout.server_urls`) are
+        not megarl's to restart; under torchrun a rank that is itself gone cannot be (torchrun
+        restarts no process)."""
         if self._start is None:
             raise RuntimeError("rollout.server_urls: servers megarl did not start are not "
                                "restarted")
-        ray.kill(self.actors[i], no_restart=True)
+        await asyncio.to_thread(self.t.stop, self.actors[i], 30.0)
         self.actors[i] = self._start(i)
-        self.urls[i] = await self.actors[i].url.remote()
+        self.urls[i] = await self.t.awaitable(self.t.call(self.actors[i], "url"))
         self.engines[i] = engine_links(self.cfg, [self.urls[i]])[0]
         logger.info("rollout engine %d restarted at %s", i, self.urls[i])
         return self.urls[i]
 
     def shutdown(self, timeout_s: float = 60.0) -> None:
-        try:
-            ray.get([a.shutdown.remote() for a in self.actors], timeout=timeout_s)
-        except Exception:  # noqa: BLE001
+        if not self.t.shutdown(self.actors, timeout_s):
             logger.warning("rollout group did not shut down cleanly")
-        for a in self.actors:
-            ray.kill(a)
 
 
 def engine_links(cfg, urls: list[str]) -> list[dict]:

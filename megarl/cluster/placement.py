@@ -1,4 +1,4 @@
-"""Ray placement: one placement group per task group, holding that group's devices.
+"""The Ray transport: one placement group per task group, a Ray actor per worker.
 
 A device is a GPU on clusters and a CPU "slot" on a CPU machine (one worker process with a
 thread budget). Tasks of one group share its devices: several models (the actor, the frozen
@@ -13,7 +13,9 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from .actors import MegatronRank, RolloutRank, ServerRank
 from .topology import GroupPlan
+from .transport import Transport
 
 logger = logging.getLogger(__name__)
 
@@ -70,10 +72,65 @@ class DeviceGroup:
         remove_placement_group(self.pg)
 
 
-def thread_budget(cfg, processes_per_device: int) -> int:
-    """CPU threads for one worker process: the machine's cores split over its processes."""
-    t = cfg.trainer
-    if t.device == "cuda":
-        return 4
-    per_node = max(1, t.n_gpus_per_node * processes_per_device)
-    return max(1, (os.cpu_count() or 1) // per_node)
+# The Ray shells of the per-rank objects; their names are the worker processes' titles
+# (`ray::MegatronActor`), which is how a person (and the multi-host tests) finds them.
+@ray.remote
+class MegatronActor(MegatronRank):
+    """The Ray shell of `MegatronRank`."""
+
+
+@ray.remote
+class RolloutActor(RolloutRank):
+    """The Ray shell of `RolloutRank`."""
+
+
+@ray.remote
+class ServerActor(ServerRank):
+    """The Ray shell of `ServerRank`."""
+
+
+_SHELLS = {"megatron": MegatronActor, "rollout": RolloutActor, "server": ServerActor}
+
+
+class RayTransport(Transport):
+    """Workers as Ray actors in their task group's placement group."""
+
+    name = "ray"
+
+    def __init__(self, cfg):
+        init_ray(cfg)
+
+    def devices(self, plan: GroupPlan, device: str) -> DeviceGroup:
+        return DeviceGroup(plan, device)
+
+    def spawn(self, kind, devices, index, share, tag, *args, **kwargs):
+        return _SHELLS[kind].options(**devices.options(index, share)).remote(*args, **kwargs)
+
+    def call(self, worker, method, *args, **kwargs):
+        return getattr(worker, method).remote(*args, **kwargs)
+
+    def wait(self, calls, timeout_s=None):
+        return ray.get(list(calls), timeout=timeout_s)
+
+    def awaitable(self, call):
+        return call  # an ObjectRef is awaitable
+
+    def stop(self, worker, timeout_s):
+        ray.kill(worker, no_restart=True)
+
+    def shutdown(self, workers, timeout_s):
+        try:
+            self.wait(self.broadcast(workers, "shutdown"), timeout_s)
+            clean = True
+        except Exception:  # noqa: BLE001 - shutting down anyway
+            clean = False
+        for w in workers:
+            ray.kill(w)
+        return clean
+
+    def is_lost(self, err):
+        return isinstance(err, (ray.exceptions.RayActorError,
+                                ray.exceptions.ActorUnavailableError))
+
+    def close(self):
+        ray.shutdown()

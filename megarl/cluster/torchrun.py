@@ -5,7 +5,8 @@ compute the same group plan (cluster/topology.py); global rank r *is* device r (
 rank = node_rank × nproc_per_node + local_rank), so each task group owns the rank range of its
 devices. Global rank 0 runs the unchanged driver; every other rank runs `serve`, a command loop
 that builds and calls the same per-rank objects the Ray actors wrap (`MegatronRank`,
-`RolloutRank`).
+`RolloutRank`, `ServerRank`). `TorchrunTransport` is the driver's side of it: the worker groups
+(cluster/group.py) run over it as they run over Ray's. Ray is never imported here.
 
 The control plane is the TCPStore that torchrun's agents already host (MASTER_ADDR:MASTER_PORT):
 rank 0 writes `cmd/<rank>/<seq>` (pickled), the rank executes it and writes `res/<rank>/<seq>`.
@@ -35,9 +36,8 @@ import traceback
 from megarl.utils.errors import ConfigError
 from megarl.utils.net import route_address
 
-from .actors import MegatronRank, RolloutRank, ServerRank
-from .group import MegatronGroup, engine_links
-from .placement import thread_budget
+from .actors import MegatronRank, RolloutRank, ServerRank, on_torchrun_node
+from .transport import Transport, thread_budget
 
 logger = logging.getLogger(__name__)
 
@@ -52,44 +52,30 @@ class RemoteError(RuntimeError):
     """A command failed on another rank; the message carries that rank's traceback."""
 
 
-def _threads(cfg) -> int:
-    """Threads per process: every model on a device shares its one process. OMP_NUM_THREADS,
-    when set (torchrun sets 1 for several processes per node), wins over the core split."""
-    env = os.environ.get("OMP_NUM_THREADS")
-    return int(env) if env else thread_budget(cfg, 1)
+class RankLost(RemoteError):
+    """The rank a command was for is gone (no heartbeat): its process or host died."""
 
 
 # ------------------------------------------------------------------ per-rank objects
-class _Megatron(MegatronRank):
-    def rendezvous(self, single_node: bool) -> tuple[str, int]:
-        """This rank's node address (not Ray's idea of it) and a free port."""
-        from megarl.utils.launch import free_port
-
-        return _control().node_ip, free_port()
-
-
-class _Server(ServerRank):
-    def __init__(self, cfg_yaml: str, index: int, cuda: bool, log_dir: str):
-        base = int(os.environ.get("LOCAL_RANK", 0)) if cuda else None
-        super().__init__(cfg_yaml, index, _control().node_ip, base, log_dir)
-
-
-class _Rollout(RolloutRank):
-    def __init__(self, model_path: str, threads: int, seed: int, context_length: int):
-        # Bind the node's address: the driver may be on another node.
-        super().__init__(model_path, threads, seed, context_length, host=_control().node_ip)
-
-
-_KINDS = {"megatron": _Megatron, "rollout": _Rollout, "server": _Server}
+_KINDS = {"megatron": MegatronRank, "rollout": RolloutRank, "server": ServerRank}
 
 
 def _execute(objects: dict, msg: tuple):
     """Run one command against this rank's objects: create one, or call a method on one."""
     name, method, args, kwargs = msg
     if method == "__init__":
-        objects[name] = _KINDS[args[0]](*args[1:], **kwargs)
+        try:
+            objects[name] = _KINDS[args[0]](*args[1:], **kwargs)
+        except Exception as e:
+            # Nobody waits on a spawn: its first call is what reports the failure.
+            objects[name] = e
+            raise
         return None
-    return getattr(objects[name], method)(*args, **kwargs)
+    obj = objects[name]
+    if isinstance(obj, Exception):
+        raise RuntimeError(f"{name} ({method}): this rank's {name} failed to start: "
+                           f"{type(obj).__name__}: {obj}") from obj
+    return getattr(obj, method)(*args, **kwargs)
 
 
 # ------------------------------------------------------------------ control plane
@@ -185,8 +171,8 @@ class Control:
             return self._local.submit(_execute, self.objects, msg)
         if rank in self._dead:
             fut = cf.Future()
-            fut.set_exception(RemoteError(f"rank {rank}: {name}.{method}: the rank (host "
-                                          f"{self.host_of(rank)}) is gone"))
+            fut.set_exception(RankLost(f"rank {rank}: {name}.{method}: the rank (host "
+                                       f"{self.host_of(rank)}) is gone"))
             return fut
         seq = self._seq[rank]
         self._seq[rank] += 1
@@ -240,9 +226,9 @@ class Control:
             logger.error("%s (host down, cut off or killed); failing its calls: %s", gone,
                          ", ".join(what.split(": ", 1)[1] for _, what in futs) or "none")
             for fut, what in futs:
-                fut.set_exception(RemoteError(f"{what}: {gone}"))
+                fut.set_exception(RankLost(f"{what}: {gone}"))
             if not self.lost.done():
-                self.lost.set_exception(RemoteError(f"{gone} (host down, cut off or killed)"))
+                self.lost.set_exception(RankLost(f"{gone} (host down, cut off or killed)"))
 
     def release(self, timeout_s: float = 120.0) -> None:
         """Tell every other rank to leave its loop, and wait until each has."""
@@ -306,6 +292,7 @@ def main(cfg, run_driver) -> int:
     """`megarl train` under torchrun: rank 0 runs `run_driver()`, the others serve it."""
     global _CONTROL
     _CONTROL = ctl = Control(cfg)
+    on_torchrun_node(ctl.node_ip)  # the per-rank objects bind and name this node's address
     if ctl.rank != 0:
         try:
             ctl.serve()
@@ -333,34 +320,16 @@ def main(cfg, run_driver) -> int:
     return 0
 
 
-# ------------------------------------------------------------------ group handles
-class _Method:
-    def __init__(self, handle: "_Handle", method: str):
-        self.handle, self.method = handle, method
-
-    def future(self, *args, **kwargs) -> cf.Future:
-        h = self.handle
-        return h.ctl.call(h.rank, h.name, self.method, *args, **kwargs)
-
-    def remote(self, *args, **kwargs):
-        """Like a Ray actor method: the call is issued now, the result is awaitable."""
-        return asyncio.wrap_future(self.future(*args, **kwargs))
-
-
+# ------------------------------------------------------------------ the transport
 class _Handle:
-    """One object on one rank, called as `handle.method.remote(...)` like a Ray actor, so
-    `MegatronGroup`'s sharding and gathering run unchanged on top of it."""
+    """One object on one rank: `tag` names it among that rank's objects."""
 
-    def __init__(self, ctl: Control, rank: int, name: str, kind: str, *args):
-        self.ctl, self.rank, self.name = ctl, rank, name
-        self.ready = ctl.call(rank, name, "__init__", kind, *args)
-
-    def __getattr__(self, method: str) -> _Method:
-        return _Method(self, method)
+    def __init__(self, rank: int, tag: str):
+        self.rank, self.tag = rank, tag
 
 
 class RankGroup:
-    """The ranks of one task group: torchrun mode's stand-in for a Ray `DeviceGroup`."""
+    """The ranks of one task group: torchrun mode's device group (nothing to reserve)."""
 
     def __init__(self, plan, device: str):
         self.plan, self.device = plan, device
@@ -381,109 +350,54 @@ class RankGroup:
         pass  # nothing reserved: torchrun owns the processes
 
 
-def no_ray(cfg) -> None:
-    """torchrun mode's `init_ray`: the processes already exist."""
+class TorchrunTransport(Transport):
+    """Workers as objects on the torchrun ranks, called through the store (`Control`); a
+    rank's calls run one at a time in order, like a Ray actor's."""
 
+    name = "torchrun"
 
-class TorchrunMegatronGroup(MegatronGroup):
-    """`MegatronGroup` over torchrun ranks; the same async interface for the driver."""
+    def __init__(self):
+        self.ctl = _control()
 
-    def __init__(self, devices: RankGroup, cfg, role: str, share: float = 1.0,
-                 processes_per_device: int = 1):
-        ctl = _control()
-        arr = cfg.actor_rollout_ref
-        if role in ("ref", "critic") and "actor-train" in devices.plan.tasks:
-            a = arr.actor.megatron
-            r = arr.ref.megatron if role == "ref" else cfg.critic.megatron
-            if (a.tensor_model_parallel_size, a.pipeline_model_parallel_size) != \
-                    (r.tensor_model_parallel_size, r.pipeline_model_parallel_size):
-                key = "actor_rollout_ref.ref" if role == "ref" else "critic"
-                raise ConfigError(
-                    f"{key}.megatron: with trainer.launcher=torchrun a {role} model on the "
-                    "actor's devices shares its processes, so it needs the actor's "
-                    "tensor/pipeline parallel sizes (or its own task group)")
-        from omegaconf import OmegaConf
+    def devices(self, plan, device):
+        return RankGroup(plan, device)
 
-        self.role, self.ctl = role, ctl
-        n, threads = devices.num_devices, _threads(cfg)
-        self.actors = [_Handle(ctl, r, role, "megatron", i, n, threads)
-                       for i, r in enumerate(devices.ranks)]
-        self.single_node = cfg.trainer.nnodes == 1
-        addr, port = self.actors[0].rendezvous.future(self.single_node).result()
-        yaml = OmegaConf.to_yaml(cfg, resolve=True)
-        futs = [a.setup.future(yaml, role, addr, port) for a in self.actors]
-        self.ranks = [f.result() for f in futs]
-        self.dp = self.ranks[0]["dp_size"]
-        self.leaders = {}
-        for a, r in zip(self.actors, self.ranks):
-            self.leaders.setdefault(r["dp_rank"], a)
-        logger.info("%s model: ranks %s (group %s), DP=%d", role, devices.ranks, devices.name,
-                    self.dp)
+    def spawn(self, kind, devices, index, share, tag, *args, **kwargs):
+        # `share` has no meaning here: every model on a device lives in its one process.
+        w = _Handle(devices.ranks[index], tag)
+        # Later calls queue behind this one on the rank; one that fails says it was never made.
+        self.ctl.call(w.rank, tag, "__init__", kind, *args, **kwargs)
+        return w
 
-    async def init_weight_sync(self, engines: list[dict]) -> None:
-        addr, _ = await self.actors[0].rendezvous.remote(self.single_node)
-        await self._all("init_weight_sync",
-                        [a.init_weight_sync.remote(engines, addr) for a in self.actors])
-        self.sync_initialised = True
+    def call(self, worker, method, *args, **kwargs) -> cf.Future:
+        return self.ctl.call(worker.rank, worker.tag, method, *args, **kwargs)
 
-    def shutdown(self, timeout_s: float = 60.0) -> None:
-        done, late = cf.wait([a.shutdown.future() for a in self.actors], timeout=timeout_s)
-        if late or any(f.exception() for f in done):
-            logger.warning("%s group did not shut down cleanly", self.role)
+    def wait(self, calls, timeout_s=None):
+        calls = list(calls)
+        cf.wait(calls, timeout=timeout_s)
+        return [f.result(timeout=0) for f in calls]
 
+    def awaitable(self, call):
+        return asyncio.wrap_future(call)
 
-class TorchrunRolloutGroup:
-    """The rollout engines over torchrun ranks, as `RolloutGroup` (cluster/group.py) places
-    them under Ray: an embedded server per rank, or a launched server per replica from the
-    replica's first rank (its `LOCAL_RANK` is the base GPU), on the node's address."""
-
-    def __init__(self, devices: RankGroup, cfg, share: float = 1.0,
-                 processes_per_device: int = 1, log_dir: str = "logs"):
-        ctl = _control()
-        r = cfg.actor_rollout_ref.rollout
-        self.cfg = cfg
-        self.actors = []
-        self._start = None  # engine index -> a new server object on its rank
-        if r.name == "sglang" and r.server_urls:
-            self.urls = list(r.server_urls)
-        elif r.name == "sglang":
-            from omegaconf import OmegaConf
-
-            yaml = OmegaConf.to_yaml(cfg, resolve=True)
-            ranks = devices.ranks[::r.tensor_model_parallel_size]
-            self._start = lambda j: _Handle(ctl, ranks[j], f"server{j}", "server", yaml, j,
-                                            cfg.trainer.device == "cuda", log_dir)
-            self.actors = [self._start(j) for j in range(len(ranks))]
-            self.urls = [f.result() for f in [a.url.future() for a in self.actors]]
-        else:
-            model = cfg.actor_rollout_ref.model.path
-            ctx = cfg.data.max_prompt_length + cfg.data.max_response_length
-            threads = _threads(cfg)
-            ranks = devices.ranks
-            self._start = lambda i: _Handle(ctl, ranks[i], "rollout", "rollout", model, threads,
-                                            cfg.trainer.seed + i, ctx)
-            self.actors = [self._start(i) for i in range(len(ranks))]
-            self.urls = [f.result() for f in [a.url.future() for a in self.actors]]
-        self.engines = engine_links(cfg, self.urls)
-        logger.info("rollout servers: %s (%s)", ", ".join(self.urls), r.name)
-
-    async def restart(self, i: int) -> str:
-        """Engine `i` died: its rank stops what is left of it and starts a new one (a rank
-        that is itself gone cannot: torchrun restarts no process); returns the new URL."""
-        if self._start is None:
-            raise RuntimeError("rollout.server_urls: servers megarl did not start are not "
-                               "restarted")
+    def stop(self, worker, timeout_s):
         try:
-            await asyncio.wait_for(self.actors[i].shutdown.remote(), 30)
+            self.call(worker, "shutdown").result(timeout=timeout_s)
         except Exception as e:  # noqa: BLE001 - what is left of it may not answer
-            logger.warning("rollout engine %d: shutting down the old server: %s", i, e)
-        self.actors[i] = self._start(i)
-        self.urls[i] = await self.actors[i].url.remote()
-        self.engines[i] = engine_links(self.cfg, [self.urls[i]])[0]
-        logger.info("rollout engine %d restarted at %s", i, self.urls[i])
-        return self.urls[i]
+            logger.warning("rank %d: shutting down %s: %s", worker.rank, worker.tag, e)
 
-    def shutdown(self, timeout_s: float = 60.0) -> None:
-        done, late = cf.wait([a.shutdown.future() for a in self.actors], timeout=timeout_s)
-        if late or any(f.exception() for f in done):
-            logger.warning("rollout group did not shut down cleanly")
+    def shutdown(self, workers, timeout_s):
+        done, late = cf.wait(self.broadcast(workers, "shutdown"), timeout=timeout_s)
+        return not late and not any(f.exception() for f in done)
+
+    def is_lost(self, err):
+        return isinstance(err, RankLost)
+
+    def health(self):
+        return self.ctl.lost
+
+    def threads(self, cfg, processes_per_device):
+        """Every model on a device shares its one process. OMP_NUM_THREADS, when set (torchrun
+        sets 1 for several processes per node), wins over the core split."""
+        env = os.environ.get("OMP_NUM_THREADS")
+        return int(env) if env else thread_budget(cfg, 1)

@@ -53,6 +53,7 @@ def validate_config(cfg: DictConfig) -> None:
     plans = plan_task_groups(cfg)
     _check_critic(cfg, plans)
     _check_logp(cfg, plans)
+    _check_torchrun_sharing(cfg, plans)
     critic_host = critic_hosted(plans) if cfg.algorithm.adv_estimator == "gae" else None
     for plan in plans:
         _check_group_parallelism(cfg, plan, with_critic=plan is critic_host)
@@ -258,6 +259,43 @@ def _check_logp(cfg: DictConfig, plans: list[GroupPlan]) -> None:
                 f"{_ARR}.logp.{key}: {logp[key]}, but logp shares the actor-train group, where "
                 f"it runs on the trainer itself ({_ARR}.actor.megatron.{key}={actor[key]}); "
                 f"give logp a group of its own in trainer.separated_node_tasks, or drop it")
+
+
+def _models_on(cfg: DictConfig, plan: GroupPlan, plans: list[GroupPlan]) -> list[tuple]:
+    """The Megatron models a group's workers hold, as (model, its TP key, TP, PP)."""
+    m = cfg.actor_rollout_ref
+    out = []
+    if "actor-train" in plan.tasks:
+        out.append(("actor", f"{_ARR}.actor.megatron", m.actor.megatron))
+    if "logp" in plan.tasks and "actor-train" not in plan.tasks:
+        out.append(("logp replica", f"{_ARR}.logp", m.logp))
+    if "ref_logp" in plan.tasks:
+        out.append(("ref", f"{_ARR}.ref.megatron", m.ref.megatron))
+    if cfg.algorithm.adv_estimator == "gae" and critic_hosted(plans) is plan:
+        out.append(("critic", "critic.megatron", cfg.critic.megatron))
+    actor = m.actor.megatron
+    return [(name, key, n.tensor_model_parallel_size or actor.tensor_model_parallel_size,
+             n.pipeline_model_parallel_size or actor.pipeline_model_parallel_size)
+            for name, key, n in out]
+
+
+def _check_torchrun_sharing(cfg: DictConfig, plans: list[GroupPlan]) -> None:
+    """Under torchrun a device is one process: every model placed on a group lives in it and
+    shares its one model-parallel state, so they need one TP × PP (Ray gives each model
+    processes of its own)."""
+    if cfg.trainer.launcher != "torchrun":
+        return
+    for plan in plans:
+        models = _models_on(cfg, plan, plans)
+        for name, key, tp, pp in models[1:]:
+            first, fkey, ftp, fpp = models[0]
+            if (tp, pp) != (ftp, fpp):
+                raise ConfigError(
+                    f"{key}.tensor_model_parallel_size/pipeline_model_parallel_size: {tp}×{pp}"
+                    f", but with trainer.launcher=torchrun the {name} model on group "
+                    f"'{plan.name}' shares the {first} model's processes, which run "
+                    f"{fkey} {ftp}×{fpp}; use the same sizes or give it a task group of its "
+                    "own")
 
 
 def _check_group_parallelism(cfg: DictConfig, plan: GroupPlan,

@@ -75,7 +75,8 @@ class Driver:
         running: dict[asyncio.Task, object] = {}
         # A host lost under torchrun may leave the work in flight waiting on it for minutes
         # (a collective, an HTTP call); its silence ends the run as soon as it is noticed.
-        lost = asyncio.wrap_future(self.r.lost) if self.r.lost is not None else None
+        health = self.r.transport.health() if self.r.transport is not None else None
+        lost = asyncio.wrap_future(health) if health is not None else None
         try:
             while not pipeline.done:
                 for action in pipeline.ready():

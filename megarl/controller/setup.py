@@ -47,7 +47,7 @@ class Run:
     driver_state: dict | None = None   # the resumed checkpoint's driver_state.json
     critic: Any = None                 # the value model (adv_estimator=gae), else None
     logp: Any = None                   # logp's replica, when logp has a group of its own
-    lost: Any = None  # torchrun: a concurrent Future failing when a rank's heartbeat stops
+    transport: Any = None  # cluster/transport.py: how the groups reach their workers
     rollout_fn: Any = None  # actor_rollout_ref.rollout.rollout_fn, imported
 
     async def actor_wait(self) -> None:
@@ -57,8 +57,6 @@ class Run:
     async def close(self, failed: bool = False) -> None:
         """Release everything. After a failure the groups get little time each: a worker
         still blocked on a host that is gone must not hold the run's exit."""
-        import ray
-
         if self.manager is not None:
             await self.manager.close()
         for g in (self.actor, self.ref, self.critic, self.logp, self.rollout):
@@ -68,7 +66,8 @@ class Run:
             dg.remove()
         self.loggers.close()
         self.reward_pool.close()
-        ray.shutdown()
+        if self.transport is not None:
+            self.transport.close()
 
 
 def prepare_assets(cfg) -> None:
@@ -190,18 +189,11 @@ def _device_groups(cfg, plans, dgs: dict, val_only: bool) -> tuple:
 async def setup_run(cfg, val_only: bool) -> Run:
     from megarl.backends.sglang.engine import SGLangEngine
     from megarl.cluster.group import MegatronGroup, RolloutGroup
-    from megarl.cluster.placement import DeviceGroup, init_ray
+    from megarl.cluster.transport import make_transport
     from megarl.observability.loggers import make_loggers
     from megarl.reward.pool import RewardPool
     from megarl.rollout.manager import RolloutManager
 
-    if cfg.trainer.launcher == "torchrun":
-        # The same groups over processes torchrun started, no Ray: megarl/cluster/torchrun.py.
-        from megarl.cluster.torchrun import RankGroup as DeviceGroup
-        from megarl.cluster.torchrun import TorchrunMegatronGroup as MegatronGroup
-        from megarl.cluster.torchrun import TorchrunRolloutGroup as RolloutGroup
-        from megarl.cluster.torchrun import no_ray as init_ray
-        from megarl.cluster.torchrun import _control
     arr, t = cfg.actor_rollout_ref, cfg.trainer
     # Pick and verify the checkpoint first: a damaged one is named, with the fallback, before
     # any model, data or worker is loaded (and before Ray, under either launcher).
@@ -218,8 +210,9 @@ async def setup_run(cfg, val_only: bool) -> Run:
     ahead = t.generate_ahead_steps  # with async_pipeline, its alias, resolved on load
 
     start_step, state, total = _position(cfg, found, loader, val_only)
-    init_ray(cfg)
-    dgs = {p.name: DeviceGroup(p, t.device) for p in plans if p.tasks != ("reward",)}
+    # Ray's actors or torchrun's ranks: the groups below are the same over either.
+    transport = make_transport(cfg)
+    dgs = {p.name: transport.devices(p, t.device) for p in plans if p.tasks != ("reward",)}
     actor_dg, gen_dg, ref_dg, critic_dg, logp_dg = _device_groups(cfg, plans, dgs, val_only)
     # Processes per device of each group: a device is shared by every model placed on it.
     count = {n: 0 for n in dgs}
@@ -227,20 +220,20 @@ async def setup_run(cfg, val_only: bool) -> Run:
         if dg is not None:
             count[dg.name] += 1
     share = {n: 1.0 / max(1, c) for n, c in count.items()}
-    rollout = RolloutGroup(gen_dg, cfg, share[gen_dg.name], count[gen_dg.name],
+    rollout = RolloutGroup(transport, gen_dg, cfg, share[gen_dg.name], count[gen_dg.name],
                            log_dir=str(root / "logs"))
     actor = ref = critic = logp = None
     # val_only with no checkpoint validates the HF model itself: no trainer is needed.
     if not val_only or state is not None:
-        actor = MegatronGroup(actor_dg, cfg, "actor", share[actor_dg.name], count[actor_dg.name])
-        if ref_dg is not None:
-            ref = MegatronGroup(ref_dg, cfg, "ref", share[ref_dg.name], count[ref_dg.name])
-        if critic_dg is not None:
-            critic = MegatronGroup(critic_dg, cfg, "critic", share[critic_dg.name],
-                                   count[critic_dg.name])
+        def model(dg, role: str) -> MegatronGroup:
+            return MegatronGroup(transport, dg, cfg, role, share[dg.name], count[dg.name])
+
+        actor = model(actor_dg, "actor")
+        ref = model(ref_dg, "ref") if ref_dg is not None else None
+        critic = model(critic_dg, "critic") if critic_dg is not None else None
         links = list(rollout.engines)
         if logp_dg is not None:
-            logp = MegatronGroup(logp_dg, cfg, "logp", share[logp_dg.name], count[logp_dg.name])
+            logp = model(logp_dg, "logp")
             # A resumed run's replicas hold the HF weights until the first sync below.
             links += await logp.serve_replicas(start_step if state is None else start_step - 1)
         await actor.init_weight_sync(links)
@@ -266,5 +259,5 @@ async def setup_run(cfg, val_only: bool) -> Run:
                start_step=start_step, max_new_tokens=arr.rollout.max_new_tokens,
                temperature=float(arr.rollout.temperature), ckpt_root=root,
                device_groups=list(dgs.values()), driver_state=state, critic=critic, logp=logp,
-               lost=_control().lost if cfg.trainer.launcher == "torchrun" else None,
+               transport=transport,
                rollout_fn=rollout_fn)

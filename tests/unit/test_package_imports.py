@@ -101,3 +101,27 @@ def test_the_check_finds_a_cycle_a_lazy_import_closes(tmp_path):
     assert find_cycle(graph) == ["a", "b", "a"]
     (tmp_path / "megarl" / "b" / "y.py").write_text("def f():\n    return 1\n")
     assert find_cycle(package_graph(tmp_path / "megarl")) is None
+
+
+def test_the_torchrun_path_never_imports_ray():
+    """Everything a torchrun run loads (the CLI, the driver, the worker groups, the torchrun
+    transport, the per-rank objects) imports without Ray: it must run where Ray is missing.
+    A fresh interpreter, as this one may have imported Ray for other tests."""
+    import subprocess
+    import sys
+
+    mods = ["megarl.cli", "megarl.controller.setup", "megarl.controller.driver",
+            "megarl.cluster.group", "megarl.cluster.actors", "megarl.cluster.torchrun",
+            "megarl.cluster.transport", "megarl.backends.megatron.worker",
+            "megarl.rollout.engine", "megarl.rollout.server"]
+    code = ("import sys\n" + "".join(f"import {m}\n" for m in mods) +
+            "print(sorted(m for m in sys.modules if m == 'ray' or m.startswith('ray.')))")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=300, cwd=ROOT.parent)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.strip() == "[]", p.stdout
+    # ... and the Ray transport is where Ray is: the check sees it when it is there
+    p = subprocess.run([sys.executable, "-c", code.replace("megarl.cli\n",
+                                                           "megarl.cluster.placement\n")],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT.parent)
+    assert "'ray'" in p.stdout, p.stdout + p.stderr[-2000:]

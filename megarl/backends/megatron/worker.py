@@ -83,30 +83,14 @@ class MegatronWorker:
                 p.requires_grad_(False)
 
     @classmethod
-    def from_config(cls, cfg, role: str = "actor") -> "MegatronWorker":
-        """Build the `actor` (trainable), `ref` (frozen) or `critic` (trainable value model)
-        from the run config."""
-        arr = cfg.actor_rollout_ref
-        if role == "critic":
-            c = cfg.critic
-            return cls(c.model.path or arr.model.path, c.megatron.tensor_model_parallel_size,
-                       c.megatron.pipeline_model_parallel_size,
-                       params_dtype=c.megatron.params_dtype,
-                       optim=OptimConfig.from_config(c.optim, c.megatron),
-                       make_vocab_size_divisible_by=c.megatron.make_vocab_size_divisible_by,
-                       seed=c.megatron.seed, value_model=True)
-        if role not in ("actor", "ref", "logp"):
-            raise ValueError(f"role must be 'actor', 'ref', 'logp' or 'critic', got {role!r}")
-        # `logp`: a frozen replica of the actor on a group of its own (fed by the weight sync)
-        mcfg = arr.ref.megatron if role == "ref" else arr.actor.megatron
-        tp, pp = mcfg.tensor_model_parallel_size, mcfg.pipeline_model_parallel_size
-        if role == "logp":  # its own layout (actor_rollout_ref.logp; null: the actor's)
-            tp = arr.logp.tensor_model_parallel_size or tp
-            pp = arr.logp.pipeline_model_parallel_size or pp
-        return cls(arr.model.path, tp, pp, params_dtype=mcfg.params_dtype,
-                   optim=OptimConfig.from_config(arr.actor.optim, mcfg) if role == "actor" else None,
-                   make_vocab_size_divisible_by=mcfg.make_vocab_size_divisible_by,
-                   seed=mcfg.seed, trainable=role == "actor")
+    def from_spec(cls, spec) -> "MegatronWorker":
+        """Build from a `ModelSpec` (megarl/cluster/spec.py: `megatron_spec(cfg, role).model`
+        for the actor, ref, logp replica or critic of a run): trainable when it has an
+        optimizer."""
+        return cls(spec.path, spec.tp, spec.pp, params_dtype=spec.params_dtype,
+                   optim=spec.optim, make_vocab_size_divisible_by=spec.make_vocab_size_divisible_by,
+                   seed=spec.seed, trainable=spec.optim is not None,
+                   value_model=spec.value_model)
 
     # ---------------------------------------------------------------- forward plumbing
     def _device(self):

@@ -17,6 +17,7 @@ def main():
         sys.argv[4], sys.argv[5]
     from megarl.algo.value_loss import make_critic_loss_for_batch
     from megarl.backends.megatron.worker import MegatronWorker
+    from megarl.cluster.spec import megatron_spec
     from megarl.config import load_config
 
     cfg = load_config(None, [
@@ -25,7 +26,7 @@ def main():
         f"critic.megatron.pipeline_model_parallel_size={pp}",
         "critic.optim.lr=3e-3", "critic.optim.weight_decay=0.0",
         f"trainer.n_gpus_per_node={tp * pp}"])
-    w = MegatronWorker.from_config(cfg, "critic")
+    w = MegatronWorker.from_spec(megatron_spec(cfg, "critic").model)
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(0, w.args.vocab_size, (5, 12), generator=g)
     lengths = torch.tensor([12, 9, 7, 12, 4])

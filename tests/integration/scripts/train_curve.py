@@ -21,6 +21,7 @@ def main():
     out, tp, pp, model_dir, steps, mbs = sys.argv[1], *map(int, sys.argv[2:4]), sys.argv[4], \
         int(sys.argv[5]), int(sys.argv[6])
     from megarl.backends.megatron.worker import MegatronWorker
+    from megarl.cluster.spec import megatron_spec
     from megarl.config import load_config
 
     # Built from the run config, as the trainer does (overrides in the CLI's syntax).
@@ -31,7 +32,7 @@ def main():
         "actor_rollout_ref.actor.optim.lr=3e-3", "actor_rollout_ref.actor.optim.weight_decay=0.0",
         "actor_rollout_ref.actor.optim.lr_warmup_steps=2",
         f"trainer.n_gpus_per_node={tp * pp}"])
-    w = MegatronWorker.from_config(cfg, "actor")
+    w = MegatronWorker.from_spec(megatron_spec(cfg, "actor").model)
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, w.args.vocab_size, (5, 16), generator=g)
     lengths = torch.tensor([16, 12, 9, 16, 5])

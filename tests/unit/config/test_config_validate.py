@@ -248,3 +248,30 @@ def test_the_logp_replica_layout_must_fit_its_group_and_needs_one():
     msg = error_of(f"{ARR}.logp.pipeline_model_parallel_size=2")
     assert msg.startswith(f"{ARR}.logp.pipeline_model_parallel_size: 2, but logp shares the "
                           "actor-train group")
+
+
+# ------------------------------------------------------------------ torchrun: one process a device
+def test_under_torchrun_models_sharing_a_group_need_one_layout():
+    """torchrun runs every model placed on a device in that device's one process (one
+    model-parallel state); Ray gives each model processes of its own, so it allows it."""
+    shared = [*four_devices("trainer.separated_node_tasks=[[logp,actor-train,ref_logp],"
+                            "[generate]]", "trainer.separated_node_ratios=[0.5,0.5]"),
+              f"{ARR}.ref.megatron.tensor_model_parallel_size=2"]
+    load_config(None, shared)  # Ray
+    msg = error_of(*shared, "trainer.launcher=torchrun")
+    assert msg.startswith(f"{ARR}.ref.megatron.tensor_model_parallel_size/"
+                          "pipeline_model_parallel_size: 2×1, but with trainer.launcher=torchrun "
+                          "the ref model on group 'logp+actor-train+ref_logp' shares the actor "
+                          f"model's processes, which run {ARR}.actor.megatron 1×1"), msg
+    # a logp replica and the reference on one group of their own share processes too
+    apart = [*four_devices("trainer.separated_node_tasks=[[logp,ref_logp],actor-train,"
+                           "generate]", "trainer.separated_node_ratios=[0.5,0.25,0.25]"),
+             "trainer.launcher=torchrun", f"{ARR}.logp.tensor_model_parallel_size=2"]
+    msg = error_of(*apart)
+    assert msg.startswith(f"{ARR}.ref.megatron.tensor_model_parallel_size/"), msg
+    assert "shares the logp replica model's processes" in msg, msg
+    load_config(None, [*apart, f"{ARR}.ref.megatron.tensor_model_parallel_size=2"])
+    # the critic beside actor-train (not placed itself) lives in the actor's processes
+    msg = error_of("trainer.launcher=torchrun", "algorithm.adv_estimator=gae",
+                   "trainer.n_gpus_per_node=2", "critic.megatron.pipeline_model_parallel_size=2")
+    assert msg.startswith("critic.megatron.tensor_model_parallel_size/"), msg

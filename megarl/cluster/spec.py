@@ -1,0 +1,139 @@
+"""What each worker is told: its own frozen, typed spec, resolved once on the driver.
+
+A worker process never receives the run's config. The driver resolves, once, what each kind
+of worker needs (its model and layout, its loss settings, its weight-sync settings, a launched
+server's arguments), with every default that depends on another key settled here (a null
+logp layout is the actor's, a null `loss_scale_factor` the response budget, a critic's null
+`loss_agg_mode` the actor's). What crosses the process boundary is then small and explicit,
+and a key a worker does not read cannot change what it does.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from megarl.backends.megatron.optim import OptimConfig
+from megarl.backends.sglang.launcher import ServerArgs, module_for, replica_server_args
+from megarl.weight_sync.protocol import SyncConfig
+
+ROLES = ("actor", "ref", "logp", "critic")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What a `MegatronWorker` is built from."""
+
+    path: str
+    tp: int
+    pp: int
+    params_dtype: str
+    make_vocab_size_divisible_by: int
+    seed: int
+    optim: OptimConfig | None  # None: frozen (ref, logp replica)
+    value_model: bool = False  # the critic: a value head instead of the LM head
+
+
+@dataclass(frozen=True)
+class ActorLossSpec:
+    """The actor's loss (`algo.actor_loss.make_actor_loss`), clip ratios resolved."""
+
+    clip_ratio_low: float
+    clip_ratio_high: float
+    clip_ratio_c: float | None
+    loss_agg_mode: str
+    entropy_coeff: float
+    use_kl_loss: bool
+    kl_loss_coef: float
+    kl_loss_type: str
+    tis_imp_ratio_cap: float | None
+    tis_level: str
+    loss_scale_factor: float  # seq-mean-token-sum-norm's constant (null: the response budget)
+
+    def make(self, **kwargs):
+        from megarl.algo.actor_loss import make_actor_loss
+
+        fields = dataclasses.asdict(self)
+        fields.pop("loss_scale_factor")
+        return make_actor_loss(**fields, **kwargs)
+
+
+@dataclass(frozen=True)
+class CriticLossSpec:
+    cliprange_value: float
+    loss_agg_mode: str          # null in the config: the actor's
+    max_response_length: int
+
+
+@dataclass(frozen=True)
+class MegatronSpec:
+    """One Megatron model's workers (every rank of the model gets the same spec)."""
+
+    role: str
+    model: ModelSpec
+    hf_path: str  # the actor's HF model: what a logp replica's weight receiver starts from
+    actor_loss: ActorLossSpec | None = None   # the actor only
+    critic_loss: CriticLossSpec | None = None  # the critic only
+    sync: SyncConfig | None = None             # the actor only: it sends weights
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    """A launched rollout server (one per rollout replica). `args` leave the address, port
+    and GPU to the worker, which knows its node."""
+
+    index: int
+    args: ServerArgs
+    module: str
+    start_timeout_s: float
+
+
+def megatron_spec(cfg, role: str) -> MegatronSpec:
+    """The spec of the `role` model's workers from the run config."""
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
+    arr = cfg.actor_rollout_ref
+    if role == "critic":
+        c = cfg.critic
+        m = c.megatron
+        model = ModelSpec(c.model.path or arr.model.path, m.tensor_model_parallel_size,
+                          m.pipeline_model_parallel_size, m.params_dtype,
+                          m.make_vocab_size_divisible_by, m.seed,
+                          OptimConfig.from_config(c.optim, m), value_model=True)
+        loss = CriticLossSpec(float(c.cliprange_value),
+                              c.loss_agg_mode or arr.actor.loss_agg_mode,
+                              int(cfg.data.max_response_length))
+        return MegatronSpec(role, model, arr.model.path, critic_loss=loss)
+    m = arr.ref.megatron if role == "ref" else arr.actor.megatron
+    tp, pp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size
+    if role == "logp":  # the replica's own layout (actor_rollout_ref.logp; null: the actor's)
+        tp = arr.logp.tensor_model_parallel_size or tp
+        pp = arr.logp.pipeline_model_parallel_size or pp
+    trains = role == "actor"
+    model = ModelSpec(arr.model.path, tp, pp, m.params_dtype, m.make_vocab_size_divisible_by,
+                      m.seed, OptimConfig.from_config(arr.actor.optim, m) if trains else None)
+    if not trains:
+        return MegatronSpec(role, model, arr.model.path)
+    return MegatronSpec(role, model, arr.model.path, actor_loss=actor_loss_spec(cfg),
+                        sync=SyncConfig.from_rollout_config(arr.rollout))
+
+
+def actor_loss_spec(cfg) -> ActorLossSpec:
+    a = cfg.actor_rollout_ref.actor
+
+    def clip(v):  # null low/high: the symmetric clip_ratio
+        return float(a.clip_ratio if v is None else v)
+
+    return ActorLossSpec(
+        clip(a.clip_ratio_low), clip(a.clip_ratio_high), a.clip_ratio_c, a.loss_agg_mode,
+        a.entropy_coeff, a.use_kl_loss, a.kl_loss_coef, a.kl_loss_type, a.tis_imp_ratio_cap,
+        a.get("tis_level", "token"),
+        # verl pads responses to the budget, so that is what its mask.shape[-1] fallback is
+        float(a.get("loss_scale_factor") or cfg.data.max_response_length))
+
+
+def server_spec(cfg, index: int) -> ServerSpec:
+    """Rollout replica `index`'s launched server."""
+    r = cfg.actor_rollout_ref.rollout
+    # host, port and GPU are the worker's to fill in (dataclasses.replace)
+    args = replica_server_args(cfg, index, host="", port=0, base_gpu_id=None)
+    return ServerSpec(index, args, module_for(r), float(r.server_start_timeout_s))
