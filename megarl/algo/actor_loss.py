@@ -33,6 +33,8 @@ metric must leave them off.
 """
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -105,21 +107,47 @@ def make_actor_loss(*, clip_ratio_low: float, clip_ratio_high: float,
     return loss_fn
 
 
+@dataclass(frozen=True)
+class ActorLossSettings:
+    """`make_actor_loss`'s settings, resolved from the ``actor_rollout_ref.actor`` section once
+    (null clip_ratio_low/high: clip_ratio; no ``tis_level``: "token"; null
+    ``loss_scale_factor``: the response budget, which is what verl's mask.shape[-1] fallback
+    amounts to since it pads responses to it)."""
+
+    clip_ratio_low: float
+    clip_ratio_high: float
+    clip_ratio_c: float | None
+    loss_agg_mode: str
+    entropy_coeff: float
+    use_kl_loss: bool
+    kl_loss_coef: float
+    kl_loss_type: str
+    tis_imp_ratio_cap: float | None
+    tis_level: str
+    loss_scale_factor: float | None  # seq-mean-token-sum-norm's constant
+
+    @classmethod
+    def from_config(cls, actor_cfg, max_response_length: int | None = None):
+        def pick(v):
+            return float(actor_cfg.clip_ratio if v is None else v)
+
+        scale = getattr(actor_cfg, "loss_scale_factor", None) or max_response_length
+        return cls(pick(actor_cfg.clip_ratio_low), pick(actor_cfg.clip_ratio_high),
+                   actor_cfg.clip_ratio_c, actor_cfg.loss_agg_mode, actor_cfg.entropy_coeff,
+                   actor_cfg.use_kl_loss, actor_cfg.kl_loss_coef, actor_cfg.kl_loss_type,
+                   actor_cfg.tis_imp_ratio_cap, getattr(actor_cfg, "tis_level", "token"),
+                   None if scale is None else float(scale))
+
+    def make(self, denom: float | None = None, with_max_metrics: bool = False,
+             stats_denom: float | None = None) -> ActorLossFn:
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        fields.pop("loss_scale_factor")  # the caller's denominators already hold it
+        return make_actor_loss(**fields, denom=denom, with_max_metrics=with_max_metrics,
+                               stats_denom=stats_denom)
+
+
 def make_actor_loss_from_config(actor_cfg, denom: float | None = None,
                                 with_max_metrics: bool = False,
                                 stats_denom: float | None = None) -> ActorLossFn:
-    """`make_actor_loss` from the ``actor_rollout_ref.actor`` config section (null
-    clip_ratio_low/high fall back to clip_ratio; a section without ``tis_level`` means
-    "token")."""
-    def pick(v):
-        return actor_cfg.clip_ratio if v is None else v
-
-    return make_actor_loss(
-        clip_ratio_low=float(pick(actor_cfg.clip_ratio_low)),
-        clip_ratio_high=float(pick(actor_cfg.clip_ratio_high)),
-        clip_ratio_c=actor_cfg.clip_ratio_c, loss_agg_mode=actor_cfg.loss_agg_mode,
-        entropy_coeff=actor_cfg.entropy_coeff, use_kl_loss=actor_cfg.use_kl_loss,
-        kl_loss_coef=actor_cfg.kl_loss_coef, kl_loss_type=actor_cfg.kl_loss_type,
-        tis_imp_ratio_cap=actor_cfg.tis_imp_ratio_cap,
-        tis_level=getattr(actor_cfg, "tis_level", "token"), denom=denom,
-        with_max_metrics=with_max_metrics, stats_denom=stats_denom)
+    """`make_actor_loss` from the ``actor_rollout_ref.actor`` config section."""
+    return ActorLossSettings.from_config(actor_cfg).make(denom, with_max_metrics, stats_denom)

@@ -9,9 +9,9 @@ and a key a worker does not read cannot change what it does.
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
+from megarl.algo.actor_loss import ActorLossSettings
 from megarl.backends.megatron.optim import OptimConfig
 from megarl.backends.sglang.launcher import ServerArgs, module_for, replica_server_args
 from megarl.weight_sync.protocol import SyncConfig
@@ -34,30 +34,6 @@ class ModelSpec:
 
 
 @dataclass(frozen=True)
-class ActorLossSpec:
-    """The actor's loss (`algo.actor_loss.make_actor_loss`), clip ratios resolved."""
-
-    clip_ratio_low: float
-    clip_ratio_high: float
-    clip_ratio_c: float | None
-    loss_agg_mode: str
-    entropy_coeff: float
-    use_kl_loss: bool
-    kl_loss_coef: float
-    kl_loss_type: str
-    tis_imp_ratio_cap: float | None
-    tis_level: str
-    loss_scale_factor: float  # seq-mean-token-sum-norm's constant (null: the response budget)
-
-    def make(self, **kwargs):
-        from megarl.algo.actor_loss import make_actor_loss
-
-        fields = dataclasses.asdict(self)
-        fields.pop("loss_scale_factor")
-        return make_actor_loss(**fields, **kwargs)
-
-
-@dataclass(frozen=True)
 class CriticLossSpec:
     cliprange_value: float
     loss_agg_mode: str          # null in the config: the actor's
@@ -71,7 +47,7 @@ class MegatronSpec:
     role: str
     model: ModelSpec
     hf_path: str  # the actor's HF model: what a logp replica's weight receiver starts from
-    actor_loss: ActorLossSpec | None = None   # the actor only
+    actor_loss: ActorLossSettings | None = None  # the actor only
     critic_loss: CriticLossSpec | None = None  # the critic only
     sync: SyncConfig | None = None             # the actor only: it sends weights
 
@@ -113,22 +89,9 @@ def megatron_spec(cfg, role: str) -> MegatronSpec:
                       m.seed, OptimConfig.from_config(arr.actor.optim, m) if trains else None)
     if not trains:
         return MegatronSpec(role, model, arr.model.path)
-    return MegatronSpec(role, model, arr.model.path, actor_loss=actor_loss_spec(cfg),
+    loss = ActorLossSettings.from_config(arr.actor, cfg.data.max_response_length)
+    return MegatronSpec(role, model, arr.model.path, actor_loss=loss,
                         sync=SyncConfig.from_rollout_config(arr.rollout))
-
-
-def actor_loss_spec(cfg) -> ActorLossSpec:
-    a = cfg.actor_rollout_ref.actor
-
-    def clip(v):  # null low/high: the symmetric clip_ratio
-        return float(a.clip_ratio if v is None else v)
-
-    return ActorLossSpec(
-        clip(a.clip_ratio_low), clip(a.clip_ratio_high), a.clip_ratio_c, a.loss_agg_mode,
-        a.entropy_coeff, a.use_kl_loss, a.kl_loss_coef, a.kl_loss_type, a.tis_imp_ratio_cap,
-        a.get("tis_level", "token"),
-        # verl pads responses to the budget, so that is what its mask.shape[-1] fallback is
-        float(a.get("loss_scale_factor") or cfg.data.max_response_length))
 
 
 def server_spec(cfg, index: int) -> ServerSpec:
