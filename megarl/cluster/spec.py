@@ -31,6 +31,7 @@ class ModelSpec:
     seed: int
     optim: OptimConfig | None  # None: frozen (ref, logp replica)
     value_model: bool = False  # the critic: a value head instead of the LM head
+    transformer_impl: str = "auto"  # auto | local | transformer_engine
 
 
 @dataclass(frozen=True)
@@ -74,7 +75,8 @@ def megatron_spec(cfg, role: str) -> MegatronSpec:
         model = ModelSpec(c.model.path or arr.model.path, m.tensor_model_parallel_size,
                           m.pipeline_model_parallel_size, m.params_dtype,
                           m.make_vocab_size_divisible_by, m.seed,
-                          OptimConfig.from_config(c.optim, m), value_model=True)
+                          OptimConfig.from_config(c.optim, m), value_model=True,
+                          transformer_impl=m.transformer_impl)
         loss = CriticLossSpec(float(c.cliprange_value),
                               c.loss_agg_mode or arr.actor.loss_agg_mode,
                               int(cfg.data.max_response_length))
@@ -86,7 +88,8 @@ def megatron_spec(cfg, role: str) -> MegatronSpec:
         pp = arr.logp.pipeline_model_parallel_size or pp
     trains = role == "actor"
     model = ModelSpec(arr.model.path, tp, pp, m.params_dtype, m.make_vocab_size_divisible_by,
-                      m.seed, OptimConfig.from_config(arr.actor.optim, m) if trains else None)
+                      m.seed, OptimConfig.from_config(arr.actor.optim, m) if trains else None,
+                      transformer_impl=m.transformer_impl)
     if not trains:
         return MegatronSpec(role, model, arr.model.path)
     loss = ActorLossSettings.from_config(arr.actor, cfg.data.max_response_length)

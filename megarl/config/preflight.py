@@ -41,6 +41,7 @@ def preflight(cfg) -> None:
     _check_writable_dir(Path(t.default_local_dir) / t.project_name / t.experiment_name,
                         "trainer.default_local_dir")
     _check_resume(cfg)
+    _check_transformer_engine(cfg)
     model_dir = _check_model_dir(cfg)
     tokenizer_dir = _check_tokenizer_dir(cfg)
     # Cheapest first: the rows need neither torch (the model files' checks) nor transformers
@@ -51,6 +52,19 @@ def preflight(cfg) -> None:
     tokenizer = _load_tokenizer(cfg, tokenizer_dir) if tokenizer_dir is not None else None
     if tokenizer is not None and _lengths_can_fail(cfg.data):
         _check_data(cfg, tokenizer)
+
+
+def _check_transformer_engine(cfg) -> None:
+    """`transformer_impl: transformer_engine` needs the package (an optional GPU extra)."""
+    import importlib.util
+
+    for key, m in (("actor_rollout_ref.actor.megatron", cfg.actor_rollout_ref.actor.megatron),
+                   ("actor_rollout_ref.ref.megatron", cfg.actor_rollout_ref.ref.megatron),
+                   ("critic.megatron", cfg.critic.megatron)):
+        if m.transformer_impl == "transformer_engine" and \
+                importlib.util.find_spec("transformer_engine") is None:
+            raise ConfigError(f"{key}.transformer_impl: transformer_engine, but Transformer "
+                              "Engine is not installed (docs/install_gpu.md; or use auto)")
 
 
 def _check_path_texts(cfg) -> None:

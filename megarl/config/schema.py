@@ -44,6 +44,9 @@ CHOICES: Dict[str, tuple] = {
 CHOICES["critic.strategy"] = ("megatron",)
 CHOICES["critic.loss_agg_mode"] = (None, *CHOICES["actor_rollout_ref.actor.loss_agg_mode"])
 CHOICES["critic.megatron.params_dtype"] = CHOICES["actor_rollout_ref.actor.megatron.params_dtype"]
+TRANSFORMER_IMPLS = ("auto", "local", "transformer_engine")
+for _section in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic"):
+    CHOICES[f"{_section}.megatron.transformer_impl"] = TRANSFORMER_IMPLS
 
 
 @dataclass(frozen=True)
@@ -276,6 +279,12 @@ class MegatronConfig:
     """Shard optimizer state over data-parallel ranks (GPU only)."""
     make_vocab_size_divisible_by: int = 128
     """Megatron pads the vocabulary to a multiple of this × TP."""
+    transformer_impl: str = "auto"
+    """Layer implementation: ``transformer_engine`` (Transformer Engine's fused norm + linear
+    layers; needs TE installed and trainer.device=cuda), ``local`` (Megatron's own layers), or
+    ``auto``: TE where it is installed and CUDA is present, else local. Attention is torch's
+    SDPA either way (its flash / memory-efficient kernels on CUDA). Checkpoints and HF weights
+    are the same for both."""
 
 
 @dataclass

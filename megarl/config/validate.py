@@ -50,6 +50,7 @@ def validate_config(cfg: DictConfig) -> None:
     _check_reward(cfg.reward)
     _check_rollout_fn(cfg.actor_rollout_ref.rollout)
     _check_staleness(cfg)
+    _check_transformer_impl(cfg)
     plans = plan_task_groups(cfg)
     _check_critic(cfg, plans)
     _check_logp(cfg, plans)
@@ -277,6 +278,16 @@ def _models_on(cfg: DictConfig, plan: GroupPlan, plans: list[GroupPlan]) -> list
     return [(name, key, n.tensor_model_parallel_size or actor.tensor_model_parallel_size,
              n.pipeline_model_parallel_size or actor.pipeline_model_parallel_size)
             for name, key, n in out]
+
+
+def _check_transformer_impl(cfg: DictConfig) -> None:
+    """Transformer Engine's layers are CUDA kernels (whether it is installed, preflight
+    checks)."""
+    for key in (f"{_ARR}.actor.megatron", f"{_ARR}.ref.megatron", "critic.megatron"):
+        if _get(cfg, key).transformer_impl == "transformer_engine" and \
+                cfg.trainer.device != "cuda":
+            raise ConfigError(f"{key}.transformer_impl: transformer_engine runs on CUDA only, "
+                              f"but trainer.device={cfg.trainer.device} (use auto or local)")
 
 
 def _check_torchrun_sharing(cfg: DictConfig, plans: list[GroupPlan]) -> None:

@@ -105,12 +105,38 @@ def transformer_config(args: ModelArgs, tp: int, pp: int, params_dtype: str = "f
     return TransformerConfig(**kw)
 
 
-def layer_spec():
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+def transformer_engine_usable() -> bool:
+    """Transformer Engine installed and a CUDA device to run its kernels."""
+    import importlib.util
+
+    return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
+
+
+_SPEC_LOGGED: set = set()
+
+
+def layer_spec(impl: str = "auto"):
+    """The transformer layer: Transformer Engine's (each pre-norm fused into the linear after
+    it) for `transformer_engine`, or `auto` where TE is usable; else Megatron's local layers.
+    Attention is torch's SDPA in both (on CUDA its flash / memory-efficient kernels), which
+    takes the padding masks megarl's batches carry as they are. The HF maps and checkpoints
+    read both layouts (hf/mapping.py: `local_name`)."""
+    from megatron.core.models.gpt import gpt_layer_specs
 
     from .attention import SDPAttention
 
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    use_te = impl == "transformer_engine" or (impl == "auto" and transformer_engine_usable())
+    if use_te:
+        spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
+        what = "Transformer Engine layers (fused norm + linear), torch SDPA attention"
+    else:
+        spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+        why = {"local": "transformer_impl=local",
+               "auto": "Transformer Engine not installed or no CUDA"}.get(impl, impl)
+        what = f"Megatron local layers ({why}), torch SDPA attention"
+    if what not in _SPEC_LOGGED:  # once per process, not once per model
+        _SPEC_LOGGED.add(what)
+        logger.info("megatron: %s", what)
     spec.submodules.self_attention.submodules.core_attention = SDPAttention
     return spec
 
@@ -138,7 +164,7 @@ class ValueHead(torch.nn.Module):
 
 
 def build_gpt_model(args: ModelArgs, config, make_vocab_size_divisible_by: int = 128,
-                    value_head: bool = False):
+                    value_head: bool = False, transformer_impl: str = "auto"):
     """Build this rank's pipeline stage of the model (parallel_state must be initialised).
 
     `value_head`: the critic, whose last stage ends in a `ValueHead` (output [b, s, 1]) and
@@ -151,7 +177,7 @@ def build_gpt_model(args: ModelArgs, config, make_vocab_size_divisible_by: int =
     _patches.apply()
     tp = ps.get_tensor_model_parallel_world_size()
     model = GPTModel(
-        config=config, transformer_layer_spec=layer_spec(),
+        config=config, transformer_layer_spec=layer_spec(transformer_impl),
         vocab_size=padded_vocab_size(args.vocab_size, make_vocab_size_divisible_by, tp),
         max_sequence_length=args.max_position_embeddings,
         pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),

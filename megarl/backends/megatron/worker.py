@@ -50,7 +50,7 @@ class MegatronWorker:
     def __init__(self, model_dir: str, tp: int = 1, pp: int = 1, *, params_dtype="float32",
                  optim: OptimConfig | None = None, make_vocab_size_divisible_by: int = 128,
                  seed: int = 1234, load_hf: bool = True, trainable: bool = True,
-                 value_model: bool = False):
+                 value_model: bool = False, transformer_impl: str = "auto"):
         # The converter's checks and layout rules, before any collective: a model that cannot
         # split over TP×PP fails here with the converter's message, not a Megatron assertion.
         self.args = read_model_args(model_dir)
@@ -63,7 +63,8 @@ class MegatronWorker:
         self.config = mmodel.transformer_config(self.args, tp, pp, params_dtype)
         self.value_model = value_model
         self.model = mmodel.build_gpt_model(self.args, self.config, make_vocab_size_divisible_by,
-                                            value_head=value_model)
+                                            value_head=value_model,
+                                            transformer_impl=transformer_impl)
         if load_hf:
             reader = HFReader(model_dir)
             # A critic takes the transformer from a causal LM and starts its value head at
@@ -90,7 +91,7 @@ class MegatronWorker:
         return cls(spec.path, spec.tp, spec.pp, params_dtype=spec.params_dtype,
                    optim=spec.optim, make_vocab_size_divisible_by=spec.make_vocab_size_divisible_by,
                    seed=spec.seed, trainable=spec.optim is not None,
-                   value_model=spec.value_model)
+                   value_model=spec.value_model, transformer_impl=spec.transformer_impl)
 
     # ---------------------------------------------------------------- forward plumbing
     def _device(self):

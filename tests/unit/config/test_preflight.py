@@ -74,3 +74,23 @@ def test_resume_path_with_a_driver_state_passes(tmp_path, qwen_dir, data):
     (step / "driver_state.json").write_text(json.dumps({"step": 2, "loader": {}}))
     preflight(_cfg(tmp_path, qwen_dir, f"data.train_files={data[0]}",
                    "trainer.resume_mode=resume_path", f"trainer.resume_from_path={step}"))
+
+
+def test_transformer_engine_asked_for_where_it_is_missing_or_cannot_run(tmp_path, qwen_dir, data):
+    import importlib.util
+
+    train, val = data
+    key = "actor_rollout_ref.actor.megatron.transformer_impl"
+    with pytest.raises(ConfigError, match=rf"^{key}: transformer_engine runs on CUDA only, but "
+                                          r"trainer.device=cpu"):
+        _cfg(tmp_path, qwen_dir, f"{key}=transformer_engine")
+    with pytest.raises(ConfigError, match=r"critic.megatron.transformer_impl: 'fused' is not"):
+        _cfg(tmp_path, qwen_dir, "critic.megatron.transformer_impl=fused")
+    if importlib.util.find_spec("transformer_engine") is not None:
+        pytest.skip("Transformer Engine is installed here: nothing missing to report")
+    ref = "actor_rollout_ref.ref.megatron.transformer_impl"
+    cfg = _cfg(tmp_path, qwen_dir, "trainer.device=cuda", f"{ref}=transformer_engine",
+               f"data.train_files={train}", f"data.val_files={val}")
+    with pytest.raises(ConfigError, match=rf"^{ref}: transformer_engine, but Transformer Engine "
+                                          "is not installed"):
+        preflight(cfg)

@@ -85,3 +85,49 @@ def test_hf_names_cover_every_megatron_tensor(tie):
 def test_unknown_name_is_rejected_by_name():
     with pytest.raises(KeyError, match="decoder.layers.0.weird"):
         mapping.hf_from_mcore("decoder.layers.0.weird", torch.zeros(1), _args())
+
+
+def _layer_names(layers=2):
+    return [f"decoder.layers.{i}.{s}" for i in range(layers)
+            for s in ["input_layernorm.weight", "pre_mlp_layernorm.weight",
+                      "self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias",
+                      "self_attention.q_layernorm.weight", "self_attention.linear_proj.weight",
+                      "mlp.linear_fc1.weight", "mlp.linear_fc2.weight"]]
+
+
+def test_transformer_engine_names_are_megatrons_own_and_round_trip():
+    """TE's spec fuses the pre-norms into the next linear; the names the map gives are the
+    ones Megatron itself uses for them (its local spec's checkpoint key map), and every name
+    comes back unchanged."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    keys_map = get_gpt_layer_local_spec(normalization="RMSNorm").submodules \
+        .sharded_state_dict_keys_map
+    names = ["embedding.word_embeddings.weight", "decoder.final_layernorm.weight",
+             "output_layer.weight", *_layer_names()]
+    for name in names:
+        te = mapping.te_name(name)
+        assert mapping.local_name(te) == name
+        assert mapping.local_name(name) == name  # local names pass through
+        layer, suffix = mapping.split_layer_name(name)
+        expected = name
+        for old, new in keys_map.items():
+            if layer is not None and suffix.startswith(old):
+                expected = f"decoder.layers.{layer}.{new}{suffix[len(old):]}"
+        assert te == expected, name
+    assert mapping.te_name("decoder.layers.3.input_layernorm.weight") == \
+        "decoder.layers.3.self_attention.linear_qkv.layer_norm_weight"
+    assert mapping.te_name("decoder.layers.0.pre_mlp_layernorm.weight") == \
+        "decoder.layers.0.mlp.linear_fc1.layer_norm_weight"
+
+
+def test_a_te_named_norm_maps_to_the_same_hf_tensor():
+    a = _args()
+    hf = {n: torch.randn(16) for n in mapping.hf_names(a) if "norm" in n}
+    for name in _layer_names():
+        if "layernorm" not in name or "q_layernorm" in name:
+            continue
+        te = mapping.local_name(mapping.te_name(name))
+        assert torch.equal(mapping.mcore_from_hf(te, hf.__getitem__, a, 384),
+                           mapping.mcore_from_hf(name, hf.__getitem__, a, 384))
+        assert mapping.partition_dim(mapping.te_name(name)) is None  # norms: replicated

@@ -25,12 +25,14 @@ def unwrap(model):
 
 
 def global_name(model, local_name: str) -> str:
-    """Megatron parameter name with the stage-local layer index replaced by the global one."""
+    """Megatron parameter name with the stage-local layer index replaced by the global one,
+    in the local spec's names whichever spec built the model (Transformer Engine's fuses the
+    norms into the linears)."""
     layer, suffix = mapping.split_layer_name(local_name)
     if layer is None:
         return local_name
     number = unwrap(model).decoder.layers[layer].layer_number  # 1-based, global
-    return f"decoder.layers.{number - 1}.{suffix}"
+    return mapping.local_name(f"decoder.layers.{number - 1}.{suffix}")
 
 
 def is_value_model(model) -> bool:

@@ -35,9 +35,37 @@ _COLUMN = ("embedding.word_embeddings.weight", "output_layer.weight",
 _ROW = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")
 
 
+# Transformer Engine's layer spec fuses each pre-norm into the linear after it, so a TE model
+# holds those norms under the linear's name. Everything here speaks the local spec's names;
+# `local_name` turns a TE model's into them. (Megatron's local spec maps the other way when it
+# writes checkpoints, its `sharded_state_dict_keys_map`, so checkpoints of either spec agree.)
+TE_FUSED_NORMS = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_",
+                  "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
+
+
 def split_layer_name(name: str) -> tuple[int | None, str]:
     m = _LAYER.match(name)
     return (int(m.group(1)), m.group(2)) if m else (None, name)
+
+
+def _rename_in_layer(name: str, pairs) -> str:
+    layer, suffix = split_layer_name(name)
+    if layer is None:
+        return name
+    for old, new in pairs:
+        if suffix.startswith(old):
+            return f"decoder.layers.{layer}.{new}{suffix[len(old):]}"
+    return name
+
+
+def local_name(name: str) -> str:
+    """A parameter name of the local spec for a name of either spec (TE's fused norms)."""
+    return _rename_in_layer(name, [(te, loc) for loc, te in TE_FUSED_NORMS.items()])
+
+
+def te_name(name: str) -> str:
+    """The Transformer Engine spec's name for a local-spec parameter name."""
+    return _rename_in_layer(name, TE_FUSED_NORMS.items())
 
 
 def partition_dim(name: str) -> int | None:

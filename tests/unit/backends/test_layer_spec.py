@@ -1,0 +1,37 @@
+"""The transformer layer implementation: Transformer Engine where usable, else local."""
+import logging
+
+import pytest
+import torch
+
+from megarl.backends.megatron import model
+
+
+def test_auto_without_transformer_engine_or_cuda_builds_local_layers_and_says_so(caplog):
+    if model.transformer_engine_usable():
+        pytest.skip("Transformer Engine and CUDA are both here: auto picks TE")
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+
+    from megarl.backends.megatron.attention import SDPAttention
+
+    model._SPEC_LOGGED.clear()
+    with caplog.at_level(logging.INFO, logger="megarl.backends.megatron.model"):
+        specs = [model.layer_spec("auto") for _ in range(3)]  # three models, one process
+    said = [r.getMessage() for r in caplog.records]
+    # one line per process, naming the reason
+    assert said == ["megatron: Megatron local layers (Transformer Engine not installed or no "
+                    "CUDA), torch SDPA attention"], said
+    attn = specs[0].submodules.self_attention.submodules
+    assert attn.linear_qkv is ColumnParallelLinear and attn.core_attention is SDPAttention
+    # the local spec keeps the norms as modules of their own, under the names the HF map uses
+    assert specs[0].submodules.input_layernorm is not None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (Transformer Engine)")
+def test_transformer_engine_layers_fuse_the_norms_into_the_linears():
+    pytest.importorskip("transformer_engine", reason="needs Transformer Engine (GPU extra)")
+    from megatron.core.extensions.transformer_engine import TELayerNormColumnParallelLinear
+
+    spec = model.layer_spec("transformer_engine")
+    attn = spec.submodules.self_attention.submodules
+    assert attn.linear_qkv is TELayerNormColumnParallelLinear
