@@ -16,20 +16,27 @@ import torch
 
 @dataclasses.dataclass
 class StepRecord:
-    """What one training step's states produce, filled in their order; the driver keeps one
-    per step in flight and drops it when the step's SYNC has finished.
+    """What one training step's states produce, filled in their order (controller/steps.py);
+    the Pipeline keeps one per step in flight, from GENERATE until the step's last state.
 
-    GENERATE sets `resume_before` (where a checkpoint taken before this step resumes: the
-    loader position and the partial-rollout cache before its prompts), then `samples`,
+    GENERATE's start sets `resume_before` (where a checkpoint taken before this step resumes:
+    the loader position and the partial-rollout cache before its prompts), then `samples`,
     `scores` (the streaming reward's pending results) and `dropped`; REWARD builds `batch`,
     the tensors REF_LOGP, VALUES and LOGP add to (`ref_logprobs`, `values`, `old_logprobs`)
-    and TRAIN reads, with `advantages` (and `returns`) computed at its start."""
+    and TRAIN reads, with `advantages` (and `returns`) computed at its start. When SYNC has
+    finished, the data is released and, with a checkpoint due, `resume_after` holds what
+    CHECKPOINT writes for a resume."""
     step: int
     resume_before: dict
     samples: list["Sample"] = dataclasses.field(default_factory=list)
     scores: list = dataclasses.field(default_factory=list)
     dropped: list[str] = dataclasses.field(default_factory=list)
     batch: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    resume_after: dict | None = None
+
+    def release(self) -> None:
+        """Drop the step's data (trained and published): only the resume state may be owed."""
+        self.samples, self.scores, self.batch = [], [], {}
 
 
 @dataclasses.dataclass

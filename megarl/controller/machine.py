@@ -167,6 +167,9 @@ class Pipeline:
         self.steps: dict[int, StepMachine] = {} if val_only else {
             k: StepMachine(k, clock) for k in range(start_step, total_steps)}
         self.validation = ValidationMachine(clock)
+        # step -> its StepRecord (controller/batch.py), what its states produced, kept from
+        # GENERATE until the step's last state has finished
+        self.records: dict = {}
         self.val_queue: deque[int] = deque()
         """Versions whose validation is due and has not started, oldest first."""
         self.val_generated: set[int] = set()

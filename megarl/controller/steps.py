@@ -1,0 +1,303 @@
+"""The work of each state, as plain functions of (the run's state, the step's record).
+
+The Pipeline (machine.py) decides which state of which step runs when and keeps each step's
+`StepRecord` (batch.py) while the step is in flight; the driver (driver.py) starts what is
+ready and calls the function the action's task names (`STEP_WORK`, `VALIDATION_WORK`). Each
+function reads what the states before it put in the record and adds its own part:
+
+    GENERATE    samples, scores (pending), dropped, resume_before
+    REWARD      batch (tokens, masks, rewards, rollout log-probs, versions)
+    REF_LOGP    batch["ref_logprobs"]       VALUES   batch["values"]
+    LOGP        batch["old_logprobs"]       TRAIN    advantages, then the optimizer steps
+    SYNC        publishes version k+1       CHECKPOINT  writes step k with resume_after
+
+`RunState` is what lives across steps: the run's handles, the metrics, the rollout policy and
+the in-reward KL coefficient.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import time
+from typing import Any
+
+from megarl.algo.advantages import compute_advantages, gae_advantages, token_rewards
+from megarl.algo.kl import adaptive_kl_coef, apply_kl_in_reward
+from megarl.observability.metrics import MetricsTracker, staleness_metrics, throughput
+from megarl.rollout.protocol import version_int
+
+from . import checkpoint as ckpt
+from .batch import StepRecord, build_batch, mini_batches
+from .setup import Run
+from .trajectory import TrajectoryRunner, make_policy, sampling_params
+
+logger = logging.getLogger(__name__)
+
+LOGP_WEIGHTS_TIMEOUT_S = 600.0  # a logp replica's wait for the version SYNC(k-1) sent
+
+
+@dataclasses.dataclass
+class RunState:
+    run: Run
+    pipeline: Any                       # machine.Pipeline: the schedule and the records
+    metrics: MetricsTracker
+    runner: TrajectoryRunner
+    rollout: Any                        # GENERATE's policy over the runner
+    kl_coef: float                      # in-reward KL coefficient (adaptive: moves per step)
+    val: dict[int, dict] = dataclasses.field(default_factory=dict)  # version -> generated
+    val_results: list[dict] = dataclasses.field(default_factory=list)
+
+    @property
+    def cfg(self):
+        return self.run.cfg
+
+    @classmethod
+    def start(cls, run: Run, pipeline) -> "RunState":
+        cfg, saved = run.cfg, run.driver_state or {}
+        runner = TrajectoryRunner(run.manager, run.tokenizer, run.reward_pool)
+        rollout = make_policy(cfg.actor_rollout_ref.rollout, runner, run.loader,
+                              need=cfg.data.train_batch_size,
+                              max_staleness=cfg.algorithm.max_staleness,
+                              stale_policy=cfg.algorithm.stale_policy, rollout_fn=run.rollout_fn)
+        rollout.load_state_dict(saved.get("partial"))
+        # the adaptive controller's coefficient survives a resume
+        kl = float(saved.get("kl_coef", cfg.algorithm.kl_ctrl.kl_coef))
+        return cls(run, pipeline, MetricsTracker(), runner, rollout, kl)
+
+
+# ------------------------------------------------------------------ GENERATE, REWARD
+async def generate(st: RunState, rec: StepRecord) -> None:
+    r, k = st.run, rec.step
+    sp = sampling_params(st.cfg.actor_rollout_ref.rollout, r.eos_ids,
+                         st.cfg.trainer.seed * 1_000_003 + k, max_new_tokens=r.max_new_tokens)
+    waited = await engines_at(st, max(r.start_step, k - r.ahead + 1))
+    t0 = time.perf_counter()
+    out = await st.rollout.run_step(k, sp, k)  # TRAIN(k) starts from version k: staleness
+    dt = time.perf_counter() - t0
+    samples = out.samples
+    tokens = sum(len(s.response_ids) for s in samples)
+    rec.samples, rec.scores, rec.dropped = samples, out.scores, out.dropped
+    st.metrics.update(k, {"timing/wait_for_weights_s": waited, **out.metrics})
+    # engines alive, failed, replaced and requests sent again during this GENERATE
+    st.metrics.update(k, r.manager.pop_metrics())
+    for _, engine, what in r.manager.pop_events():
+        st.pipeline.incident(k, "generate", f"{engine}: {what}")
+    st.metrics.update(k, {"rollout/gen_tokens_per_s": tokens / dt if dt else 0.0,
+                          "rollout/generate_s": dt,
+                          "response/length_mean": tokens / max(1, len(samples)),
+                          "response/length_max": max(len(s.response_ids) for s in samples),
+                          "response/aborted_resumed_frac": sum(
+                              len(set(s.token_versions)) > 1 for s in samples) / len(samples)})
+
+
+async def engines_at(st: RunState, version: int, timeout_s: float = 600.0) -> float:
+    """Wait until every engine serves weights >= `version`; returns the seconds waited.
+
+    SYNC(k) finishes when the trainer has its snapshot; with the dual buffer the transfer
+    to the engines is still landing then. GENERATE(j) is promised version j - a + 1, so
+    it waits here for that transfer instead of starting new requests on older weights.
+    Polling the engines keeps the trainer free (a call on it would queue behind TRAIN)."""
+    if version <= st.run.start_step:
+        return 0.0  # the initial (or resumed) weights: loaded before the first step
+    t0 = time.perf_counter()
+    while True:
+        have = await st.run.manager.weight_versions()
+        if all(version_int(v) >= version for v in have):
+            return time.perf_counter() - t0
+        if time.perf_counter() - t0 > timeout_s:
+            raise RuntimeError(f"engines still serve weight versions {have} after "
+                               f"{timeout_s:.0f} s; version {version} never landed")
+        await asyncio.sleep(0.002)
+
+
+async def reward(st: RunState, rec: StepRecord) -> None:
+    await asyncio.gather(*rec.scores)  # scoring started as each response finished
+    rec.batch = build_batch(rec.samples, st.run.pad_id)
+    rw = rec.batch["rewards"]
+    st.metrics.update(rec.step, {"reward/mean": rw.mean().item(), "reward/max": rw.max().item(),
+                                 "reward/min": rw.min().item(),
+                                 "reward/exact_frac": (rw >= 1.0).float().mean().item()})
+
+
+# ------------------------------------------------------------------ the models' passes
+def _model_inputs(b: dict) -> dict:
+    return {"input_ids": b["input_ids"], "attention_mask": b["attention_mask"]}
+
+
+async def ref_logp(st: RunState, rec: StepRecord) -> None:
+    if st.run.ref is None:  # no KL anywhere: nothing consumes reference log-probs
+        return
+    out = await st.run.ref.compute_logp(
+        _model_inputs(rec.batch), st.run.temperature,
+        st.cfg.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu)
+    rec.batch["ref_logprobs"] = out["logprobs"]
+
+
+async def values(st: RunState, rec: StepRecord) -> None:
+    """VALUES(k): the critic's value of every prefix of step k's batch, for GAE."""
+    c = st.cfg.critic
+    out = await st.run.critic.compute_values(
+        _model_inputs(rec.batch), c.forward_micro_batch_size_per_gpu
+        or c.ppo_micro_batch_size_per_gpu)
+    rec.batch["values"] = out["values"]
+
+
+async def logp(st: RunState, rec: StepRecord) -> None:
+    """The proximal policy's log-probs: the weights TRAIN(k) starts from (version k),
+    computed by the actor itself or, with logp on a group of its own, by its replica
+    there once it holds version k (SYNC(k-1) sent it; the machine orders LOGP after it)."""
+    r, b, k = st.run, rec.batch, rec.step
+    mbs = st.cfg.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu
+    if r.logp is None:
+        out, version = await r.actor.compute_logp(_model_inputs(b), r.temperature, mbs), k
+    else:
+        out, version = await r.logp.compute_logp_at(_model_inputs(b), r.temperature, mbs, k,
+                                                     LOGP_WEIGHTS_TIMEOUT_S)
+    st.metrics.update(k, {"actor/logp_version": float(version),
+                          "actor/logp_version_lag": float(k - version)})
+    b["old_logprobs"] = out["logprobs"]
+    mask = b["response_mask"] > 0
+    diff = (b["old_logprobs"] - b["rollout_logprobs"])[mask].abs()
+    st.metrics.update(k, {"rollout/logp_mismatch_mean": diff.mean().item(),
+                          "rollout/logp_mismatch_max": diff.max().item()})
+
+
+# ------------------------------------------------------------------ TRAIN
+def advantages(st: RunState, rec: StepRecord) -> None:
+    """Advantages of step k's batch, at the start of TRAIN(k): the in-reward KL penalty
+    needs the reference and proximal log-probs of REF_LOGP(k) and LOGP(k)."""
+    b, k, alg = rec.batch, rec.step, st.cfg.algorithm
+    rewards = b["rewards"]
+    if alg.use_kl_in_reward:
+        rewards, m = apply_kl_in_reward(rewards, b["old_logprobs"], b["ref_logprobs"],
+                                        b["response_mask"], alg.kl_penalty, st.kl_coef)
+        st.metrics.update(k, m)
+        if alg.kl_ctrl.type == "adaptive":
+            st.kl_coef = adaptive_kl_coef(st.kl_coef, m["reward/kl_penalty"],
+                                          alg.kl_ctrl.target_kl, len(rewards),
+                                          alg.kl_ctrl.horizon)
+    if alg.adv_estimator == "gae":
+        mask = b["response_mask"]
+        b["advantages"], b["returns"] = gae_advantages(
+            token_rewards(rewards, mask), b["values"], mask, alg.gamma, alg.lam)
+        valid = mask > 0
+        st.metrics.update(k, {"critic/values_mean": b["values"][valid].mean().item(),
+                              "critic/returns_mean": b["returns"][valid].mean().item()})
+        return
+    b["advantages"] = compute_advantages(
+        alg.adv_estimator, rewards, [s.uid for s in rec.samples], b["response_mask"],
+        norm_by_std=alg.norm_adv_by_std_in_grpo, gamma=alg.gamma)
+
+
+async def _train_critic(st: RunState, rec: StepRecord) -> None:
+    """The critic's optimizer steps on step k's batch (clipped value loss)."""
+    c, actor, b = st.cfg.critic, st.cfg.actor_rollout_ref.actor, rec.batch
+    keys = ("input_ids", "attention_mask", "response_mask", "values", "returns")
+    mbs = mini_batches({n: b[n] for n in keys}, st.cfg.actor_rollout_ref.rollout.n,
+                       c.ppo_mini_batch_size or actor.ppo_mini_batch_size,
+                       c.ppo_epochs or actor.ppo_epochs)
+    for s in await st.run.critic.train_critic(mbs, c.ppo_micro_batch_size_per_gpu):
+        for name, v in s.items():
+            st.metrics.add(rec.step, name if "/" in name else f"critic/{name}", v)
+
+
+async def train(st: RunState, rec: StepRecord) -> None:
+    advantages(st, rec)
+    r, b, k = st.run, rec.batch, rec.step
+    actor = st.cfg.actor_rollout_ref.actor
+    mbs = mini_batches(b, st.cfg.actor_rollout_ref.rollout.n, actor.ppo_mini_batch_size,
+                       actor.ppo_epochs)
+    t0 = time.perf_counter()
+    # trainer.critic_warmup: the first steps train the critic only (the actor's weights,
+    # hence the versions SYNC publishes, stay as they were)
+    train_actor = r.critic is None or k >= st.cfg.trainer.critic_warmup
+    jobs = [r.actor.train(mbs, actor.ppo_micro_batch_size_per_gpu, r.temperature)
+            if train_actor else asyncio.sleep(0, [])]
+    if r.critic is not None:  # on its own group, it trains while the actor does
+        jobs.append(_train_critic(st, rec))
+        st.metrics.update(k, {"critic/warmup": float(not train_actor)})
+    stats = (await asyncio.gather(*jobs))[0]
+    dt = time.perf_counter() - t0
+    for s in stats:
+        for name, v in s.items():
+            st.metrics.add(k, name if "/" in name else f"actor/{name}", v)
+    st.metrics.update(k, throughput(int(b["attention_mask"].sum()), dt))
+    # per response token: a sync may land mid-request, so tokens of one sample differ
+    versions = b["token_versions"][b["response_mask"] > 0].tolist()
+    st.metrics.update(k, staleness_metrics(k, versions))
+    _record_prompts(st, rec)
+
+
+def _record_prompts(st: RunState, rec: StepRecord) -> None:
+    """Append which prompts step k trained on (an audit trail that resume tests read)."""
+    line = {"step": rec.step, "uids": sorted({s.uid for s in rec.samples})}
+    if rec.dropped:
+        line["dropped"] = sorted(rec.dropped)  # over max_staleness
+    st.run.ckpt_root.mkdir(parents=True, exist_ok=True)
+    with open(st.run.ckpt_root / "trained_prompts.jsonl", "a") as f:
+        f.write(json.dumps(line) + "\n")
+
+
+# ------------------------------------------------------------------ SYNC, CHECKPOINT
+async def sync(st: RunState, rec: StepRecord) -> None:
+    stats = await st.run.actor.sync_weights(rec.step + 1)
+    st.metrics.update(rec.step, {f"weight_sync/{n}": v for n, v in stats.items()})
+
+
+def resume_state(st: RunState, k: int) -> dict:
+    """The driver's part of checkpoint k, as it stands when SYNC(k) has finished: the trainer
+    holds version k+1; the next step's prompts have not been trained on, so the loader is
+    saved at the position before them."""
+    nxt = st.pipeline.records.get(k + 1)  # GENERATE(k+1) has started (one step off or more)
+    owed = nxt.resume_before if nxt is not None else {
+        "loader": st.run.loader.state_dict(), "partial": st.rollout.state_dict()}
+    return {"step": k, "weight_version": k + 1, "loader": owed["loader"],
+            "partial": owed["partial"], "kl_coef": st.kl_coef, "rng": ckpt.rng_state()}
+
+
+async def checkpoint(st: RunState, rec: StepRecord) -> None:
+    """CHECKPOINT(k), on the trainer's group: the weights SYNC(k) published (TRAIN(k+1)
+    waits for this), with the resume state taken when SYNC(k) finished."""
+    r, k, t0 = st.run, rec.step, time.perf_counter()
+    tmp = ckpt.begin(r.ckpt_root, k)
+    await r.actor.save(str(tmp / "actor"), step=k)
+    if r.critic is not None:
+        await r.critic.save(str(tmp / "critic"), step=k)
+    # every rank's files are complete (the save returned on all of them); checksumming a
+    # large checkpoint takes a while, so it runs off the event loop
+    await asyncio.to_thread(ckpt.commit, r.ckpt_root, k, rec.resume_after,
+                            keep=st.cfg.trainer.max_actor_ckpt_to_keep)
+    r.loggers.log(k + 1, {"timing/checkpoint": time.perf_counter() - t0})
+
+
+# ------------------------------------------------------------------ validation
+async def val_generate(st: RunState, version: int) -> None:
+    r = st.run
+    await engines_at(st, version)
+    sp = sampling_params(st.cfg.actor_rollout_ref.rollout, r.eos_ids, st.cfg.trainer.seed,
+                         validation=True, max_new_tokens=r.max_new_tokens)
+    out = await st.runner.prompts(list(r.val_dataset), sp, f"v{version}")
+    st.val[version] = {"samples": out.samples, "scores": out.scores}
+
+
+async def val_score(st: RunState, version: int) -> None:
+    d = st.val.pop(version)
+    rewards = await asyncio.gather(*d["scores"])
+    n = max(1, len(rewards))
+    m = {"val/reward_mean": sum(rewards) / n,
+         "val/exact_frac": sum(x >= 1.0 for x in rewards) / n,
+         # ended by a stop token (EOS) rather than cut at the length cap
+         "val/eos_frac": sum(s.finish == "stop" for s in d["samples"]) / n,
+         "val/response_length_mean": sum(len(s.response_ids) for s in d["samples"]) / n}
+    st.val_results.append({"version": version, **m})
+    logger.info("validation of weights v%d: %s", version,
+                " ".join(f"{k}={v:.4f}" for k, v in m.items()))
+    st.run.loggers.log(version, m)
+
+
+# What each task of a step runs; validation's tasks take the weight version instead.
+STEP_WORK = {"generate": generate, "reward": reward, "ref_logp": ref_logp, "values": values,
+             "logp": logp, "actor-train": train, "sync": sync, "checkpoint": checkpoint}
+VALIDATION_WORK = {"val-generate": val_generate, "val-score": val_score}
