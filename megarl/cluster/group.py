@@ -16,7 +16,7 @@ import torch
 
 from megarl.algo.actor_loss import MAX_METRICS
 
-from .spec import megatron_spec, server_spec
+from .spec import MegatronSpec
 from .transport import Transport
 
 logger = logging.getLogger(__name__)
@@ -43,20 +43,20 @@ def _secondary(e: BaseException) -> bool:
 
 
 class MegatronGroup:
-    def __init__(self, transport: Transport, devices, cfg, role: str, share: float = 1.0,
-                 processes_per_device: int = 1):
-        self.t, self.role = transport, role
+    def __init__(self, transport: Transport, devices, cfg, spec: MegatronSpec,
+                 share: float = 1.0, processes_per_device: int = 1):
+        """`spec`: what each rank is told (cluster/spec.py); `cfg` only places them."""
+        self.t, self.role = transport, spec.role
         n = devices.num_devices
         threads = transport.threads(cfg, processes_per_device)
-        self.actors = [transport.spawn("megatron", devices, i, share, role, i, n, threads)
+        self.actors = [transport.spawn("megatron", devices, i, share, self.role, i, n, threads)
                        for i in range(n)]
         self.single_node = cfg.trainer.nnodes == 1
         addr, port = self._each("rendezvous", [self.actors[0]], self.single_node)[0]
-        # Each rank is told its model's spec, not the run's config.
-        self.ranks = self._each("setup", self.actors, megatron_spec(cfg, role), addr, port)
+        self.ranks = self._each("setup", self.actors, spec, addr, port)
         self.dp = self.ranks[0]["dp_size"]
         # Devices are global indices: under torchrun, the ranks.
-        logger.info("%s model: %d process(es) on group %s (devices %s), DP=%d, over %s", role,
+        logger.info("%s model: %d process(es) on group %s (devices %s), DP=%d, over %s", self.role,
                     n, devices.name, list(devices.plan.devices), self.dp, transport.name)
 
     def _each(self, method: str, workers: list, *args) -> list:
@@ -219,8 +219,9 @@ class RolloutGroup:
     `engines` is what the trainer's weight sync needs of each: URL, TP, and whether generation
     pauses while a version loads (stock SGLang: yes; the embedded engine stages: no)."""
 
-    def __init__(self, transport: Transport, devices, cfg, share: float = 1.0,
-                 processes_per_device: int = 1, log_dir: str = "logs"):
+    def __init__(self, transport: Transport, devices, cfg, servers: tuple = (),
+                 share: float = 1.0, processes_per_device: int = 1, log_dir: str = "logs"):
+        """`servers`: the launched servers' specs (cluster/spec.py), one per replica."""
         r = cfg.actor_rollout_ref.rollout
         self.t, self.cfg = transport, cfg
         self.actors = []
@@ -231,9 +232,9 @@ class RolloutGroup:
         else:
             if r.name == "sglang":
                 tp = r.tensor_model_parallel_size
-                count = devices.num_devices // tp
+                count = len(servers)
                 self._start = lambda j: transport.spawn(
-                    "server", devices, j * tp, share, f"server{j}", server_spec(cfg, j), single,
+                    "server", devices, j * tp, share, f"server{j}", servers[j], single,
                     cfg.trainer.device == "cuda", log_dir)
             else:
                 model = cfg.actor_rollout_ref.model.path

@@ -12,12 +12,11 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from megarl.config import ConfigError, plan_task_groups
-from megarl.config.validate import critic_hosted
+from megarl.config import ConfigError
 from megarl.utils.imports import load_callable
 
 from . import checkpoint as ckpt
-from .machine import task_groups
+from .run_plan import RunPlan, make_run_plan
 
 logger = logging.getLogger(__name__)
 
@@ -36,19 +35,22 @@ class Run:
     rollout: Any
     manager: Any
     loggers: Any
-    groups: dict
-    ahead: int
-    total_steps: int
-    start_step: int
-    max_new_tokens: int
-    temperature: float
-    ckpt_root: Path
+    plan: RunPlan                      # everything derived from the config, resolved once
     device_groups: list
     driver_state: dict | None = None   # the resumed checkpoint's driver_state.json
     critic: Any = None                 # the value model (adv_estimator=gae), else None
     logp: Any = None                   # logp's replica, when logp has a group of its own
     transport: Any = None  # cluster/transport.py: how the groups reach their workers
     rollout_fn: Any = None  # actor_rollout_ref.rollout.rollout_fn, imported
+
+    # The plan's values the states read most, by their old names.
+    ahead = property(lambda self: self.plan.ahead)
+    start_step = property(lambda self: self.plan.start_step)
+    total_steps = property(lambda self: self.plan.total_steps)
+    max_new_tokens = property(lambda self: self.plan.max_new_tokens)
+    temperature = property(lambda self: self.plan.temperature)
+    ckpt_root = property(lambda self: self.plan.ckpt_root)
+    groups = property(lambda self: self.plan.groups)
 
     async def actor_wait(self) -> None:
         if self.actor is not None and self.actor.sync_initialised:
@@ -118,10 +120,6 @@ def _critic_dir(ckpt_dir: Path) -> Path:
     return d
 
 
-def _hosts(plans, task: str):
-    return next((p for p in plans if task in p.tasks), None)
-
-
 def _resume_point(cfg, root: Path, val_only: bool):
     """(the checkpoint to resume, verified, or None; its critic's directory for a gae run)."""
     t, found = cfg.trainer, None
@@ -170,26 +168,30 @@ def _data(cfg):
     return tok, [tok.eos_token_id], pad_id, loader, load_split(cfg.data, tok, "val")
 
 
-def _device_groups(cfg, plans, dgs: dict, val_only: bool) -> tuple:
-    """The device groups of (actor, generate, reference, critic, logp replica); None where
-    the run has no such model."""
-    arr = cfg.actor_rollout_ref
-    need_ref = (arr.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward) and not val_only
-    actor_dg = dgs[_hosts(plans, "actor-train").name]
-    ref_dg = dgs[_hosts(plans, "ref_logp").name] if need_ref else None
-    # The critic (gae only) runs on its own task group, or beside actor-train.
-    need_critic = cfg.algorithm.adv_estimator == "gae" and not val_only
-    critic_dg = dgs[critic_hosted(plans).name] if need_critic else None
-    # `logp` on a group of its own: a frozen replica of the actor there, fed by the weight sync
-    logp_dg = dgs[_hosts(plans, "logp").name]
-    logp_dg = None if logp_dg is actor_dg or val_only else logp_dg
-    return actor_dg, dgs[_hosts(plans, "generate").name], ref_dg, critic_dg, logp_dg
+def _workers(cfg, plan: RunPlan):
+    """Start the plan's workers: (transport, device groups by name, the rollout group, the
+    Megatron groups by role)."""
+    from megarl.cluster.group import MegatronGroup, RolloutGroup
+    from megarl.cluster.transport import make_transport
+
+    # Ray's actors or torchrun's ranks: the groups below are the same over either.
+    transport = make_transport(cfg)
+    dgs = {p.name: transport.devices(p, cfg.trainer.device) for p in plan.placement
+           if p.tasks != ("reward",)}
+    # Processes per device of each group: a device is shared by every model placed on it.
+    count = plan.processes_per_group()
+    share = {n: 1.0 / max(1, c) for n, c in count.items()}
+    gen = plan.generate_group
+    rollout = RolloutGroup(transport, dgs[gen], cfg, plan.servers, share[gen], count[gen],
+                           log_dir=str(plan.ckpt_root / "logs"))
+    models = {role: MegatronGroup(transport, dgs[m.group], cfg, m.spec, share[m.group],
+                                  count[m.group])
+              for role, m in plan.models.items()}
+    return transport, dgs, rollout, models
 
 
 async def setup_run(cfg, val_only: bool) -> Run:
     from megarl.backends.sglang.engine import SGLangEngine
-    from megarl.cluster.group import MegatronGroup, RolloutGroup
-    from megarl.cluster.transport import make_transport
     from megarl.observability.loggers import make_loggers
     from megarl.reward.pool import RewardPool
     from megarl.rollout.manager import RolloutManager
@@ -200,47 +202,27 @@ async def setup_run(cfg, val_only: bool) -> Run:
     root = Path(t.default_local_dir) / t.project_name / t.experiment_name
     found, critic_ckpt = _resume_point(cfg, root, val_only)
     prepare_assets(cfg)
-    plans = plan_task_groups(cfg)
     tok, eos_ids, pad_id, loader, val = _data(cfg)
     # Loads the reward function once here, so a bad reward.reward_fn fails before Ray starts.
     reward_pool = RewardPool.from_config(cfg.reward)
     # ... and the rollout function, likewise
     rollout_fn = (load_callable(arr.rollout.rollout_fn, "actor_rollout_ref.rollout.rollout_fn")
                   if arr.rollout.rollout_fn else None)
-    ahead = t.generate_ahead_steps  # with async_pipeline, its alias, resolved on load
-
     start_step, state, total = _position(cfg, found, loader, val_only)
-    # Ray's actors or torchrun's ranks: the groups below are the same over either.
-    transport = make_transport(cfg)
-    dgs = {p.name: transport.devices(p, t.device) for p in plans if p.tasks != ("reward",)}
-    actor_dg, gen_dg, ref_dg, critic_dg, logp_dg = _device_groups(cfg, plans, dgs, val_only)
-    # Processes per device of each group: a device is shared by every model placed on it.
-    count = {n: 0 for n in dgs}
-    for dg in (actor_dg, gen_dg, ref_dg, critic_dg, logp_dg):
-        if dg is not None:
-            count[dg.name] += 1
-    share = {n: 1.0 / max(1, c) for n, c in count.items()}
-    rollout = RolloutGroup(transport, gen_dg, cfg, share[gen_dg.name], count[gen_dg.name],
-                           log_dir=str(root / "logs"))
-    actor = ref = critic = logp = None
-    # val_only with no checkpoint validates the HF model itself: no trainer is needed.
-    if not val_only or state is not None:
-        def model(dg, role: str) -> MegatronGroup:
-            return MegatronGroup(transport, dg, cfg, role, share[dg.name], count[dg.name])
-
-        actor = model(actor_dg, "actor")
-        ref = model(ref_dg, "ref") if ref_dg is not None else None
-        critic = model(critic_dg, "critic") if critic_dg is not None else None
+    plan = make_run_plan(cfg, root=root, start_step=start_step, total_steps=total,
+                         val_only=val_only, resumed=state is not None)
+    transport, dgs, rollout, models = _workers(cfg, plan)
+    actor, logp = models.get("actor"), models.get("logp")
+    if actor is not None:
         links = list(rollout.engines)
-        if logp_dg is not None:
-            logp = model(logp_dg, "logp")
+        if logp is not None:
             # A resumed run's replicas hold the HF weights until the first sync below.
             links += await logp.serve_replicas(start_step if state is None else start_step - 1)
         await actor.init_weight_sync(links)
         if state is not None:
             await actor.load(str(found.path / "actor"))
-            if critic is not None:
-                await critic.load(str(critic_ckpt))
+            if "critic" in models:
+                await models["critic"].load(str(critic_ckpt))
             await actor.sync_weights(start_step)  # engines start from the HF weights
             await actor.wait_weight_sync()
     manager = RolloutManager([SGLangEngine(u) for u in rollout.urls],
@@ -249,15 +231,11 @@ async def setup_run(cfg, val_only: bool) -> Run:
                              health_timeout_s=arr.rollout.engine_health_timeout_s,
                              max_restarts=arr.rollout.engine_max_restarts)
     loggers = make_loggers(list(t.logger), root, total_steps=total, start_step=start_step)
-    groups = task_groups([list(g) if not isinstance(g, str) else g
-                          for g in t.separated_node_tasks])
     if val is None and (t.val_before_train or t.test_freq > 0 or val_only):
         logger.warning("no data.val_files: validation is skipped")
     return Run(cfg=cfg, tokenizer=tok, eos_ids=eos_ids, pad_id=pad_id, loader=loader,
-               val_dataset=val, reward_pool=reward_pool, actor=actor, ref=ref, rollout=rollout,
-               manager=manager, loggers=loggers, groups=groups, ahead=ahead, total_steps=total,
-               start_step=start_step, max_new_tokens=arr.rollout.max_new_tokens,
-               temperature=float(arr.rollout.temperature), ckpt_root=root,
-               device_groups=list(dgs.values()), driver_state=state, critic=critic, logp=logp,
-               transport=transport,
+               val_dataset=val, reward_pool=reward_pool, actor=actor, ref=models.get("ref"),
+               rollout=rollout, manager=manager, loggers=loggers, plan=plan,
+               device_groups=list(dgs.values()), driver_state=state,
+               critic=models.get("critic"), logp=logp, transport=transport,
                rollout_fn=rollout_fn)
