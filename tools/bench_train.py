@@ -59,6 +59,14 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads per process (default: CPU count // (tp×pp))")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="Megatron params_dtype (bf16: fp32 main grads); the baseline then runs "
+                        "under torch.autocast to the same dtype")
+    p.add_argument("--no-baseline", action="store_true",
+                   help="Megatron side only (a model too large to hold twice)")
+    p.add_argument("--peak-tflops", type=float, default=None,
+                   help="the device's peak dense FLOP/s in TFLOP/s for --dtype, to print MFU "
+                        "(H100/H200 SXM bf16: 989)")
     return p.parse_args(argv)
 
 
@@ -94,10 +102,14 @@ def megatron_loss_fn(total_tokens: float):
 class HFBaseline:
     """transformers + torch.optim.AdamW, the step a user would write by hand."""
 
-    def __init__(self, model_dir: str, lr: float, device: torch.device):
+    def __init__(self, model_dir: str, lr: float, device: torch.device,
+                 dtype: str = "float32"):
         from transformers import AutoModelForCausalLM
 
         self.device = device
+        # fp32 weights and optimizer, the matmuls in `dtype`: mixed precision as users write it
+        self.autocast = dtype != "float32"
+        self.dtype = getattr(torch, dtype)
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         self.model.to(device)
         self.model.train()
@@ -111,7 +123,8 @@ class HFBaseline:
         loss_sum = 0.0
         for i in range(0, ids.shape[0], micro_batch_size):
             mb_ids, mb_mask = ids[i:i + micro_batch_size], mask[i:i + micro_batch_size]
-            logits = self.model(input_ids=mb_ids, attention_mask=mb_mask).logits
+            with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.autocast):
+                logits = self.model(input_ids=mb_ids, attention_mask=mb_mask).logits
             logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
             logp = logp.gather(-1, mb_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
             loss = -(logp * loss_mask(mb_mask)[:, 1:]).sum() / total
@@ -135,13 +148,16 @@ def run(a) -> None:
     from megarl.utils.tiny_model import read_hf_config
 
     torch.set_num_threads(a.threads)
-    worker = MegatronWorker(a.model, a.tp, a.pp, optim=OptimConfig(lr=a.lr, clip_grad=1.0))
+    worker = MegatronWorker(a.model, a.tp, a.pp, optim=OptimConfig(lr=a.lr, clip_grad=1.0),
+                            params_dtype=a.dtype)
     rank, world = dist.get_rank(), dist.get_world_size()
     on_gpu = torch.cuda.is_available()
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
     sync = torch.cuda.synchronize if on_gpu else (lambda: None)
-    base = HFBaseline(a.model, a.lr, device) if rank == 0 else None
-    batch = make_batch(a, read_hf_config(a.model))
+    base = HFBaseline(a.model, a.lr, device, a.dtype) \
+        if rank == 0 and not a.no_baseline else None
+    hf_config = read_hf_config(a.model)
+    batch = make_batch(a, hf_config)
     tokens = int(batch["attention_mask"].sum())
     loss_fn = megatron_loss_fn(float(loss_mask(batch["attention_mask"]).sum()))
 
@@ -162,15 +178,37 @@ def run(a) -> None:
             m_times.append(t1 - t0)
             b_times.append(t2 - t1)
     if rank == 0:
-        report(a, world, tokens, m_res, m_times, b_res, b_times)
+        seq = tokens / a.batch  # the mean real length: attention's share of the FLOPs
+        report(a, world, tokens, m_res, m_times, b_res, b_times,
+               flops_per_token(hf_config, seq))
     dist.barrier()
     destroy_distributed()
 
 
-def report(a, world, tokens, m_res, m_times, b_res, b_times) -> None:
-    """m_res/b_res: per-step (loss, grad norm), warmup steps included."""
-    m_step, b_step = sum(m_times) / len(m_times), sum(b_times) / len(b_times)
-    m_tps, b_tps = tokens / m_step, tokens / b_step
+def flops_per_token(cfg: dict, seq: float) -> float:
+    """Model FLOPs of one trained token (forward and backward, 3x the forward): 6 per
+    parameter of a matrix multiply (every layer's attention and MLP weights and the output
+    layer; not the embedding lookup or the norms), plus attention's scores and weighted sum,
+    2·2·seq·(heads·head_dim) per layer forward, so 12·L·seq·heads·head_dim (not halved for the
+    causal mask, as in Megatron's and PaLM's MFU)."""
+    d, L, V = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
+    heads, kv = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or \
+        cfg["num_attention_heads"]
+    hd = cfg.get("head_dim") or d // heads
+    ffn = cfg["intermediate_size"]
+    per_layer = d * heads * hd + 2 * d * kv * hd + heads * hd * d + 3 * d * ffn  # q,kv,o,mlp
+    return 6.0 * (L * per_layer + V * d) + 12.0 * L * seq * heads * hd
+
+
+def report(a, world, tokens, m_res, m_times, b_res, b_times, fpt: float) -> None:
+    """m_res/b_res: per-step (loss, grad norm), warmup steps included; `fpt`: model FLOPs
+    per token."""
+    m_step = sum(m_times) / len(m_times)
+    m_tps = tokens / m_step
+    if not b_res:  # --no-baseline: its row repeats the Megatron side's
+        b_res, b_times = m_res, m_times
+    b_step = sum(b_times) / len(b_times)
+    b_tps = tokens / b_step
     print(f"model {a.model}  batch {a.batch}x{a.seq} ({tokens} real tokens)  "
           f"micro-batch {a.micro_batch}  steps {a.steps} (+{a.warmup} warmup)  "
           f"threads/process {torch.get_num_threads()}")
@@ -182,11 +220,19 @@ def report(a, world, tokens, m_res, m_times, b_res, b_times) -> None:
             ("hf+torch.optim (1 proc)", b_step, b_times, b_tps, b_res)):
         print(f"{name:<24}{step_s:>8.3f}{min(times):>8.3f}{tps:>10.0f}{res[0][0]:>10.5f}"
               f"{res[0][1]:>10.4f}{res[-1][0]:>11.5f}")
+    mfu = ""
+    if a.peak_tflops:
+        mfu = f"  MFU {100 * m_tps * fpt / (world * a.peak_tflops * 1e12):.1f}%"
+    print(f"megatron model FLOPs: {fpt / 1e9:.2f} GFLOP/token, "
+          f"{m_tps * fpt / world / 1e12:.2f} TFLOP/s per device{mfu}")
+    if a.no_baseline:
+        return
     print(f"ratio megatron/baseline tokens/s: {m_tps / b_tps:.2f}"
           + (f"  (megatron uses {world}x the baseline's cores)" if world > 1 else ""))
     # Same weights and batch: the first step's loss and gradient norm must agree to float32
-    # round-off (loss@last shows whether the updates agree as well).
-    ok = all(abs(m - b) <= 1e-4 * max(1.0, abs(b)) for m, b in zip(m_res[0], b_res[0]))
+    # round-off, or bf16's (loss@last shows whether the updates agree as well).
+    tol = 1e-4 if a.dtype == "float32" else 2e-2
+    ok = all(abs(m - b) <= tol * max(1.0, abs(b)) for m, b in zip(m_res[0], b_res[0]))
     print(f"first-step check (loss, grad norm): |diff| = {abs(m_res[0][0] - b_res[0][0]):.1e}, "
           f"{abs(m_res[0][1] - b_res[0][1]):.1e} -> {'OK' if ok else 'MISMATCH'}")
 

@@ -175,7 +175,7 @@ class MegatronRank:
             # Entropy is always computed: it is a metric even when its coefficient is 0.
             out.append(self.worker.train_step(mb, loss_fn, micro_batch_size, temperature,
                                               with_entropy=True, max_metrics=MAX_METRICS))
-        return out
+        return _with_peak_memory(out)
 
     def compute_values(self, batch: dict, micro_batch_size: int) -> dict:
         return self.worker.compute_values(batch, micro_batch_size)
@@ -232,6 +232,18 @@ class MegatronRank:
             self.replica.__exit__(None, None, None)
             self.replica = None
         destroy_distributed()
+
+
+def _with_peak_memory(steps: list[dict]) -> list[dict]:
+    """On CUDA, this process's peak allocated memory so far (`memory/trainer_peak_gib`) on
+    every mini-batch's metrics; nothing on CPU."""
+    import torch
+
+    if torch.cuda.is_available():
+        peak = torch.cuda.max_memory_allocated() / 2**30
+        for s in steps:
+            s["memory/trainer_peak_gib"] = peak
+    return steps
 
 
 def _sync_metrics(stats) -> dict:

@@ -15,9 +15,11 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = ROOT / "tests" / "integration" / "scripts"
 
 
-def torchrun(script: str | Path, nproc: int, *args, timeout: float = 600) -> str:
-    """Run a script under torch.distributed.run with `nproc` gloo ranks; return its output."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+def torchrun(script: str | Path, nproc: int, *args, timeout: float = 600,
+             env: dict | None = None) -> str:
+    """Run a script under torch.distributed.run with `nproc` ranks (gloo on CPU); return its
+    output. `env`: variables to add (CUDA_VISIBLE_DEVICES="" hides the GPUs)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), **(env or {}))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc_per_node={nproc}", str(script), *map(str, args)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)

@@ -1,8 +1,11 @@
 """Rank program: Megatron logits / log-probs / entropy vs the transformers model.
 
 argv: out.json tp pp model_dir [model_dir ...]; rank 0 writes {model_dir: {metric: max_diff}}.
+PARITY_PARAMS_DTYPE (default float32) sets the Megatron side's params_dtype; transformers
+stays in float32 on the CPU, the reference.
 """
 import json
+import os
 import sys
 
 import torch
@@ -17,13 +20,14 @@ def main():
 
     results = {}
     for d in dirs:
-        w = MegatronWorker(d, tp, pp, trainable=False)
+        w = MegatronWorker(d, tp, pp, trainable=False,
+                           params_dtype=os.environ.get("PARITY_PARAMS_DTYPE", "float32"))
         hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
         g = torch.Generator().manual_seed(0)
         ids = torch.randint(0, w.args.vocab_size, (3, 17), generator=g)
         with torch.no_grad():
             ref = hf(ids).logits
-        logits = w.forward_logits(ids)
+        logits = w.forward_logits(ids).float().cpu()
         r = {"logits": (logits - ref).abs().max().item()}
         for temp in (1.0, 0.7):
             # micro-batch 2 of 3 rows: also exercises the filler row of the last micro-batch
@@ -32,6 +36,7 @@ def main():
             logp_all = torch.log_softmax(ref / temp, dim=-1)[:, :-1]
             want = logp_all.gather(-1, ids[:, 1:, None]).squeeze(-1)
             ent = -(logp_all.exp() * logp_all).sum(-1)
+            got = {k: v.float().cpu() for k, v in got.items()}
             r[f"logprobs@{temp}"] = (got["logprobs"][:, 1:] - want).abs().max().item()
             r[f"entropy@{temp}"] = (got["entropy"][:, 1:] - ent).abs().max().item()
             r[f"pos0@{temp}"] = got["logprobs"][:, 0].abs().max().item()

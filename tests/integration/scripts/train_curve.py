@@ -1,6 +1,9 @@
 """Rank program: a few optimizer steps on a fixed batch; rank 0 writes the loss curve.
 
-argv: out.json tp pp model_dir steps micro_batch
+argv: out.json tp pp model_dir steps micro_batch [params_dtype]
+
+On a machine with CUDA the worker runs there (Megatron DDP and its optimizer); hide the GPUs
+(CUDA_VISIBLE_DEVICES="") for the CPU path.
 """
 import json
 import sys
@@ -20,6 +23,7 @@ def nll_loss(total_tokens):
 def main():
     out, tp, pp, model_dir, steps, mbs = sys.argv[1], *map(int, sys.argv[2:4]), sys.argv[4], \
         int(sys.argv[5]), int(sys.argv[6])
+    dtype = sys.argv[7] if len(sys.argv) > 7 else "float32"
     from megarl.backends.megatron.worker import MegatronWorker
     from megarl.cluster.spec import megatron_spec
     from megarl.config import load_config
@@ -29,6 +33,7 @@ def main():
         f"actor_rollout_ref.model.path={model_dir}",
         f"actor_rollout_ref.actor.megatron.tensor_model_parallel_size={tp}",
         f"actor_rollout_ref.actor.megatron.pipeline_model_parallel_size={pp}",
+        f"actor_rollout_ref.actor.megatron.params_dtype={dtype}",
         "actor_rollout_ref.actor.optim.lr=3e-3", "actor_rollout_ref.actor.optim.weight_decay=0.0",
         "actor_rollout_ref.actor.optim.lr_warmup_steps=2",
         f"trainer.n_gpus_per_node={tp * pp}"])

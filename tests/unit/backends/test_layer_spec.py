@@ -27,6 +27,7 @@ def test_auto_without_transformer_engine_or_cuda_builds_local_layers_and_says_so
     assert specs[0].submodules.input_layernorm is not None
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (Transformer Engine)")
 def test_transformer_engine_layers_fuse_the_norms_into_the_linears():
     pytest.importorskip("transformer_engine", reason="needs Transformer Engine (GPU extra)")
