@@ -205,19 +205,18 @@ def report(a, world, tokens, m_res, m_times, b_res, b_times, fpt: float) -> None
     per token."""
     m_step = sum(m_times) / len(m_times)
     m_tps = tokens / m_step
-    if not b_res:  # --no-baseline: its row repeats the Megatron side's
-        b_res, b_times = m_res, m_times
-    b_step = sum(b_times) / len(b_times)
-    b_tps = tokens / b_step
     print(f"model {a.model}  batch {a.batch}x{a.seq} ({tokens} real tokens)  "
           f"micro-batch {a.micro_batch}  steps {a.steps} (+{a.warmup} warmup)  "
           f"threads/process {torch.get_num_threads()}")
     # min step time alongside the mean: on a shared machine the min is the less noisy of the two.
     print(f"{'side':<24}{'step s':>8}{'min s':>8}{'tokens/s':>10}{'loss@1':>10}{'gnorm@1':>10}"
           f"{'loss@last':>11}")
-    for name, step_s, times, tps, res in (
-            (f"megatron TP{a.tp} PP{a.pp} ({world} proc)", m_step, m_times, m_tps, m_res),
-            ("hf+torch.optim (1 proc)", b_step, b_times, b_tps, b_res)):
+    rows = [(f"megatron TP{a.tp} PP{a.pp} ({world} proc)", m_times, m_res)]
+    if b_res:  # not with --no-baseline
+        rows.append(("hf+torch.optim (1 proc)", b_times, b_res))
+    for name, times, res in rows:
+        step_s = sum(times) / len(times)
+        tps = tokens / step_s
         print(f"{name:<24}{step_s:>8.3f}{min(times):>8.3f}{tps:>10.0f}{res[0][0]:>10.5f}"
               f"{res[0][1]:>10.4f}{res[-1][0]:>11.5f}")
     mfu = ""
@@ -227,6 +226,7 @@ def report(a, world, tokens, m_res, m_times, b_res, b_times, fpt: float) -> None
           f"{m_tps * fpt / world / 1e12:.2f} TFLOP/s per device{mfu}")
     if a.no_baseline:
         return
+    b_tps = tokens / (sum(b_times) / len(b_times))
     print(f"ratio megatron/baseline tokens/s: {m_tps / b_tps:.2f}"
           + (f"  (megatron uses {world}x the baseline's cores)" if world > 1 else ""))
     # Same weights and batch: the first step's loss and gradient norm must agree to float32

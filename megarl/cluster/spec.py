@@ -3,9 +3,9 @@
 A worker process never receives the run's config. The driver resolves, once, what each kind
 of worker needs (its model and layout, its loss settings, its weight-sync settings, a launched
 server's arguments), with every default that depends on another key settled here (a null
-logp layout is the actor's, a null `loss_scale_factor` the response budget, a critic's null
-`loss_agg_mode` the actor's). What crosses the process boundary is then small and explicit,
-and a key a worker does not read cannot change what it does.
+`loss_scale_factor` is the response budget, a critic's null `loss_agg_mode` the actor's; the
+loader has already given a null logp layout the actor's). What crosses the process boundary
+is then small and explicit, and a key a worker does not read cannot change what it does.
 """
 from __future__ import annotations
 
@@ -82,10 +82,9 @@ def megatron_spec(cfg, role: str) -> MegatronSpec:
                               int(cfg.data.max_response_length))
         return MegatronSpec(role, model, arr.model.path, critic_loss=loss)
     m = arr.ref.megatron if role == "ref" else arr.actor.megatron
-    tp, pp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size
-    if role == "logp":  # the replica's own layout (actor_rollout_ref.logp; null: the actor's)
-        tp = arr.logp.tensor_model_parallel_size or tp
-        pp = arr.logp.pipeline_model_parallel_size or pp
+    # the replica's own layout: actor_rollout_ref.logp, whose nulls the loader resolved
+    layout = arr.logp if role == "logp" else m
+    tp, pp = layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size
     trains = role == "actor"
     model = ModelSpec(arr.model.path, tp, pp, m.params_dtype, m.make_vocab_size_divisible_by,
                       m.seed, OptimConfig.from_config(arr.actor.optim, m) if trains else None,

@@ -23,10 +23,6 @@ from megarl.utils.errors import ConfigError
 
 from .topology import GroupPlan
 
-# The per-rank classes a transport can start, by kind (cluster/actors.py).
-KINDS = ("megatron", "rollout", "server")
-
-
 class Transport(abc.ABC):
     """Spawn workers, call them, broadcast a call to many, and watch their health."""
 
@@ -38,8 +34,9 @@ class Transport(abc.ABC):
 
     @abc.abstractmethod
     def spawn(self, kind: str, devices, index: int, share: float, tag: str, *args, **kwargs):
-        """A new worker of `kind` on device `index` of `devices`, using `share` of it, built
-        with `args`; `tag` names it among the workers on that device (a role, an engine)."""
+        """A new worker of `kind` (megatron, rollout or server: the per-rank classes of
+        cluster/actors.py) on device `index` of `devices`, using `share` of it, built with
+        `args`; `tag` names it among the workers on that device (a role, an engine)."""
 
     @abc.abstractmethod
     def call(self, worker, method: str, *args, **kwargs) -> Any:

@@ -21,9 +21,10 @@ import os
 import tempfile
 from pathlib import Path
 
-from omegaconf import ListConfig
+from omegaconf import ListConfig, OmegaConf
 
 from megarl.config.errors import ConfigError
+from megarl.config.schema import MEGATRON_SECTIONS
 
 logger = logging.getLogger(__name__)
 
@@ -58,10 +59,8 @@ def _check_transformer_engine(cfg) -> None:
     """`transformer_impl: transformer_engine` needs the package (an optional GPU extra)."""
     import importlib.util
 
-    for key, m in (("actor_rollout_ref.actor.megatron", cfg.actor_rollout_ref.actor.megatron),
-                   ("actor_rollout_ref.ref.megatron", cfg.actor_rollout_ref.ref.megatron),
-                   ("critic.megatron", cfg.critic.megatron)):
-        if m.transformer_impl == "transformer_engine" and \
+    for key in MEGATRON_SECTIONS:
+        if OmegaConf.select(cfg, f"{key}.transformer_impl") == "transformer_engine" and \
                 importlib.util.find_spec("transformer_engine") is None:
             raise ConfigError(f"{key}.transformer_impl: transformer_engine, but Transformer "
                               "Engine is not installed (docs/install_gpu.md; or use auto)")

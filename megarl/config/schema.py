@@ -44,9 +44,11 @@ CHOICES: Dict[str, tuple] = {
 CHOICES["critic.strategy"] = ("megatron",)
 CHOICES["critic.loss_agg_mode"] = (None, *CHOICES["actor_rollout_ref.actor.loss_agg_mode"])
 CHOICES["critic.megatron.params_dtype"] = CHOICES["actor_rollout_ref.actor.megatron.params_dtype"]
-TRANSFORMER_IMPLS = ("auto", "local", "transformer_engine")
-for _section in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic"):
-    CHOICES[f"{_section}.megatron.transformer_impl"] = TRANSFORMER_IMPLS
+# The sections of the config that build a Megatron model.
+MEGATRON_SECTIONS = ("actor_rollout_ref.actor.megatron", "actor_rollout_ref.ref.megatron",
+                     "critic.megatron")
+for _section in MEGATRON_SECTIONS:
+    CHOICES[f"{_section}.transformer_impl"] = ("auto", "local", "transformer_engine")
 
 
 @dataclass(frozen=True)

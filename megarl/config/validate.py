@@ -19,7 +19,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from megarl.cluster.topology import GroupPlan, TopologyError, plan_groups
 from megarl.config.errors import ConfigError
-from megarl.config.schema import CHOICES, RANGES
+from megarl.config.schema import CHOICES, MEGATRON_SECTIONS, RANGES
 from megarl.utils.imports import check_import_path
 
 _ARR = "actor_rollout_ref"
@@ -283,7 +283,7 @@ def _models_on(cfg: DictConfig, plan: GroupPlan, plans: list[GroupPlan]) -> list
 def _check_transformer_impl(cfg: DictConfig) -> None:
     """Transformer Engine's layers are CUDA kernels (whether it is installed, preflight
     checks)."""
-    for key in (f"{_ARR}.actor.megatron", f"{_ARR}.ref.megatron", "critic.megatron"):
+    for key in MEGATRON_SECTIONS:
         if _get(cfg, key).transformer_impl == "transformer_engine" and \
                 cfg.trainer.device != "cuda":
             raise ConfigError(f"{key}.transformer_impl: transformer_engine runs on CUDA only, "

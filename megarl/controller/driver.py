@@ -124,14 +124,14 @@ class Driver:
         with the validations among them), the picture also to TensorBoard at step k+1."""
         tl = self.p.timeline
         devices = {g.name: g.num_devices for g in plan_task_groups(self.cfg)}
-        trace = write_chrome_trace(tl, self.r.ckpt_root / "timeline.json", devices)
+        trace = write_chrome_trace(tl, self.r.plan.ckpt_root / "timeline.json", devices)
         first = k - last_steps + 1
         # From the first interval of step `first` on, everything each group did (the end of
         # step first-1's work, step k+1's generation), so a busy group is not drawn waiting.
         lo = min((iv.start for iv in tl if iv.step >= first), default=0.0)
         recent = [dataclasses.replace(iv, start=max(iv.start, lo)) for iv in tl if iv.end > lo]
         groups = sorted({g for t, g in self.p.groups.items() if not t.startswith("val-")})
-        png = render_png(recent, self.r.ckpt_root / "timeline.png", groups=groups,
+        png = render_png(recent, self.r.plan.ckpt_root / "timeline.png", groups=groups,
                          title=f"steps {max(first, 0) + 1}-{k + 1} (seconds since the first "
                                "bar; grey: the group waits)")
         self.r.loggers.log_image(k + 1, "timeline", png)
@@ -150,19 +150,19 @@ async def _run(cfg, val_only: bool) -> dict:
     r = await setup_run(cfg, val_only)
     failed = True
     try:
-        pipeline = Pipeline(r.ahead, r.total_steps, cfg.trainer.test_freq,
-                            cfg.trainer.val_before_train, groups=r.groups,
-                            val_only=val_only, start_step=r.start_step,
+        pipeline = Pipeline(r.plan.ahead, r.plan.total_steps, cfg.trainer.test_freq,
+                            cfg.trainer.val_before_train, groups=r.plan.groups,
+                            val_only=val_only, start_step=r.plan.start_step,
                             critic=r.critic is not None, save_freq=cfg.trainer.save_freq,
                             sync_between_generations=cfg.trainer.sync_between_generations)
         d = Driver(r, pipeline)
         t0 = time.perf_counter()
         await d.main()
         await r.actor_wait()
-        if cfg.trainer.timeline_freq > 0 and not val_only and r.total_steps > r.start_step:
+        if cfg.trainer.timeline_freq > 0 and not val_only and r.plan.total_steps > r.plan.start_step:
             # the whole run: the last step's save and validation come after its SYNC
-            d.write_timeline(r.total_steps - 1, cfg.trainer.timeline_freq)
-        summary = {"steps": r.total_steps, "start_step": r.start_step,
+            d.write_timeline(r.plan.total_steps - 1, cfg.trainer.timeline_freq)
+        summary = {"steps": r.plan.total_steps, "start_step": r.plan.start_step,
                    "seconds": time.perf_counter() - t0, "validation": d.st.val_results,
                    "incidents": len(pipeline.incidents)}
         logger.info("run finished: %s", {k: v for k, v in summary.items() if k != "validation"})

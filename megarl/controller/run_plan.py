@@ -42,9 +42,6 @@ class RunPlan:
     models: Mapping[str, ModelPlan]     # role (actor, ref, critic, logp) -> its plan
     servers: tuple[ServerSpec, ...]     # launched rollout servers, one per replica
 
-    def model(self, role: str) -> ModelPlan | None:
-        return self.models.get(role)
-
     def processes_per_group(self) -> dict[str, int]:
         """Worker processes per device of each group: one per model placed on it, and one
         for the rollout engines of the generate group."""

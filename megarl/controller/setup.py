@@ -43,15 +43,6 @@ class Run:
     transport: Any = None  # cluster/transport.py: how the groups reach their workers
     rollout_fn: Any = None  # actor_rollout_ref.rollout.rollout_fn, imported
 
-    # The plan's values the states read most, by their old names.
-    ahead = property(lambda self: self.plan.ahead)
-    start_step = property(lambda self: self.plan.start_step)
-    total_steps = property(lambda self: self.plan.total_steps)
-    max_new_tokens = property(lambda self: self.plan.max_new_tokens)
-    temperature = property(lambda self: self.plan.temperature)
-    ckpt_root = property(lambda self: self.plan.ckpt_root)
-    groups = property(lambda self: self.plan.groups)
-
     async def actor_wait(self) -> None:
         if self.actor is not None and self.actor.sync_initialised:
             await self.actor.wait_weight_sync()

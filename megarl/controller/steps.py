@@ -71,8 +71,8 @@ class RunState:
 async def generate(st: RunState, rec: StepRecord) -> None:
     r, k = st.run, rec.step
     sp = sampling_params(st.cfg.actor_rollout_ref.rollout, r.eos_ids,
-                         st.cfg.trainer.seed * 1_000_003 + k, max_new_tokens=r.max_new_tokens)
-    waited = await engines_at(st, max(r.start_step, k - r.ahead + 1))
+                         st.cfg.trainer.seed * 1_000_003 + k, max_new_tokens=r.plan.max_new_tokens)
+    waited = await engines_at(st, max(r.plan.start_step, k - r.plan.ahead + 1))
     t0 = time.perf_counter()
     out = await st.rollout.run_step(k, sp, k)  # TRAIN(k) starts from version k: staleness
     dt = time.perf_counter() - t0
@@ -99,7 +99,7 @@ async def engines_at(st: RunState, version: int, timeout_s: float = 600.0) -> fl
     to the engines is still landing then. GENERATE(j) is promised version j - a + 1, so
     it waits here for that transfer instead of starting new requests on older weights.
     Polling the engines keeps the trainer free (a call on it would queue behind TRAIN)."""
-    if version <= st.run.start_step:
+    if version <= st.run.plan.start_step:
         return 0.0  # the initial (or resumed) weights: loaded before the first step
     t0 = time.perf_counter()
     while True:
@@ -130,7 +130,7 @@ async def ref_logp(st: RunState, rec: StepRecord) -> None:
     if st.run.ref is None:  # no KL anywhere: nothing consumes reference log-probs
         return
     out = await st.run.ref.compute_logp(
-        _model_inputs(rec.batch), st.run.temperature,
+        _model_inputs(rec.batch), st.run.plan.temperature,
         st.cfg.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu)
     rec.batch["ref_logprobs"] = out["logprobs"]
 
@@ -151,9 +151,9 @@ async def logp(st: RunState, rec: StepRecord) -> None:
     r, b, k = st.run, rec.batch, rec.step
     mbs = st.cfg.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu
     if r.logp is None:
-        out, version = await r.actor.compute_logp(_model_inputs(b), r.temperature, mbs), k
+        out, version = await r.actor.compute_logp(_model_inputs(b), r.plan.temperature, mbs), k
     else:
-        out, version = await r.logp.compute_logp_at(_model_inputs(b), r.temperature, mbs, k,
+        out, version = await r.logp.compute_logp_at(_model_inputs(b), r.plan.temperature, mbs, k,
                                                      LOGP_WEIGHTS_TIMEOUT_S)
     st.metrics.update(k, {"actor/logp_version": float(version),
                           "actor/logp_version_lag": float(k - version)})
@@ -213,7 +213,7 @@ async def train(st: RunState, rec: StepRecord) -> None:
     # trainer.critic_warmup: the first steps train the critic only (the actor's weights,
     # hence the versions SYNC publishes, stay as they were)
     train_actor = r.critic is None or k >= st.cfg.trainer.critic_warmup
-    jobs = [r.actor.train(mbs, actor.ppo_micro_batch_size_per_gpu, r.temperature)
+    jobs = [r.actor.train(mbs, actor.ppo_micro_batch_size_per_gpu, r.plan.temperature)
             if train_actor else asyncio.sleep(0, [])]
     if r.critic is not None:  # on its own group, it trains while the actor does
         jobs.append(_train_critic(st, rec))
@@ -235,8 +235,8 @@ def _record_prompts(st: RunState, rec: StepRecord) -> None:
     line = {"step": rec.step, "uids": sorted({s.uid for s in rec.samples})}
     if rec.dropped:
         line["dropped"] = sorted(rec.dropped)  # over max_staleness
-    st.run.ckpt_root.mkdir(parents=True, exist_ok=True)
-    with open(st.run.ckpt_root / "trained_prompts.jsonl", "a") as f:
+    st.run.plan.ckpt_root.mkdir(parents=True, exist_ok=True)
+    with open(st.run.plan.ckpt_root / "trained_prompts.jsonl", "a") as f:
         f.write(json.dumps(line) + "\n")
 
 
@@ -261,13 +261,13 @@ async def checkpoint(st: RunState, rec: StepRecord) -> None:
     """CHECKPOINT(k), on the trainer's group: the weights SYNC(k) published (TRAIN(k+1)
     waits for this), with the resume state taken when SYNC(k) finished."""
     r, k, t0 = st.run, rec.step, time.perf_counter()
-    tmp = ckpt.begin(r.ckpt_root, k)
+    tmp = ckpt.begin(r.plan.ckpt_root, k)
     await r.actor.save(str(tmp / "actor"), step=k)
     if r.critic is not None:
         await r.critic.save(str(tmp / "critic"), step=k)
     # every rank's files are complete (the save returned on all of them); checksumming a
     # large checkpoint takes a while, so it runs off the event loop
-    await asyncio.to_thread(ckpt.commit, r.ckpt_root, k, rec.resume_after,
+    await asyncio.to_thread(ckpt.commit, r.plan.ckpt_root, k, rec.resume_after,
                             keep=st.cfg.trainer.max_actor_ckpt_to_keep)
     r.loggers.log(k + 1, {"timing/checkpoint": time.perf_counter() - t0})
 
@@ -277,7 +277,7 @@ async def val_generate(st: RunState, version: int) -> None:
     r = st.run
     await engines_at(st, version)
     sp = sampling_params(st.cfg.actor_rollout_ref.rollout, r.eos_ids, st.cfg.trainer.seed,
-                         validation=True, max_new_tokens=r.max_new_tokens)
+                         validation=True, max_new_tokens=r.plan.max_new_tokens)
     out = await st.runner.prompts(list(r.val_dataset), sp, f"v{version}")
     st.val[version] = {"samples": out.samples, "scores": out.scores}
 

@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from launch_helpers import ROOT
@@ -12,7 +13,6 @@ from launch_helpers import ROOT
 
 def test_gpu_check_refuses_without_cuda_before_any_work(tmp_path):
     if torch.cuda.is_available():
-        import pytest
         pytest.skip("this machine has CUDA: the check would run for real")
     env = dict(os.environ, PYTHON=sys.executable)
     p = subprocess.run(["bash", str(ROOT / "tools" / "gpu_check.sh"), "--out",
