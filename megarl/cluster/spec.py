@@ -11,9 +11,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from omegaconf import OmegaConf
+
 from megarl.algo.actor_loss import ActorLossSettings
 from megarl.backends.megatron.optim import OptimConfig
 from megarl.backends.sglang.launcher import ServerArgs, module_for, replica_server_args
+from megarl.utils.errors import ConfigError
 from megarl.weight_sync.protocol import SyncConfig
 
 ROLES = ("actor", "ref", "logp", "critic")
@@ -64,8 +67,24 @@ class ServerSpec:
     start_timeout_s: float
 
 
-def megatron_spec(cfg, role: str) -> MegatronSpec:
-    """The spec of the `role` model's workers from the run config."""
+def _optim(cfg, section: str, schedule_steps: int | None) -> OptimConfig:
+    """`section`'s optimizer; a null `optim.total_training_steps` is `schedule_steps`."""
+    node = OmegaConf.select(cfg, section)
+    optim = node.optim
+    steps = optim.total_training_steps or schedule_steps
+    if optim.lr_decay_style != "constant" and (steps or 0) <= optim.lr_warmup_steps:
+        raise ConfigError(
+            f"{section}.optim.lr_decay_style={optim.lr_decay_style} decays over the run's "
+            f"{steps} training steps ({section}.optim.total_training_steps, null: the "
+            f"trainer's), which must be more than {section}.optim.lr_warmup_steps="
+            f"{optim.lr_warmup_steps}")
+    return OptimConfig.from_config(optim, node.megatron, schedule_steps)
+
+
+def megatron_spec(cfg, role: str, schedule_steps: int | None = None) -> MegatronSpec:
+    """The spec of the `role` model's workers from the run config. `schedule_steps`: the
+    trainer's total steps, the LR schedule's length where the config leaves it null (None: a
+    constant schedule only, e.g. a run that does not train)."""
     if role not in ROLES:
         raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
     arr = cfg.actor_rollout_ref
@@ -75,7 +94,7 @@ def megatron_spec(cfg, role: str) -> MegatronSpec:
         model = ModelSpec(c.model.path or arr.model.path, m.tensor_model_parallel_size,
                           m.pipeline_model_parallel_size, m.params_dtype,
                           m.make_vocab_size_divisible_by, m.seed,
-                          OptimConfig.from_config(c.optim, m), value_model=True,
+                          _optim(cfg, "critic", schedule_steps), value_model=True,
                           transformer_impl=m.transformer_impl)
         loss = CriticLossSpec(float(c.cliprange_value),
                               c.loss_agg_mode or arr.actor.loss_agg_mode,
@@ -87,7 +106,7 @@ def megatron_spec(cfg, role: str) -> MegatronSpec:
     tp, pp = layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size
     trains = role == "actor"
     model = ModelSpec(arr.model.path, tp, pp, m.params_dtype, m.make_vocab_size_divisible_by,
-                      m.seed, OptimConfig.from_config(arr.actor.optim, m) if trains else None,
+                      m.seed, _optim(cfg, "actor_rollout_ref.actor", schedule_steps) if trains else None,
                       transformer_impl=m.transformer_impl)
     if not trains:
         return MegatronSpec(role, model, arr.model.path)

@@ -49,6 +49,9 @@ MEGATRON_SECTIONS = ("actor_rollout_ref.actor.megatron", "actor_rollout_ref.ref.
                      "critic.megatron")
 for _section in MEGATRON_SECTIONS:
     CHOICES[f"{_section}.transformer_impl"] = ("auto", "local", "transformer_engine")
+    CHOICES[f"{_section}.optimizer"] = ("megatron", "torch")
+for _section in ("actor_rollout_ref.actor.optim", "critic.optim"):
+    CHOICES[f"{_section}.lr_decay_style"] = ("constant", "linear", "cosine")
 
 
 @dataclass(frozen=True)
@@ -127,6 +130,7 @@ RANGES: Dict[str, Range] = {
     f"{_A}.actor.optim.eps": POSITIVE,
     f"{_A}.actor.optim.clip_grad": NON_NEGATIVE,    # 0 turns clipping off
     f"{_A}.actor.optim.lr_warmup_steps": NON_NEGATIVE,
+    f"{_A}.actor.optim.min_lr": NON_NEGATIVE,
     f"{_A}.actor.optim.total_training_steps": POSITIVE,
     **{f"{_A}.{role}.megatron.{key}": POSITIVE
        for role in ("actor", "ref")
@@ -168,6 +172,7 @@ RANGES: Dict[str, Range] = {
     "critic.optim.eps": POSITIVE,
     "critic.optim.clip_grad": NON_NEGATIVE,
     "critic.optim.lr_warmup_steps": NON_NEGATIVE,
+    "critic.optim.min_lr": NON_NEGATIVE,
     "critic.optim.total_training_steps": POSITIVE,
     **{f"critic.megatron.{key}": POSITIVE
        for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
@@ -262,7 +267,12 @@ class OptimConfig:
     clip_grad: float = 1.0
     """Global gradient-norm clip (TP/PP aware)."""
     lr_warmup_steps: int = 0
-    """Linear warmup steps; 0 for none."""
+    """Linear warm-up from 0 to ``lr`` over this many steps; 0 for none."""
+    lr_decay_style: str = "constant"
+    """After the warm-up: ``constant`` (stay at ``lr``), or ``linear`` / ``cosine`` decay to
+    ``min_lr`` at the end of the schedule (Megatron's ``OptimizerParamScheduler``)."""
+    min_lr: float = 0.0
+    """Where a linear or cosine decay ends; at most ``lr``."""
     total_training_steps: Optional[int] = None
     """Steps of the LR schedule; null means the trainer's total steps, known at runtime."""
 
@@ -277,8 +287,16 @@ class MegatronConfig:
     """Parameter dtype; bfloat16 on GPU, float32 on CPU."""
     seed: int = 42
     """Megatron's model-parallel RNG seed."""
+    optimizer: str = "megatron"
+    """``megatron``: Megatron's DDP and optimizer (bf16 params keep fp32 main params; the
+    distributed optimizer below), the same on CPU and GPU. ``torch``: plain AdamW with
+    TP/PP-aware clipping, a fallback for CPU runs."""
     use_distributed_optimizer: bool = False
-    """Shard optimizer state over data-parallel ranks (GPU only)."""
+    """Shard optimizer state and main params over data-parallel ranks (needs
+    ``optimizer: megatron``)."""
+    overlap_grad_reduce: bool = False
+    """Reduce gradients bucket by bucket while the backward pass still runs (Megatron DDP;
+    needs ``optimizer: megatron``)."""
     make_vocab_size_divisible_by: int = 128
     """Megatron pads the vocabulary to a multiple of this × TP."""
     transformer_impl: str = "auto"

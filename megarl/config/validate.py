@@ -51,6 +51,7 @@ def validate_config(cfg: DictConfig) -> None:
     _check_rollout_fn(cfg.actor_rollout_ref.rollout)
     _check_staleness(cfg)
     _check_transformer_impl(cfg)
+    _check_optimizers(cfg)
     plans = plan_task_groups(cfg)
     _check_critic(cfg, plans)
     _check_logp(cfg, plans)
@@ -288,6 +289,28 @@ def _check_transformer_impl(cfg: DictConfig) -> None:
                 cfg.trainer.device != "cuda":
             raise ConfigError(f"{key}.transformer_impl: transformer_engine runs on CUDA only, "
                               f"but trainer.device={cfg.trainer.device} (use auto or local)")
+
+
+def _check_optimizers(cfg: DictConfig) -> None:
+    """What the trainers' optimizer and LR schedule settings must agree on. A decay whose
+    length is null (the trainer's total steps) is checked once that total is known."""
+    for section, optim in (("actor_rollout_ref.actor", cfg.actor_rollout_ref.actor.optim),
+                           ("critic", cfg.critic.optim)):
+        m = _get(cfg, f"{section}.megatron")
+        if m.optimizer == "torch":
+            for key in ("use_distributed_optimizer", "overlap_grad_reduce"):
+                if m[key]:
+                    raise ConfigError(f"{section}.megatron.{key} needs Megatron's optimizer, "
+                                      f"but {section}.megatron.optimizer=torch")
+        if optim.min_lr > optim.lr:
+            raise ConfigError(f"{section}.optim.min_lr={optim.min_lr} is above "
+                              f"{section}.optim.lr={optim.lr}")
+        steps = optim.total_training_steps
+        if optim.lr_decay_style != "constant" and steps is not None and \
+                steps <= optim.lr_warmup_steps:
+            raise ConfigError(f"{section}.optim.total_training_steps={steps}: a "
+                              f"{optim.lr_decay_style} decay needs more steps than "
+                              f"{section}.optim.lr_warmup_steps={optim.lr_warmup_steps}")
 
 
 def _check_torchrun_sharing(cfg: DictConfig, plans: list[GroupPlan]) -> None:

@@ -81,6 +81,7 @@ def make_run_plan(cfg, *, root: Path, start_step: int, total_steps: int, val_onl
     if r.name == "sglang" and not r.server_urls:
         replicas = _hosting(plans, "generate").num_devices // r.tensor_model_parallel_size
         servers = tuple(server_spec(cfg, j) for j in range(replicas))
+    schedule = None if val_only else total_steps  # the LR schedule's length, where null
     groups = task_groups([list(g) if not isinstance(g, str) else g
                           for g in t.separated_node_tasks])
     return RunPlan(
@@ -88,6 +89,6 @@ def make_run_plan(cfg, *, root: Path, start_step: int, total_steps: int, val_onl
         max_new_tokens=int(r.max_new_tokens), temperature=float(r.temperature),
         ckpt_root=root, groups=MappingProxyType(dict(groups)), placement=tuple(plans),
         generate_group=_hosting(plans, "generate").name,
-        models=MappingProxyType({role: ModelPlan(megatron_spec(cfg, role), g)
+        models=MappingProxyType({role: ModelPlan(megatron_spec(cfg, role, schedule), g)
                                  for role, g in where.items()}),
         servers=servers)

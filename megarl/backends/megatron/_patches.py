@@ -8,11 +8,17 @@ CPU, gloo):
 - `LanguageModule.setup_embeddings_and_output_layer` moves the tied embedding to `.cuda()`
   before syncing it across the first and last pipeline stages.
 `apply()` redirects those to the CPU. It is a no-op when CUDA is available, so GPU runs use
-Megatron exactly as shipped. The core attention (the local spec's allocates on `cuda`) is
+Megatron exactly as shipped.
+
+Megatron's optimizer (`megatron.optimizer: megatron`, what GPUs run) needs two more: its
+modules allocate scalars on "cuda" (the same redirect), and it asserts or branches on
+`tensor.type()` naming a CUDA type (`torch.cuda.FloatTensor`, `torch.cuda.BFloat16Tensor`):
+`cuda_tensor_types()` answers those names for CPU tensors while the optimizer runs. The core attention (the local spec's allocates on `cuda`) is
 replaced through the layer spec instead, see `attention.py`.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import types
@@ -67,6 +73,9 @@ def apply() -> None:
         return
     import megatron.core
     from megatron.core.models.common.language_module.language_module import LanguageModule
+    from megatron.core import utils as core_utils
+    from megatron.core.optimizer import clip_grads, distrib_optimizer
+    from megatron.core.optimizer import optimizer as optimizer_module
     from megatron.core.pipeline_parallel import schedules
 
     version = getattr(megatron.core, "__version__", "unknown")
@@ -75,8 +84,37 @@ def apply() -> None:
                        TARGET_MEGATRON_CORE, version)
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.synchronize = lambda *a, **k: None
-    schedules.torch = _CpuTorchShim()
+    for module in (schedules, optimizer_module, clip_grads, distrib_optimizer, core_utils):
+        module.torch = _CpuTorchShim()
     LanguageModule.setup_embeddings_and_output_layer = _tensor_cuda_is_identity(
         LanguageModule.setup_embeddings_and_output_layer)
     _applied = True
     logger.debug("megatron-core CPU patches applied (megatron-core %s)", version)
+
+
+_tensor_type = torch.Tensor.type
+
+
+def _cuda_type_name(self, *args, **kwargs):
+    name = _tensor_type(self, *args, **kwargs)
+    if args or kwargs or not isinstance(name, str) or name.startswith("torch.cuda."):
+        return name  # a conversion (`t.type(dtype)`), or a real CUDA tensor
+    return "torch.cuda." + name[len("torch."):]
+
+
+@contextlib.contextmanager
+def cuda_tensor_types():
+    """While Megatron's optimizer runs on the CPU, `tensor.type()` names the CUDA type of the
+    same dtype, which is what its type checks accept (and what decides that bf16 params get
+    fp32 main copies). The swap is process-wide for the duration: the optimizer runs on the
+    rank's main thread, and nothing else in megarl asks for `Tensor.type()` names. No-op with
+    CUDA."""
+    if cuda_available():
+        yield
+        return
+    saved = torch.Tensor.type
+    torch.Tensor.type = _cuda_type_name
+    try:
+        yield
+    finally:
+        torch.Tensor.type = saved

@@ -84,19 +84,33 @@ def load_checkpoint(worker, path) -> dict:
     if missing or unexpected:
         raise RuntimeError(f"{path}: checkpoint does not match the model: missing {missing[:5]}, "
                            f"unexpected {unexpected[:5]}")
-    optim = Path(path) / "optim" / f"rank_{dist.get_rank():05d}.pt"
-    if worker.optimizer is not None and optim.is_file():
-        same = (meta.get("tp"), meta.get("pp"), meta.get("world")) == (
-            worker.ps.get_tensor_model_parallel_world_size(),
-            worker.ps.get_pipeline_model_parallel_world_size(), dist.get_world_size())
-        if same:
-            worker.optimizer.load_state_dict(torch.load(optim, weights_only=False))
-        else:
-            logger.warning("%s: optimizer state was saved on another layout; starting the "
-                           "optimizer fresh", path)
+    if worker.optimizer is not None:
+        _load_optimizer(worker, Path(path), meta)
     logger.info("loaded Megatron checkpoint %s (saved at TP=%s PP=%s)", path, meta.get("tp"),
                 meta.get("pp"))
     return meta
+
+
+def _load_optimizer(worker, path: Path, meta: dict) -> None:
+    """This rank's optimizer state, where it was saved on this layout by this optimizer;
+    otherwise a fresh optimizer whose main params are the loaded weights."""
+    optim = path / "optim" / f"rank_{dist.get_rank():05d}.pt"
+    same = (meta.get("tp"), meta.get("pp"), meta.get("world")) == (
+        worker.ps.get_tensor_model_parallel_world_size(),
+        worker.ps.get_pipeline_model_parallel_world_size(), dist.get_world_size())
+    why = None if same else "it was saved on another layout"
+    if why is None and not optim.is_file():
+        why = "the checkpoint has none"
+    if why is None:
+        try:
+            worker.optimizer.load_state_dict(torch.load(optim, weights_only=False))
+            return
+        except ValueError as e:  # another optimizer, or distributed vs not: checked first
+            why = str(e)
+    logger.warning("%s: not loading the optimizer state (%s); the optimizer starts fresh",
+                   path, why)
+    # Megatron's optimizer steps fp32 copies of bf16 weights; they must be the loaded ones.
+    worker.optimizer.reload_model_params()
 
 
 def hf_side_dir(path) -> str:

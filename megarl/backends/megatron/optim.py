@@ -1,11 +1,18 @@
 """Optimizers for the Megatron backend.
 
-On GPUs, Megatron's own DDP + distributed optimizer (mixed precision, grad buffers). Megatron's
-optimizer does not run on the CPU (it asserts `torch.cuda.FloatTensor`), so on the CPU this is
-`torch.optim.AdamW` plus what Megatron's optimizer would have done around it: averaging
-gradients over data-parallel replicas, summing tied-embedding gradients across the first and
-last pipeline stages, and clipping by the global norm over every TP/PP shard (each replicated
-tensor counted once).
+`MegatronOptimizer` is the one users train with on every device: Megatron's DDP (grad buffers,
+optionally overlapped grad reduce), `get_megatron_optimizer` (bf16 params with fp32 main params,
+optionally the distributed optimizer) and Megatron's LR scheduler. On the CPU it runs through
+the accommodations in `_patches.py` (Megatron's optimizer asserts CUDA tensor types), so CI
+runs the same optimizer code as a GPU. `TorchOptimizer` (`megatron.optimizer: torch`) is plain
+`torch.optim.AdamW` plus what Megatron's optimizer does around it (DP averaging, tied-embedding
+grad sync, TP/PP-aware clipping): a fallback should a Megatron release break the CPU path.
+
+Both take the learning rate from Megatron's `OptimizerParamScheduler`: linear warm-up from 0
+over `lr_warmup_steps`, then `lr_decay_style` (constant, linear or cosine) down to `min_lr` at
+`lr_decay_steps`. Step k (from 0) trains at the schedule's value after k+1 increments, so the
+first step of a warm-up already moves the weights (lr/warmup) and the last step of a decay
+trains at `min_lr`.
 """
 from __future__ import annotations
 
@@ -14,6 +21,11 @@ import math
 
 import torch
 import torch.distributed as dist
+
+from . import _patches
+
+IMPLS = ("megatron", "torch")
+DECAY_STYLES = ("constant", "linear", "cosine")
 
 
 @dataclasses.dataclass
@@ -24,23 +36,65 @@ class OptimConfig:
     eps: float = 1e-8
     clip_grad: float = 1.0
     lr_warmup_steps: int = 0
+    lr_decay_style: str = "constant"
+    min_lr: float = 0.0
+    lr_decay_steps: int | None = None  # required by a decaying style
     use_distributed_optimizer: bool = False
+    overlap_grad_reduce: bool = False
+    impl: str = "megatron"
+
+    def __post_init__(self):
+        if self.impl not in IMPLS:
+            raise ValueError(f"optimizer impl must be one of {IMPLS}, got {self.impl!r}")
+        if self.lr_decay_style not in DECAY_STYLES:
+            raise ValueError(f"lr_decay_style must be one of {DECAY_STYLES}, "
+                             f"got {self.lr_decay_style!r}")
+        if self.lr_decay_style != "constant" and \
+                (self.lr_decay_steps or 0) <= self.lr_warmup_steps:
+            raise ValueError(f"a {self.lr_decay_style} LR decay needs more schedule steps "
+                             f"(lr_decay_steps={self.lr_decay_steps}) than warm-up steps "
+                             f"({self.lr_warmup_steps})")
+        if not 0.0 <= self.min_lr <= self.lr:
+            raise ValueError(f"min_lr {self.min_lr} must lie in [0, lr={self.lr}]")
 
     @classmethod
-    def from_config(cls, optim, megatron=None) -> "OptimConfig":
-        """From the `actor.optim` (and `actor.megatron`) sections of the run config."""
+    def from_config(cls, optim, megatron=None, schedule_steps: int | None = None) -> "OptimConfig":
+        """From the `actor.optim` (and `actor.megatron`) sections of the run config.
+        `schedule_steps` (the trainer's total steps) is the decay length where
+        `optim.total_training_steps` is null."""
         names = {f.name for f in dataclasses.fields(cls)}
         kw = {k: optim[k] for k in optim if k in names}
         kw["betas"] = tuple(kw.get("betas", cls.betas))
+        kw["lr_decay_steps"] = optim.get("total_training_steps") or schedule_steps
         if megatron is not None:
             kw["use_distributed_optimizer"] = bool(megatron.use_distributed_optimizer)
+            kw["overlap_grad_reduce"] = bool(megatron.get("overlap_grad_reduce", False))
+            kw["impl"] = megatron.get("optimizer", "megatron")
         return cls(**kw)
 
     def lr_at(self, step: int) -> float:
-        """Linear warm-up to `lr` over `lr_warmup_steps`, then constant."""
-        if self.lr_warmup_steps > 0 and step < self.lr_warmup_steps:
-            return self.lr * (step + 1) / self.lr_warmup_steps
-        return self.lr
+        """The learning rate train step `step` (from 0) uses (what the scheduler sets)."""
+        sched = _scheduler(_ParamGroups(), self)
+        sched.step(step + 1)
+        return sched.get_lr({})
+
+
+class _ParamGroups:
+    """An optimizer with one empty parameter group: what the scheduler needs to compute."""
+    param_groups = [{}]
+
+
+def _scheduler(optimizer, cfg: OptimConfig):
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    # A constant schedule has no decay length; Megatron still wants one past the warm-up.
+    decay = cfg.lr_decay_steps or cfg.lr_warmup_steps + 1
+    decay = max(decay, cfg.lr_warmup_steps + 1)
+    return OptimizerParamScheduler(
+        optimizer, init_lr=0.0, max_lr=cfg.lr, min_lr=cfg.min_lr,
+        lr_warmup_steps=cfg.lr_warmup_steps, lr_decay_steps=decay,
+        lr_decay_style=cfg.lr_decay_style, start_wd=cfg.weight_decay, end_wd=cfg.weight_decay,
+        wd_incr_steps=decay, wd_incr_style="constant")
 
 
 def _counts_once(p) -> bool:
@@ -52,16 +106,20 @@ def _counts_once(p) -> bool:
     return getattr(p, "tensor_model_parallel", False) or ps.get_tensor_model_parallel_rank() == 0
 
 
-class CpuOptimizer:
+class TorchOptimizer:
     """AdamW with DP gradient averaging, tied-embedding grad sync and TP/PP-aware clipping."""
 
     def __init__(self, model, cfg: OptimConfig):
         self.model = model
         self.cfg = cfg
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.opt = torch.optim.AdamW(self.params, lr=cfg.lr_at(0), betas=tuple(cfg.betas),
+        self.opt = torch.optim.AdamW(self.params, lr=cfg.lr, betas=tuple(cfg.betas),
                                      eps=cfg.eps, weight_decay=cfg.weight_decay)
-        self.steps = 0
+        self.sched = _scheduler(self.opt, cfg)
+
+    @property
+    def steps(self) -> int:
+        return self.sched.num_steps
 
     def zero_grad(self):
         self.opt.zero_grad(set_to_none=True)
@@ -102,62 +160,143 @@ class CpuOptimizer:
             for p in self.params:
                 if p.grad is not None:
                     p.grad.mul_(scale)
-        lr = self.cfg.lr_at(self.steps)
-        for g in self.opt.param_groups:
-            g["lr"] = lr
+        self.sched.step(1)
+        lr = self.opt.param_groups[0]["lr"]
         self.opt.step()
-        self.steps += 1
         return {"grad_norm": norm, "lr": lr}
 
+    def reload_model_params(self):
+        """Nothing to do: AdamW updates the model's own tensors."""
+
     def state_dict(self):
-        return {"opt": self.opt.state_dict(), "steps": self.steps}
+        return {"impl": "torch", "opt": self.opt.state_dict(), "steps": self.steps}
 
     def load_state_dict(self, sd):
+        _check_impl(sd, "torch")
         self.opt.load_state_dict(sd["opt"])
-        self.steps = sd["steps"]
+        _resume_schedule(self.sched, sd["steps"])
 
 
-class GpuOptimizer:
-    """Megatron DDP + Megatron optimizer (mixed precision, optional distributed optimizer).
-
-    Not exercised in CI (no GPU there); see the closing notes of the foundation issue.
-    """
+class MegatronOptimizer:
+    """Megatron DDP + Megatron optimizer (mixed precision, optional distributed optimizer and
+    overlapped grad reduce) + Megatron's LR scheduler."""
 
     def __init__(self, model, cfg: OptimConfig, bf16: bool):
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-        from megatron.core.distributed import finalize_model_grads
+        from megatron.core.distributed import (DistributedDataParallel,
+                                               DistributedDataParallelConfig,
+                                               finalize_model_grads)
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
+        self.cfg = cfg
+        self.model = model
         tcfg = model.config
         ddp_cfg = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+            grad_reduce_in_fp32=True, overlap_grad_reduce=cfg.overlap_grad_reduce,
             use_distributed_optimizer=cfg.use_distributed_optimizer)
-        self.ddp = DistributedDataParallel(tcfg, ddp_cfg, model)
-        tcfg.finalize_model_grads_func = finalize_model_grads
         ocfg = OptimizerConfig(
-            optimizer="adam", lr=cfg.lr, weight_decay=cfg.weight_decay, adam_beta1=cfg.betas[0],
-            adam_beta2=cfg.betas[1], adam_eps=cfg.eps, clip_grad=cfg.clip_grad, bf16=bf16,
-            params_dtype=torch.float32, use_distributed_optimizer=cfg.use_distributed_optimizer)
-        self.opt = get_megatron_optimizer(ocfg, [self.ddp])
-        self.model = model
+            optimizer="adam", lr=cfg.lr, min_lr=cfg.min_lr, weight_decay=cfg.weight_decay,
+            adam_beta1=cfg.betas[0], adam_beta2=cfg.betas[1], adam_eps=cfg.eps,
+            clip_grad=cfg.clip_grad, bf16=bf16, params_dtype=torch.float32,
+            use_distributed_optimizer=cfg.use_distributed_optimizer)
+        with _patches.cuda_tensor_types():
+            self.ddp = DistributedDataParallel(tcfg, ddp_cfg, model)
+            self.opt = get_megatron_optimizer(ocfg, [self.ddp])
+        # The schedules call these: grads reduce after the last micro-batch's backward (and,
+        # with overlap, bucket by bucket while the backward still runs), then are finalized.
+        tcfg.finalize_model_grads_func = finalize_model_grads
+        if cfg.overlap_grad_reduce:
+            tcfg.no_sync_func = self.ddp.no_sync
+            tcfg.grad_sync_func = self.ddp.start_grad_sync
+        self.sched = _scheduler(self.opt, cfg)
+
+    @property
+    def steps(self) -> int:
+        return self.sched.num_steps
 
     def zero_grad(self):
         self.ddp.zero_grad_buffer()
         self.opt.zero_grad()
 
     def step(self) -> dict:
-        ok, norm, _ = self.opt.step()
+        self.sched.step(1)
+        with _patches.cuda_tensor_types():
+            ok, norm, _ = self.opt.step()
         return {"grad_norm": float(norm) if norm is not None else float("nan"),
                 "lr": self.opt.param_groups[0]["lr"], "update_skipped": float(not ok)}
 
+    def reload_model_params(self):
+        """After the model's weights were loaded from elsewhere: copy them into the fp32 main
+        params, which the next step would otherwise write back over them."""
+        with _patches.cuda_tensor_types():
+            self.opt.reload_model_params()
+
+    def _parts(self):
+        return getattr(self.opt, "chained_optimizers", [self.opt])
+
     def state_dict(self):
-        return self.opt.state_dict()
+        sd = {"impl": "megatron", "opt": self.opt.state_dict(), "steps": self.steps}
+        if self.cfg.use_distributed_optimizer:
+            # The distributed optimizer keeps Adam's moments and the main params outside its
+            # state_dict: this rank's shard of them, as laid out in its grad buffers.
+            sd["param_state"] = [_mark_unpadded(o.get_parameter_state_dp_reshardable())
+                                 for o in self._parts()]
+        return sd
 
     def load_state_dict(self, sd):
-        self.opt.load_state_dict(sd)
+        _check_impl(sd, "megatron")
+        if self.cfg.use_distributed_optimizer != ("param_state" in sd):
+            raise ValueError("optimizer state was saved with use_distributed_optimizer="
+                             f"{'param_state' in sd}; this run has "
+                             f"{self.cfg.use_distributed_optimizer}")
+        # no_grad: in fp32 the distributed optimizer's main params are views of the model's
+        # leaf params, which an in-place copy under autograd refuses.
+        with _patches.cuda_tensor_types(), torch.no_grad():
+            self.opt.load_state_dict(sd["opt"])
+            for o, state in zip(self._parts(), sd.get("param_state", ())):
+                o.load_parameter_state_from_dp_reshardable(state)
+        _unshare_adam_steps(self._parts())
+        _resume_schedule(self.sched, sd["steps"])
+
+
+def _mark_unpadded(state: dict) -> dict:
+    """megatron-core 0.16's `load_parameter_state_from_dp_reshardable` skips entries marked
+    `padding`, a key its own `get_parameter_state_dp_reshardable` does not write (only the
+    dist-checkpointing path adds it): mark every entry a real parameter."""
+    for key, by_dtype in state.items():
+        if isinstance(key, int):
+            for buckets in by_dtype.values():
+                for bucket in buckets:
+                    for entry in bucket:
+                        entry.setdefault("padding", False)
+    return state
+
+
+def _unshare_adam_steps(parts) -> None:
+    """megatron-core 0.16's distributed optimizer, loading state into torch's Adam (no TE or
+    Apex fused Adam), gives every parameter the same `step` tensor; torch increments it once
+    per parameter, so after one step the bias correction is off by the parameter count. Give
+    each parameter its own counter."""
+    for o in parts:
+        for state in getattr(o, "optimizer", o).state.values():
+            if torch.is_tensor(state.get("step")):
+                state["step"] = state["step"].clone()
+
+
+def _check_impl(sd: dict, impl: str) -> None:
+    saved = sd.get("impl", "torch")  # states written before the key existed were AdamW's
+    if saved != impl:
+        raise ValueError(f"optimizer state was saved by megatron.optimizer={saved}; this run "
+                         f"uses {impl}")
+
+
+def _resume_schedule(sched, steps: int) -> None:
+    """Resume the schedule at `steps` with this run's settings (not the saved ones), so an LR
+    changed on resume takes effect."""
+    sched.num_steps = 0
+    sched.step(int(steps))
 
 
 def build_optimizer(model, cfg: OptimConfig, bf16: bool = False):
-    if torch.cuda.is_available():
-        return GpuOptimizer(model, cfg, bf16)
-    return CpuOptimizer(model, cfg)
+    if cfg.impl == "torch":
+        return TorchOptimizer(model, cfg)
+    return MegatronOptimizer(model, cfg, bf16)
