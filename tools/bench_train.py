@@ -62,6 +62,9 @@ def parse_args(argv=None):
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                    help="Megatron params_dtype (bf16: fp32 main grads); the baseline then runs "
                         "under torch.autocast to the same dtype")
+    p.add_argument("--optimizer", choices=("megatron", "torch"), default="megatron",
+                   help="the Megatron side's optimizer (megatron.optimizer): Megatron's DDP + "
+                        "optimizer, or the plain-AdamW fallback")
     p.add_argument("--no-baseline", action="store_true",
                    help="Megatron side only (a model too large to hold twice)")
     p.add_argument("--peak-tflops", type=float, default=None,
@@ -148,8 +151,8 @@ def run(a) -> None:
     from megarl.utils.tiny_model import read_hf_config
 
     torch.set_num_threads(a.threads)
-    worker = MegatronWorker(a.model, a.tp, a.pp, optim=OptimConfig(lr=a.lr, clip_grad=1.0),
-                            params_dtype=a.dtype)
+    worker = MegatronWorker(a.model, a.tp, a.pp, params_dtype=a.dtype,
+                            optim=OptimConfig(lr=a.lr, clip_grad=1.0, impl=a.optimizer))
     rank, world = dist.get_rank(), dist.get_world_size()
     on_gpu = torch.cuda.is_available()
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
@@ -227,7 +230,7 @@ def report(a, world, tokens, m_res, m_times, b_res, b_times, fpt: float) -> None
     if a.no_baseline:
         return
     b_tps = tokens / (sum(b_times) / len(b_times))
-    print(f"ratio megatron/baseline tokens/s: {m_tps / b_tps:.2f}"
+    print(f"ratio megatron ({a.optimizer} optimizer)/baseline tokens/s: {m_tps / b_tps:.2f}"
           + (f"  (megatron uses {world}x the baseline's cores)" if world > 1 else ""))
     # Same weights and batch: the first step's loss and gradient norm must agree to float32
     # round-off, or bf16's (loss@last shows whether the updates agree as well).

@@ -1,7 +1,7 @@
 """Megatron's DDP and optimizer (what GPUs run) on the CPU: the same steps as plain AdamW, at
-DP=2 with and without the distributed optimizer and overlapped grad reduce; bf16 params with
-fp32 main params within bf16 tolerance of fp32; a checkpoint resumes mid-schedule to the
-same curve."""
+DP=2 with and without the distributed optimizer and overlapped grad reduce; bf16 and fp16
+params with fp32 main params within half-precision tolerance of fp32; a checkpoint resumes
+mid-schedule to the same curve, and in the other dtype with a fresh optimizer."""
 import pytest
 
 from launch_helpers import SCRIPTS, read_json, torchrun
@@ -60,13 +60,29 @@ def test_megatron_optimizer_at_dp2_equals_adamw_at_dp1(tmp_path, tiny_qwen2, tor
     _same(torch_dp2, got)
 
 
-def test_bf16_params_track_fp32_within_bf16_tolerance(tmp_path, tiny_qwen2, torch_dp1):
-    got = _curve(tmp_path, tiny_qwen2, 1, f"{M}.params_dtype=bfloat16")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_params_track_fp32_within_half_tolerance(tmp_path, tiny_qwen2, torch_dp1, dtype):
+    got = _curve(tmp_path, tiny_qwen2, 1, f"{M}.params_dtype={dtype}")
     for a, b in zip(torch_dp1, got):
         # bf16 keeps 8 bits of mantissa; the fp32 main params keep the updates from rounding
-        # away, so the curves stay together instead of drifting apart.
+        # away, so the curves stay together instead of drifting apart. fp16 goes through
+        # Megatron's loss scaler: no step may be skipped for overflow.
         assert abs(a["loss"] - b["loss"]) <= 0.02 * abs(a["loss"]) + 0.02, (torch_dp1, got)
+        assert b["update_skipped"] == 0.0, got
     assert got[-1]["loss"] < got[0]["loss"] - 0.1
+
+
+@pytest.mark.parametrize("saved,loaded", [("bfloat16", "float32"), ("float32", "bfloat16")])
+def test_a_checkpoint_reads_back_in_the_other_dtype(tmp_path, tiny_qwen2, saved, loaded):
+    """A GPU run's bf16 checkpoint resumed by an fp32 CPU run, and the reverse: the weights
+    load (cast), the schedule goes on from the step, and the optimizer, whose state has no
+    fp32 main params in one dtype and has them in the other, starts fresh."""
+    source = _curve(tmp_path, tiny_qwen2, 1, f"{M}.params_dtype={saved}")
+    got = _curve(tmp_path, tiny_qwen2, 1, f"{M}.params_dtype={saved}", "--then",
+                 f"{M}.params_dtype={loaded}", resume_at=3)
+    assert got[3]["loss"] == pytest.approx(source[3]["loss"], rel=0.01, abs=0.01)
+    assert [s["lr"] for s in got] == pytest.approx([s["lr"] for s in source], rel=1e-9)
+    assert got[4]["loss"] < got[3]["loss"] - 0.1 and got[4]["update_skipped"] == 0.0
 
 
 @pytest.mark.parametrize("nproc,extra", [

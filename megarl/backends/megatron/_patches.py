@@ -74,7 +74,7 @@ def apply() -> None:
     import megatron.core
     from megatron.core.models.common.language_module.language_module import LanguageModule
     from megatron.core import utils as core_utils
-    from megatron.core.optimizer import clip_grads, distrib_optimizer
+    from megatron.core.optimizer import clip_grads, distrib_optimizer, grad_scaler
     from megatron.core.optimizer import optimizer as optimizer_module
     from megatron.core.pipeline_parallel import schedules
 
@@ -84,7 +84,8 @@ def apply() -> None:
                        TARGET_MEGATRON_CORE, version)
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.synchronize = lambda *a, **k: None
-    for module in (schedules, optimizer_module, clip_grads, distrib_optimizer, core_utils):
+    for module in (schedules, optimizer_module, clip_grads, distrib_optimizer, grad_scaler,
+                   core_utils):
         module.torch = _CpuTorchShim()
     LanguageModule.setup_embeddings_and_output_layer = _tensor_cuda_is_identity(
         LanguageModule.setup_embeddings_and_output_layer)

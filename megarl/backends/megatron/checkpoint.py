@@ -57,7 +57,10 @@ def save_checkpoint(worker, path, **meta) -> Path:
             json.dump({"format": "megarl-mcore-v1", "model_dir": str(worker.model_dir),
                        "tp": worker.ps.get_tensor_model_parallel_world_size(),
                        "pp": worker.ps.get_pipeline_model_parallel_world_size(),
-                       "world": dist.get_world_size(), **meta}, f,
+                       "world": dist.get_world_size(), **meta,
+                       # where the LR schedule resumes when the optimizer state cannot be used
+                       **({"optimizer_steps": worker.optimizer.steps}
+                          if worker.optimizer is not None else {})}, f,
                       indent=2)
         commit_dir(tmp, dst)
         logger.info("saved Megatron checkpoint to %s", dst)
@@ -103,7 +106,9 @@ def _load_optimizer(worker, path: Path, meta: dict) -> None:
         why = "the checkpoint has none"
     if why is None:
         try:
-            worker.optimizer.load_state_dict(torch.load(optim, weights_only=False))
+            # onto this worker's device: state saved on a GPU loads on a CPU and the reverse
+            state = torch.load(optim, map_location=worker._device(), weights_only=False)
+            worker.optimizer.load_state_dict(state)
             return
         except ValueError as e:  # another optimizer, or distributed vs not: checked first
             why = str(e)
@@ -111,6 +116,7 @@ def _load_optimizer(worker, path: Path, meta: dict) -> None:
                    path, why)
     # Megatron's optimizer steps fp32 copies of bf16 weights; they must be the loaded ones.
     worker.optimizer.reload_model_params()
+    worker.optimizer.resume_schedule(meta.get("optimizer_steps", 0))
 
 
 def hf_side_dir(path) -> str:

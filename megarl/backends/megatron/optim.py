@@ -106,7 +106,21 @@ def _counts_once(p) -> bool:
     return getattr(p, "tensor_model_parallel", False) or ps.get_tensor_model_parallel_rank() == 0
 
 
-class TorchOptimizer:
+class _Scheduled:
+    """What both optimizers share: the LR schedule (`self.sched`) and its position."""
+
+    @property
+    def steps(self) -> int:
+        return self.sched.num_steps
+
+    def resume_schedule(self, steps: int) -> None:
+        """Put the LR schedule at `steps`, with this run's settings (not the saved ones), so
+        an LR changed on resume takes effect."""
+        self.sched.num_steps = 0
+        self.sched.step(int(steps))
+
+
+class TorchOptimizer(_Scheduled):
     """AdamW with DP gradient averaging, tied-embedding grad sync and TP/PP-aware clipping."""
 
     def __init__(self, model, cfg: OptimConfig):
@@ -116,10 +130,6 @@ class TorchOptimizer:
         self.opt = torch.optim.AdamW(self.params, lr=cfg.lr, betas=tuple(cfg.betas),
                                      eps=cfg.eps, weight_decay=cfg.weight_decay)
         self.sched = _scheduler(self.opt, cfg)
-
-    @property
-    def steps(self) -> int:
-        return self.sched.num_steps
 
     def zero_grad(self):
         self.opt.zero_grad(set_to_none=True)
@@ -174,14 +184,14 @@ class TorchOptimizer:
     def load_state_dict(self, sd):
         _check_impl(sd, "torch")
         self.opt.load_state_dict(sd["opt"])
-        _resume_schedule(self.sched, sd["steps"])
+        self.resume_schedule(sd["steps"])
 
 
-class MegatronOptimizer:
+class MegatronOptimizer(_Scheduled):
     """Megatron DDP + Megatron optimizer (mixed precision, optional distributed optimizer and
     overlapped grad reduce) + Megatron's LR scheduler."""
 
-    def __init__(self, model, cfg: OptimConfig, bf16: bool):
+    def __init__(self, model, cfg: OptimConfig, params_dtype: str = "float32"):
         from megatron.core.distributed import (DistributedDataParallel,
                                                DistributedDataParallelConfig,
                                                finalize_model_grads)
@@ -189,6 +199,7 @@ class MegatronOptimizer:
 
         self.cfg = cfg
         self.model = model
+        self.params_dtype = params_dtype
         tcfg = model.config
         ddp_cfg = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=cfg.overlap_grad_reduce,
@@ -196,7 +207,11 @@ class MegatronOptimizer:
         ocfg = OptimizerConfig(
             optimizer="adam", lr=cfg.lr, min_lr=cfg.min_lr, weight_decay=cfg.weight_decay,
             adam_beta1=cfg.betas[0], adam_beta2=cfg.betas[1], adam_eps=cfg.eps,
-            clip_grad=cfg.clip_grad, bf16=bf16, params_dtype=torch.float32,
+            clip_grad=cfg.clip_grad, bf16=params_dtype == "bfloat16",
+            fp16=params_dtype == "float16", params_dtype=torch.float32,
+            # fp16 only: Megatron's default first scale (2^32) overflows, and halving it
+            # skips one RL step after another; 2^16 leaves bf16-sized headroom.
+            initial_loss_scale=2.0 ** 16,
             use_distributed_optimizer=cfg.use_distributed_optimizer)
         with _patches.cuda_tensor_types():
             self.ddp = DistributedDataParallel(tcfg, ddp_cfg, model)
@@ -204,14 +219,13 @@ class MegatronOptimizer:
         # The schedules call these: grads reduce after the last micro-batch's backward (and,
         # with overlap, bucket by bucket while the backward still runs), then are finalized.
         tcfg.finalize_model_grads_func = finalize_model_grads
+        # fp16's loss scaler: the schedules scale each micro-batch's loss by it before the
+        # backward, and the optimizer unscales the grads (and skips a step that overflowed).
+        tcfg.grad_scale_func = self.opt.scale_loss
         if cfg.overlap_grad_reduce:
             tcfg.no_sync_func = self.ddp.no_sync
             tcfg.grad_sync_func = self.ddp.start_grad_sync
         self.sched = _scheduler(self.opt, cfg)
-
-    @property
-    def steps(self) -> int:
-        return self.sched.num_steps
 
     def zero_grad(self):
         self.ddp.zero_grad_buffer()
@@ -234,7 +248,8 @@ class MegatronOptimizer:
         return getattr(self.opt, "chained_optimizers", [self.opt])
 
     def state_dict(self):
-        sd = {"impl": "megatron", "opt": self.opt.state_dict(), "steps": self.steps}
+        sd = {"impl": "megatron", "opt": self.opt.state_dict(), "steps": self.steps,
+              "params_dtype": self.params_dtype}
         if self.cfg.use_distributed_optimizer:
             # The distributed optimizer keeps Adam's moments and the main params outside its
             # state_dict: this rank's shard of them, as laid out in its grad buffers.
@@ -244,6 +259,12 @@ class MegatronOptimizer:
 
     def load_state_dict(self, sd):
         _check_impl(sd, "megatron")
+        # A bf16 run's state has fp32 main params an fp32 run has not (a GPU run's checkpoint
+        # read back by a CPU one, or the reverse): the weights load, the optimizer does not.
+        if sd.get("params_dtype", "float32") != self.params_dtype:
+            raise ValueError(f"optimizer state was saved with params_dtype="
+                             f"{sd.get('params_dtype', 'float32')}; this run has "
+                             f"{self.params_dtype}")
         if self.cfg.use_distributed_optimizer != ("param_state" in sd):
             raise ValueError("optimizer state was saved with use_distributed_optimizer="
                              f"{'param_state' in sd}; this run has "
@@ -255,7 +276,7 @@ class MegatronOptimizer:
             for o, state in zip(self._parts(), sd.get("param_state", ())):
                 o.load_parameter_state_from_dp_reshardable(state)
         _unshare_adam_steps(self._parts())
-        _resume_schedule(self.sched, sd["steps"])
+        self.resume_schedule(sd["steps"])
 
 
 def _mark_unpadded(state: dict) -> dict:
@@ -289,14 +310,7 @@ def _check_impl(sd: dict, impl: str) -> None:
                          f"uses {impl}")
 
 
-def _resume_schedule(sched, steps: int) -> None:
-    """Resume the schedule at `steps` with this run's settings (not the saved ones), so an LR
-    changed on resume takes effect."""
-    sched.num_steps = 0
-    sched.step(int(steps))
-
-
-def build_optimizer(model, cfg: OptimConfig, bf16: bool = False):
+def build_optimizer(model, cfg: OptimConfig, params_dtype: str = "float32"):
     if cfg.impl == "torch":
         return TorchOptimizer(model, cfg)
-    return MegatronOptimizer(model, cfg, bf16)
+    return MegatronOptimizer(model, cfg, params_dtype)

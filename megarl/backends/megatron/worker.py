@@ -76,8 +76,7 @@ class MegatronWorker:
         self.optimizer = None
         self.fwd_model = self.model  # the DDP wrapper on GPU, once an optimizer exists
         if trainable:
-            self.optimizer = build_optimizer(self.model, optim or OptimConfig(),
-                                             bf16=params_dtype == "bfloat16")
+            self.optimizer = build_optimizer(self.model, optim or OptimConfig(), params_dtype)
             self.fwd_model = getattr(self.optimizer, "ddp", self.model)
         else:
             for p in self.model.parameters():

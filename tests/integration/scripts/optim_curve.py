@@ -1,11 +1,12 @@
 """Rank program: optimizer steps on a fixed batch, each data-parallel rank training on its
 share; rank 0 writes the curve (loss of its share, global grad norm, lr).
 
-argv: out.json model_dir steps resume_at [override ...]
+argv: out.json model_dir steps resume_at [override ...] [--then override ...]
 
 resume_at > 0: after that many steps the worker saves a checkpoint, a second worker is built
 in the same processes, loads it and trains the remaining steps (the curve is both together).
-Overrides are run-config keys in the CLI's syntax (the layout, the optimizer, the dtype).
+Overrides are run-config keys in the CLI's syntax (the layout, the optimizer, the dtype);
+those after `--then` apply to the second worker only (a bf16 run resumed in fp32, say).
 """
 import json
 import os
@@ -20,15 +21,20 @@ ROWS, SEQ = 8, 16
 def main():
     out, model_dir, steps, resume_at, *overrides = sys.argv[1:]
     steps, resume_at = int(steps), int(resume_at)
+    then = overrides[overrides.index("--then") + 1:] if "--then" in overrides else []
+    overrides = overrides[:len(overrides) - len(then) - (1 if then or "--then" in overrides else 0)]
     from megarl.backends.megatron.worker import MegatronWorker
     from megarl.cluster.spec import megatron_spec
     from megarl.config import load_config
 
-    cfg = load_config(None, [f"actor_rollout_ref.model.path={model_dir}",
-                             "actor_rollout_ref.actor.optim.weight_decay=0.0",
-                             f"trainer.n_gpus_per_node={os.environ['WORLD_SIZE']}", *overrides])
-    spec = megatron_spec(cfg, "actor", schedule_steps=steps).model
-    w = MegatronWorker.from_spec(spec)
+    def spec(extra=()):
+        cfg = load_config(None, [f"actor_rollout_ref.model.path={model_dir}",
+                                 "actor_rollout_ref.actor.optim.weight_decay=0.0",
+                                 f"trainer.n_gpus_per_node={os.environ['WORLD_SIZE']}",
+                                 *overrides, *extra])
+        return megatron_spec(cfg, "actor", schedule_steps=steps).model
+
+    w = MegatronWorker.from_spec(spec())
     dp, rank = w.ps.get_data_parallel_world_size(), w.ps.get_data_parallel_rank()
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(0, w.args.vocab_size, (ROWS, SEQ), generator=g)
@@ -45,7 +51,7 @@ def main():
         if resume_at and i == resume_at:
             path = os.path.join(os.path.dirname(out), "ckpt")
             w.save(path)
-            w = MegatronWorker.from_spec(spec)  # fresh weights from HF, a fresh optimizer
+            w = MegatronWorker.from_spec(spec(then))  # fresh weights from HF, fresh optimizer
             w.load(path)
         curve.append(w.train_step(batch, loss_fn, micro_batch_size=2))
     if dist.get_rank() == 0:
