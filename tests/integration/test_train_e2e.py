@@ -87,6 +87,10 @@ MODES = {
                        "trainer.generate_ahead_steps=1"],
     "one-step-off": [],  # the quickstart: two groups, generate_ahead_steps=2
     "ahead-3": ["trainer.generate_ahead_steps=3"],
+    # what a GPU trains in: bf16 params, Megatron's optimizer keeping fp32 main params, the
+    # weight sync casting into the fp32 engine
+    "bf16-trainer": ["actor_rollout_ref.actor.megatron.params_dtype=bfloat16",
+                     "actor_rollout_ref.ref.megatron.params_dtype=bfloat16"],
 }
 
 
@@ -101,7 +105,7 @@ def test_reward_rises(quickstart_assets, tmp_path, mode):
     last = sum(reward[s] for s in range(33, 41)) / 8
     assert last > first + 0.1, (mode, first, last)
     stale = scalars(tmp_path, "rollout/staleness_max")
-    ahead = {"colocated-sync": 1, "one-step-off": 2, "ahead-3": 3}[mode]
+    ahead = {"colocated-sync": 1, "one-step-off": 2, "ahead-3": 3, "bf16-trainer": 2}[mode]
     # samples are never more than a-1 versions behind, and off-policy modes really are behind
     assert max(stale.values()) <= ahead - 1
     if ahead > 1:
