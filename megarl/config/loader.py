@@ -27,7 +27,8 @@ from omegaconf.errors import OmegaConfBaseException
 
 from megarl.config.errors import ConfigError
 from megarl.config.schema import MegaRLConfig, leaf_types
-from megarl.config.validate import show, validate_config
+from megarl.config.validate import (plan_task_groups, show, update_group_backend,
+                                    validate_config)
 
 # The feature request that started the project spelled these "sperated"; both spellings work.
 ALIASES = {
@@ -115,6 +116,7 @@ def load_config(path: str | None = None, overrides: Sequence[str] = ()) -> DictC
             logp[key] = actor[key]
     try:
         validate_config(cfg)
+        rollout.update_group_backend = update_group_backend(cfg, plan_task_groups(cfg))
     except ConfigError as err:
         # A rule names the key at fault; where the file set it, name the file as well.
         key = re.sub(r"\[\d+\]", "", str(err).partition(":")[0])

@@ -31,6 +31,7 @@ CHOICES: Dict[str, tuple] = {
     "actor_rollout_ref.actor.megatron.params_dtype": ("float32", "bfloat16", "float16"),
     "actor_rollout_ref.ref.megatron.params_dtype": ("float32", "bfloat16", "float16"),
     "actor_rollout_ref.rollout.name": ("embedded", "sglang"),
+    "actor_rollout_ref.rollout.update_group_backend": ("auto", "nccl", "gloo"),
     "algorithm.adv_estimator": (
         "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "drgrpo", "gae"),
     "algorithm.kl_penalty": KL_TYPES,
@@ -414,6 +415,12 @@ class RolloutConfig:
     """The trainer blocks only for a snapshot of its weights; a background sender delivers it
     while training goes on. (Stock SGLang still pauses generation while a version loads; the
     embedded engine stages it and keeps generating.)"""
+    update_group_backend: str = "auto"
+    """The weight-update group's backend: ``nccl`` (GPU to GPU), ``gloo`` (buckets staged
+    through host memory), or ``auto``: NCCL on CUDA unless two members of the group would sit
+    on one GPU, which NCCL cannot hold (``generate`` on ``actor-train``'s devices, as in a
+    one-GPU quickstart, or a logp replica on ``generate``'s), then gloo; gloo on the CPU.
+    The loader writes the resolved value here."""
     verify_weight_sync: bool = False
     """After every version, compare each engine's (and each logp replica's) checksum of every
     tensor with the trainer's (`/weights_checker`); a difference fails the sync naming the

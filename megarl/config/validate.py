@@ -56,6 +56,7 @@ def validate_config(cfg: DictConfig) -> None:
     _check_critic(cfg, plans)
     _check_logp(cfg, plans)
     _check_torchrun_sharing(cfg, plans)
+    _check_update_group(cfg, plans)
     critic_host = critic_hosted(plans) if cfg.algorithm.adv_estimator == "gae" else None
     for plan in plans:
         _check_group_parallelism(cfg, plan, with_critic=plan is critic_host)
@@ -226,6 +227,47 @@ def _check_rollout_fn(rollout: DictConfig) -> None:
         raise ConfigError(f"{_ARR}.rollout.rollout_fn: a rollout function replaces the built-in "
                           f"policies; {_ARR}.rollout.partial_rollout=true is one of them (set one "
                           "or the other)")
+
+
+def _hosting(plans: list[GroupPlan], task: str) -> GroupPlan:
+    return next(p for p in plans if task in p.tasks)
+
+
+def update_group_shares_a_device(cfg: DictConfig, plans: list[GroupPlan]) -> str | None:
+    """Why two ranks of the weight-update group (the trainer's sender, every engine TP rank,
+    every logp replica rank) would sit on one device, or None. Servers the user runs
+    (`rollout.server_urls`) are placed by the user."""
+    if cfg.actor_rollout_ref.rollout.server_urls:
+        return None
+    train, gen = _hosting(plans, "actor-train"), _hosting(plans, "generate")
+    if train is gen:
+        return f"generate shares the devices of actor-train (group {train.name})"
+    logp = _hosting(plans, "logp")
+    if logp is gen:
+        return f"the logp replica shares the devices of generate (group {gen.name})"
+    return None
+
+
+def update_group_backend(cfg: DictConfig, plans: list[GroupPlan]) -> str:
+    """`rollout.update_group_backend` with `auto` resolved (see the schema)."""
+    chosen = cfg.actor_rollout_ref.rollout.update_group_backend
+    if chosen != "auto":
+        return chosen
+    if cfg.trainer.device != "cuda" or update_group_shares_a_device(cfg, plans):
+        return "gloo"
+    return "nccl"
+
+
+def _check_update_group(cfg: DictConfig, plans: list[GroupPlan]) -> None:
+    if cfg.actor_rollout_ref.rollout.update_group_backend != "nccl":
+        return
+    key = f"{_ARR}.rollout.update_group_backend"
+    if cfg.trainer.device != "cuda":
+        raise ConfigError(f"{key}: nccl needs trainer.device=cuda, not {cfg.trainer.device}")
+    why = update_group_shares_a_device(cfg, plans)
+    if why:
+        raise ConfigError(f"{key}: nccl cannot hold two ranks on one GPU, and {why}; use "
+                          "gloo or auto")
 
 
 def critic_hosted(plans: list[GroupPlan]) -> GroupPlan:

@@ -101,6 +101,7 @@ class SyncConfig:
     dual_buffer: bool = False
     verify: bool = False
     timeout_s: float = 120.0  # per bucket: update call + broadcast + every engine's answer
+    backend: str | None = None  # the update group's; None: nccl where CUDA is, else gloo
 
     def __post_init__(self):
         if self.consume_bucket_mb <= 0 or self.produce_bucket_mb <= 0:
@@ -119,6 +120,8 @@ class SyncConfig:
         return cls(produce_bucket_mb=rollout.param_update_preduce_bucket_size_mb,
                    consume_bucket_mb=rollout.param_update_consume_bucket_size_mb,
                    dual_buffer=rollout.enable_dual_buffer,
+                   backend=None if rollout.get("update_group_backend") in (None, "auto")
+                   else rollout.update_group_backend,
                    **{"verify": rollout.verify_weight_sync, **overrides})
 
 

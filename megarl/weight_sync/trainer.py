@@ -73,7 +73,8 @@ class TrainerWeightSync:
         self._seq = 0
         self._pending = None  # version whose background delivery is not yet collected
         if self.sender:
-            backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+            backend = backend or config.backend or \
+                ("nccl" if torch.cuda.is_available() else "gloo")
             device = "cuda" if backend == "nccl" else "cpu"
             self.producer = WeightProducer(links, config, stage=self.stage,
                                            group_name=f"{group_name}-pp{self.stage}",
