@@ -209,8 +209,8 @@ class MegatronOptimizer(_Scheduled):
             adam_beta1=cfg.betas[0], adam_beta2=cfg.betas[1], adam_eps=cfg.eps,
             clip_grad=cfg.clip_grad, bf16=params_dtype == "bfloat16",
             fp16=params_dtype == "float16", params_dtype=torch.float32,
-            # fp16 only: Megatron's default first scale (2^32) overflows, and halving it
-            # skips one RL step after another; 2^16 leaves bf16-sized headroom.
+            # fp16 only: Megatron's default first scale (2^32) overflows, and each halving
+            # costs a skipped RL step; from 2^16 the tiny model's first step already fits.
             initial_loss_scale=2.0 ** 16,
             use_distributed_optimizer=cfg.use_distributed_optimizer)
         with _patches.cuda_tensor_types():
