@@ -105,9 +105,9 @@ def megatron_spec(cfg, role: str, schedule_steps: int | None = None) -> Megatron
     layout = arr.logp if role == "logp" else m
     tp, pp = layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size
     trains = role == "actor"
+    optim = _optim(cfg, "actor_rollout_ref.actor", schedule_steps) if trains else None
     model = ModelSpec(arr.model.path, tp, pp, m.params_dtype, m.make_vocab_size_divisible_by,
-                      m.seed, _optim(cfg, "actor_rollout_ref.actor", schedule_steps) if trains else None,
-                      transformer_impl=m.transformer_impl)
+                      m.seed, optim, transformer_impl=m.transformer_impl)
     if not trains:
         return MegatronSpec(role, model, arr.model.path)
     loss = ActorLossSettings.from_config(arr.actor, cfg.data.max_response_length)

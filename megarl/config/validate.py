@@ -229,7 +229,8 @@ def _check_rollout_fn(rollout: DictConfig) -> None:
                           "or the other)")
 
 
-def _hosting(plans: list[GroupPlan], task: str) -> GroupPlan:
+def hosting(plans: list[GroupPlan], task: str) -> GroupPlan:
+    """The group that runs `task`."""
     return next(p for p in plans if task in p.tasks)
 
 
@@ -239,10 +240,10 @@ def update_group_shares_a_device(cfg: DictConfig, plans: list[GroupPlan]) -> str
     (`rollout.server_urls`) are placed by the user."""
     if cfg.actor_rollout_ref.rollout.server_urls:
         return None
-    train, gen = _hosting(plans, "actor-train"), _hosting(plans, "generate")
+    train, gen = hosting(plans, "actor-train"), hosting(plans, "generate")
     if train is gen:
         return f"generate shares the devices of actor-train (group {train.name})"
-    logp = _hosting(plans, "logp")
+    logp = hosting(plans, "logp")
     if logp is gen:
         return f"the logp replica shares the devices of generate (group {gen.name})"
     return None
@@ -272,8 +273,7 @@ def _check_update_group(cfg: DictConfig, plans: list[GroupPlan]) -> None:
 
 def critic_hosted(plans: list[GroupPlan]) -> GroupPlan:
     """The group the critic runs on: its own task's, else actor-train's."""
-    return next((p for p in plans if "critic" in p.tasks),
-                next(p for p in plans if "actor-train" in p.tasks))
+    return next((p for p in plans if "critic" in p.tasks), hosting(plans, "actor-train"))
 
 
 def _check_critic(cfg: DictConfig, plans: list[GroupPlan]) -> None:

@@ -17,7 +17,7 @@ from typing import Mapping
 from megarl.cluster.spec import MegatronSpec, ServerSpec, megatron_spec, server_spec
 from megarl.cluster.topology import GroupPlan
 from megarl.config import plan_task_groups
-from megarl.config.validate import critic_hosted
+from megarl.config.validate import critic_hosted, hosting
 
 from .machine import task_groups
 
@@ -52,10 +52,6 @@ class RunPlan:
         return count
 
 
-def _hosting(plans: list[GroupPlan], task: str) -> GroupPlan:
-    return next(p for p in plans if task in p.tasks)
-
-
 def make_run_plan(cfg, *, root: Path, start_step: int, total_steps: int, val_only: bool,
                   resumed: bool) -> RunPlan:
     """The plan of the run `cfg` describes (checked: config/validate.py), starting at
@@ -63,23 +59,23 @@ def make_run_plan(cfg, *, root: Path, start_step: int, total_steps: int, val_onl
     only run then needs a trainer to load)."""
     arr, t, alg = cfg.actor_rollout_ref, cfg.trainer, cfg.algorithm
     plans = plan_task_groups(cfg)
-    actor = _hosting(plans, "actor-train").name
+    actor = hosting(plans, "actor-train").name
     where: dict[str, str] = {}
     # val_only with no checkpoint validates the HF model itself: no trainer is needed.
     if not val_only or resumed:
         where["actor"] = actor
     if not val_only:
         if arr.actor.use_kl_loss or alg.use_kl_in_reward:
-            where["ref"] = _hosting(plans, "ref_logp").name
+            where["ref"] = hosting(plans, "ref_logp").name
         if alg.adv_estimator == "gae":  # on its own task group, or beside actor-train
             where["critic"] = critic_hosted(plans).name
-        logp = _hosting(plans, "logp").name
+        logp = hosting(plans, "logp").name
         if logp != actor:  # a frozen replica of the actor there, fed by the weight sync
             where["logp"] = logp
     r = arr.rollout
     servers = ()
     if r.name == "sglang" and not r.server_urls:
-        replicas = _hosting(plans, "generate").num_devices // r.tensor_model_parallel_size
+        replicas = hosting(plans, "generate").num_devices // r.tensor_model_parallel_size
         servers = tuple(server_spec(cfg, j) for j in range(replicas))
     schedule = None if val_only else total_steps  # the LR schedule's length, where null
     groups = task_groups([list(g) if not isinstance(g, str) else g
@@ -88,7 +84,7 @@ def make_run_plan(cfg, *, root: Path, start_step: int, total_steps: int, val_onl
         ahead=int(t.generate_ahead_steps), start_step=start_step, total_steps=total_steps,
         max_new_tokens=int(r.max_new_tokens), temperature=float(r.temperature),
         ckpt_root=root, groups=MappingProxyType(dict(groups)), placement=tuple(plans),
-        generate_group=_hosting(plans, "generate").name,
+        generate_group=hosting(plans, "generate").name,
         models=MappingProxyType({role: ModelPlan(megatron_spec(cfg, role, schedule), g)
                                  for role, g in where.items()}),
         servers=servers)

@@ -68,8 +68,8 @@ class OptimConfig:
         kw["lr_decay_steps"] = optim.get("total_training_steps") or schedule_steps
         if megatron is not None:
             kw["use_distributed_optimizer"] = bool(megatron.use_distributed_optimizer)
-            kw["overlap_grad_reduce"] = bool(megatron.get("overlap_grad_reduce", False))
-            kw["impl"] = megatron.get("optimizer", "megatron")
+            kw["overlap_grad_reduce"] = bool(megatron.overlap_grad_reduce)
+            kw["impl"] = megatron.optimizer
         return cls(**kw)
 
     def lr_at(self, step: int) -> float:
@@ -81,7 +81,9 @@ class OptimConfig:
 
 class _ParamGroups:
     """An optimizer with one empty parameter group: what the scheduler needs to compute."""
-    param_groups = [{}]
+
+    def __init__(self):
+        self.param_groups = [{}]
 
 
 def _scheduler(optimizer, cfg: OptimConfig):
