@@ -2,7 +2,7 @@
 # Checkpoint conversion as a Slurm job: `megarl convert hf2mcore|mcore2hf ARGS...` on one node.
 #
 #   sbatch --cpus-per-task=4 launch/slurm_convert.sh hf2mcore --hf-dir HF --out CKPT --tp 2 --pp 2
-#   sbatch launch/slurm_convert.sh mcore2hf --ckpt RUN/global_step_9/actor --out HF_OUT
+#   sbatch launch/slurm_convert.sh mcore2hf --ckpt RUN/global_step_10/actor --out HF_OUT
 #
 # The converter re-launches itself under `torchrun --standalone` with TP×PP ranks on this node
 # (no Ray, no srun), so one task with TP×PP CPUs is enough; on a GPU node every rank takes a

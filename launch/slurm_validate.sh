@@ -4,11 +4,13 @@
 #
 #   sbatch launch/slurm_validate.sh CONFIG CHECKPOINT_DIR [key=value overrides...]
 #
-# CHECKPOINT_DIR is a step directory (`.../global_step_<k>`, holding driver_state.json and the
-# actor's Megatron checkpoint) or a run directory holding latest_checkpointed_iteration.txt,
-# which then names the step. The run sets trainer.resume_mode=resume_path and
-# trainer.resume_from_path to it: the engines serve that checkpoint's weights (logged as
-# "validation of weights v<k+1>: val/...") and nothing is trained or saved.
+# CHECKPOINT_DIR is a step directory (`.../global_step_<k>`, the state after k completed steps,
+# holding driver_state.json and the actor's Megatron checkpoint) or a run directory holding
+# latest_checkpointed_iteration.txt, which then names the step. The run sets
+# trainer.resume_mode=resume_path and trainer.resume_from_path to it: the engines serve that
+# checkpoint's weights (logged as "validation of weights v<k>: val/..."; v<k+1> for a
+# checkpoint written before megarl named them by completed steps) and nothing is trained or
+# saved.
 # #SBATCH defaults, environment and exit status: as launch/slurm_ray.sh.
 #
 #SBATCH --job-name=megarl-validate

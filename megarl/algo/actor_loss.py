@@ -20,8 +20,9 @@ micro-batch's own mean), the diagnostics with ``stats_denom`` (`global_denom` of
 under `stats_mode(loss_agg_mode)`; None = ``denom``, which only the count modes allow), so
 the returned loss and metrics are this micro-batch's *shares* and the worker's sum over
 micro-batches is the mini-batch value. ``actor/entropy`` and ``actor/kl_loss`` are the terms
-added to the loss, so they are aggregated like it (sums under the constant-normaliser modes,
-as verl's ``agg_loss``). Metrics (all shares):
+added to the loss, so they are aggregated like it (a sum under token-sum, the mean over
+sequences of token sums / C under seq-mean-token-sum-norm, as verl's ``agg_loss``). Metrics
+(all shares):
 ``actor/pg_loss``, ``actor/pg_clipfrac``, ``actor/pg_clipfrac_lower`` (dual clip),
 ``actor/ppo_kl``, ``actor/ratio_mean``, ``actor/entropy`` (when entropy is given),
 ``actor/kl_loss`` (with ``use_kl_loss``), and with rollout log-probs ``actor/tis_weight_mean``,

@@ -113,7 +113,8 @@ def ppo_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tenso
     `level` ("token" | "sequence") picks the importance weight (`behaviour_weight`).
     `stats_denom` is the batch normaliser of the stats (`global_denom(batch_mask,
     stats_mode(agg))`); None means `denom`, which is right for the count modes only, so a
-    constant-normaliser mode (`CONSTANT_DENOM_MODES`) with a batch `denom` needs it."""
+    mode whose loss normaliser is not the stats' count (`CONSTANT_DENOM_MODES`: token-sum's
+    1, seq-mean-token-sum-norm's sequences * C) with a batch `denom` needs it."""
     if not 0 <= clip_low < 1 or clip_high < 0:
         raise ValueError(f"need 0 <= clip_low < 1 and clip_high >= 0, got {clip_low}, "
                          f"{clip_high}")
@@ -143,7 +144,8 @@ def ppo_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tenso
     if stats_denom is None:
         if denom is not None and agg in CONSTANT_DENOM_MODES:
             raise ValueError(f"loss_agg_mode {agg!r} with a batch denom needs stats_denom "
-                             f"(global_denom(batch_mask, {smode!r})): its denom is no count")
+                             f"(global_denom(batch_mask, {smode!r})): its denom is not the "
+                             f"stats' count")
         stats_denom = denom
     stats: dict[str, torch.Tensor] = {}
     if behav_logp is not None:

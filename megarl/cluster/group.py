@@ -229,6 +229,7 @@ class RolloutGroup:
         single = cfg.trainer.nnodes == 1
         if r.name == "sglang" and r.server_urls:
             self.urls = list(r.server_urls)
+            check_user_servers(self.urls, r.tensor_model_parallel_size)
         else:
             if r.name == "sglang":
                 tp = r.tensor_model_parallel_size
@@ -271,6 +272,29 @@ class RolloutGroup:
     def shutdown(self, timeout_s: float = 60.0) -> None:
         if not self.t.shutdown(self.actors, timeout_s):
             logger.warning("rollout group did not shut down cleanly")
+
+
+def check_user_servers(urls: list[str], tp: int, timeout_s: float = 30.0) -> None:
+    """Servers the user runs must have the TP the config gives them (the update group's ranks
+    are counted from it): read from each server's `/server_info` before any work starts."""
+    import json
+    import urllib.request
+
+    from megarl.config import ConfigError
+
+    key = "actor_rollout_ref.rollout"
+    for i, url in enumerate(urls):
+        try:
+            with urllib.request.urlopen(url.rstrip("/") + "/server_info",
+                                        timeout=timeout_s) as resp:
+                info = json.loads(resp.read())
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"{key}.server_urls[{i}]: {url} does not answer /server_info "
+                              f"({e})") from None
+        have = info.get("tp_size")
+        if have is not None and int(have) != tp:
+            raise ConfigError(f"{key}.tensor_model_parallel_size is {tp}, but "
+                              f"{key}.server_urls[{i}] ({url}) runs with tp_size {have}")
 
 
 def engine_links(cfg, urls: list[str]) -> list[dict]:

@@ -125,6 +125,8 @@ RANGES: Dict[str, Range] = {
     f"{_A}.actor.kl_loss_coef": NON_NEGATIVE,
     f"{_A}.actor.tis_imp_ratio_cap": POSITIVE,
     f"{_A}.actor.loss_scale_factor": POSITIVE,
+    f"{_A}.rollout.weight_sync_timeout_s": POSITIVE,
+    f"{_A}.rollout.weight_sync_min_bandwidth_mbps": POSITIVE,
     f"{_A}.actor.optim.lr": NON_NEGATIVE,
     f"{_A}.actor.optim.weight_decay": NON_NEGATIVE,
     f"{_A}.actor.optim.betas": Range(0, 1, high_open=True, length=2),
@@ -328,11 +330,13 @@ class ActorConfig:
     """Dual-clip bound for negative advantages; must be > 1."""
     loss_agg_mode: str = "token-mean"
     """How per-token losses become one number over the mini-batch (verl's names): token-mean,
-    seq-mean-token-sum, seq-mean-token-mean, seq-mean-token-sum-norm (sum / a constant, see
-    ``loss_scale_factor``), token-sum (docs/algorithms.md)."""
+    seq-mean-token-sum, seq-mean-token-mean, seq-mean-token-sum-norm (the mean over sequences
+    of their token sums, / a constant, see ``loss_scale_factor``), token-sum
+    (docs/algorithms.md)."""
     loss_scale_factor: Optional[float] = None
-    """The constant C of ``seq-mean-token-sum-norm`` (loss = sum of masked token losses / C);
-    null means ``data.max_response_length`` (the padded response width verl's default uses)."""
+    """The constant C of ``seq-mean-token-sum-norm`` (loss = sum of masked token losses /
+    (number of sequences * C), verl 0.9.1's definition); null means
+    ``data.max_response_length`` (the padded response width verl's default uses)."""
     entropy_coeff: float = 0.0
     """Weight of the entropy bonus."""
     use_kl_loss: bool = False
@@ -382,6 +386,10 @@ class RolloutConfig:
     """Module run as ``python -m MODULE`` for each launched server; null means
     ``sglang.launch_server`` for ``sglang`` (``megarl.rollout.server`` serves the same
     contract, which is how CI runs this path)."""
+    server_python: Optional[str] = None
+    """The Python that runs launched stock SGLang servers; null: ``$MEGARL_SGLANG_PYTHON``,
+    else the CPU environment ``tools/setup_sglang_env.sh`` builds (when built and current),
+    else megarl's own Python (GPU installs, ``pip install -e .[gpu]``)."""
     server_extra_args: List[str] = field(default_factory=list)
     """Extra command-line arguments for every launched server (e.g.
     ``[--enable-deterministic-inference]``, which SGLang needs to honour sampling seeds)."""
@@ -421,6 +429,13 @@ class RolloutConfig:
     on one GPU, which NCCL cannot hold (``generate`` on ``actor-train``'s devices, as in a
     one-GPU quickstart, or a logp replica on ``generate``'s), then gloo; gloo on the CPU.
     The loader writes the resolved value here."""
+    weight_sync_timeout_s: float = 120.0
+    """Floor of every weight-sync wait (an update call, a broadcast, an engine's answer)."""
+    weight_sync_min_bandwidth_mbps: float = 50.0
+    """MB/s below which a bucket's transfer counts as failed: a bucket of n bytes waits at
+    most ``weight_sync_timeout_s + n / this``, on gloo and NCCL alike (stock SGLang's side of
+    the group would otherwise wait torch's 30-minute default); then the engines that did not
+    answer are failed and replaced."""
     verify_weight_sync: bool = False
     """After every version, compare each engine's (and each logp replica's) checksum of every
     tensor with the trainer's (`/weights_checker`); a difference fails the sync naming the

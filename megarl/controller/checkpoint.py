@@ -1,6 +1,8 @@
-"""Run checkpoints: `<default_local_dir>/global_step_<k>/` holding the actor's Megatron
-dist-checkpoint (model + per-rank optimizer state), the critic's beside it (`critic/`, gae runs
-only), `driver_state.json` (step, weight version,
+"""Run checkpoints: `<default_local_dir>/global_step_<k>/`, the state after k completed
+training steps (verl's convention: `save_freq: 20` over 40 steps writes global_step_20 and
+global_step_40; resuming from global_step_k runs steps k+1.. in 1-based terms, 0-based step
+index k on), holding the actor's Megatron dist-checkpoint (model + per-rank optimizer state),
+the critic's beside it (`critic/`, gae runs only), `driver_state.json` (step, weight version,
 dataloader position, RNG) and `manifest.json` (every file's size and CRC32).
 
 Writing: a step directory is filled under a temp name; once every rank's files are complete
@@ -8,6 +10,13 @@ Writing: a step directory is filled under a temp name; once every rank's files a
 state and then the manifest are written, the directory is renamed into place, and
 `latest_checkpointed_iteration.txt` (the verl convention) is replaced atomically after it. A
 run killed mid-save therefore resumes from the previous complete checkpoint.
+
+Naming: checkpoint format 3 (`checkpoint_format` in driver_state.json) names a directory,
+its `step` and `latest_checkpointed_iteration.txt` by completed steps. Formats <= 2 (and
+checkpoints without the key, which predate manifests) used the 0-based index of the last
+step trained: their global_step_k holds k+1 completed steps. Both are read; `completed_steps`
+gives the number a resume continues after, whatever the format, and an old-style one is used
+with a warning.
 
 Resuming: `resume_point` verifies the checkpoint it picks against its manifest before any
 worker or Ray starts; a damaged one is named (which file, what is wrong) and the newest good
@@ -40,9 +49,12 @@ MANIFEST = "manifest.json"
 DRIVER_STATE = "driver_state.json"
 MANIFEST_FORMAT = "megarl-checkpoint-manifest-v1"
 # Written into driver_state.json by `commit`: a checkpoint that says it has a manifest but has
-# none is damaged, one without the key predates manifests.
+# none is damaged, one without the key predates manifests. Format 3 names directories by
+# completed steps (global_step_k after k steps, as verl); formats <= 2 (and none) by the
+# 0-based index of the last step trained (global_step_k after k+1 steps).
 FORMAT_KEY = "checkpoint_format"
-FORMAT = 2
+FORMAT = 3
+OLD_NAMING_FORMAT = 2  # the newest format that names by 0-based step index
 # Files every training checkpoint has, whatever its layout: checked on pre-manifest ones.
 _REQUIRED = ("actor/.metadata", "actor/common.pt", "actor/megarl_meta.json")
 _STEP_DIR = re.compile(r"global_step_(\d+)")
@@ -50,7 +62,27 @@ _CHUNK = 8 << 20
 
 
 def step_dir(root, step: int) -> Path:
+    """The directory of checkpoint `step`: the number in its name (completed steps for a
+    format-3 checkpoint, the 0-based index of its last step for an older one)."""
     return Path(root) / f"global_step_{step}"
+
+
+def checkpoint_format(state: dict) -> int | None:
+    """The format a driver state was written in; None before manifests (format 1)."""
+    return state.get(FORMAT_KEY)
+
+
+def old_naming(state: dict) -> bool:
+    """Whether the checkpoint is named by the 0-based index of its last step (megarl before
+    format 3): its global_step_k holds k+1 completed steps."""
+    fmt = checkpoint_format(state)
+    return fmt is None or fmt <= OLD_NAMING_FORMAT
+
+
+def completed_steps(state: dict) -> int:
+    """Training steps done when the checkpoint was written, whatever its format: a resume
+    runs 0-based step index `completed_steps` next (1-based step completed_steps + 1)."""
+    return state["step"] + 1 if old_naming(state) else state["step"]
 
 
 def tmp_dir(root, step: int) -> Path:
@@ -170,8 +202,14 @@ def _check_legacy(d: Path) -> None:
 def _check_state(d: Path, state) -> None:
     if not isinstance(state, dict) or not {"step", "loader", "rng"} <= state.keys():
         raise ValueError(f"{d / DRIVER_STATE}: not a driver state (needs step, loader, rng)")
-    if not isinstance(state["step"], int):
-        raise ValueError(f"{d / DRIVER_STATE}: step {state['step']!r} is not an integer")
+    if type(state["step"]) is not int or state["step"] < 0:
+        raise ValueError(f"{d / DRIVER_STATE}: step {state['step']!r} is not an integer >= 0")
+    fmt = state.get(FORMAT_KEY)
+    if fmt is not None and (type(fmt) is not int or fmt < 1):
+        raise ValueError(f"{d / DRIVER_STATE}: {FORMAT_KEY} {fmt!r} is not a format number")
+    if fmt is not None and fmt > FORMAT:
+        raise ValueError(f"{d / DRIVER_STATE}: {FORMAT_KEY} {fmt} is newer than this megarl "
+                         f"reads (up to {FORMAT}); resume it with the megarl that wrote it")
 
 
 def verify(d) -> dict:
@@ -206,8 +244,10 @@ def begin(root, step: int) -> Path:
 
 def commit(root, step: int, driver_state: dict, keep: int | None = None) -> Path:
     """Write the driver state and then the manifest into the temp dir, rename it into place,
-    point LATEST at it, then apply retention (`keep` newest; None keeps all). Every rank's
-    actor files must be complete: call it after the group's save has returned."""
+    point LATEST at it, then apply retention (`keep` newest; None keeps all). `step` is the
+    number of completed training steps (global_step_<step>; driver_state's `step` says the
+    same). Every rank's actor files must be complete: call it after the group's save has
+    returned."""
     root = Path(root)
     tmp = tmp_dir(root, step)
     _write_json_atomic(tmp / DRIVER_STATE, {**driver_state, FORMAT_KEY: FORMAT})
@@ -220,14 +260,17 @@ def commit(root, step: int, driver_state: dict, keep: int | None = None) -> Path
     ltmp = root / f".{LATEST}.tmp"
     ltmp.write_text(str(step))
     os.replace(ltmp, latest)
-    logger.info("checkpoint of step %d saved to %s", step, dst)
+    logger.info("checkpoint after step %d saved to %s", step, dst)
     if keep:
         prune(root, keep)
     return dst
 
 
 def steps(root) -> list[int]:
-    """Steps with a (renamed, so once complete) step directory under `root`, newest first."""
+    """Steps with a (renamed, so once complete) step directory under `root`, newest first.
+    The numbers in the names: where a run resumed from an old-style checkpoint (global_step_k
+    after k+1 steps) wrote new ones beside it, the new ones are named k+2 and up, so the
+    order by name is still the order in which they were written."""
     root = Path(root)
     found = [int(m.group(1)) for p in root.iterdir() if p.is_dir()
              and (m := _STEP_DIR.fullmatch(p.name))] if root.is_dir() else []
@@ -262,9 +305,32 @@ def prune(root, keep: int) -> list[int]:
 # ------------------------------------------------------------------ resume
 @dataclasses.dataclass
 class ResumePoint:
-    step: int
+    step: int     # the number in the directory's name (global_step_<step>)
     path: Path
     state: dict   # its driver_state.json
+
+    @property
+    def completed_steps(self) -> int:
+        """Training steps done: the resumed run starts at this 0-based step index (1-based
+        step completed_steps + 1), whatever the checkpoint's naming."""
+        return completed_steps(self.state)
+
+    @property
+    def old_naming(self) -> bool:
+        return old_naming(self.state)
+
+
+def _found(s: int, d: Path, state: dict) -> ResumePoint:
+    """The ResumePoint of checkpoint `d`; an old-style one (named by 0-based step index) with
+    a warning saying what it holds."""
+    rp = ResumePoint(s, d, state)
+    if rp.old_naming:
+        logger.warning("%s: an old-style checkpoint (format %s), named by the 0-based index of "
+                       "its last step: it holds %d completed steps, so training resumes after "
+                       "step %d (1-based). New checkpoints are named by completed steps "
+                       "(global_step_<k> after k steps, as verl)", d,
+                       checkpoint_format(state) or 1, rp.completed_steps, rp.completed_steps)
+    return rp
 
 
 def _latest_step(root: Path) -> int | None:
@@ -308,7 +374,7 @@ def resume_point(root) -> ResumePoint | None:
         if damaged:
             logger.warning("%s; resuming from %s, the newest good checkpoint, instead",
                            "; ".join(f"checkpoint {p} is damaged: {e}" for p, e in damaged), d)
-        return ResumePoint(s, d, state)
+        return _found(s, d, state)
     if damaged:
         raise ConfigError(f"{root}: no usable checkpoint to resume from ({len(damaged)} "
                           f"damaged; the newest: {damaged[0][1]}). Set "
@@ -324,4 +390,4 @@ def resume_from(path) -> ResumePoint:
         state = verify(d)
     except (ValueError, OSError) as err:
         raise ConfigError(f"trainer.resume_from_path: {err}") from None
-    return ResumePoint(state["step"], d, state)
+    return _found(state["step"], d, state)

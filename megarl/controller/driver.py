@@ -87,8 +87,9 @@ class Driver:
     def _record(self, a) -> StepRecord:
         records = self.p.records
         if a.task == "generate":
-            # What is owed training before this step's prompts: where a checkpoint of step
-            # k-1 resumes (the loader position, and the partial-rollout cache as it is now).
+            # What is owed training before this step's prompts: where the checkpoint after
+            # step k-1 (global_step_<k>, k steps done) resumes (the loader position, and the
+            # partial-rollout cache as it is now).
             records[a.step] = StepRecord(a.step, {"loader": self.r.loader.state_dict(),
                                                   "partial": self.st.rollout.state_dict()})
         return records[a.step]

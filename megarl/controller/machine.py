@@ -213,7 +213,9 @@ class Pipeline:
         return max(self.start_step, step - self.ahead + 1)
 
     def checkpoint_due(self, step: int) -> bool:
-        """Whether CHECKPOINT(step) follows SYNC(step): every `save_freq` steps and the last."""
+        """Whether CHECKPOINT(step) follows SYNC(step): every `save_freq` steps and the last,
+        counting completed steps as verl does (0-based `step` completes step + 1; its
+        checkpoint is global_step_<step + 1>)."""
         return (self.save_freq > 0 and not self.val_only
                 and ((step + 1) % self.save_freq == 0 or step + 1 == self.total_steps))
 

@@ -125,22 +125,28 @@ def _resume_point(cfg, root: Path, val_only: bool):
 
 
 def _position(cfg, found, loader, val_only: bool) -> tuple[int, dict | None, int]:
-    """(first step to run, the checkpoint's driver state or None, total steps); the loader
-    and the RNGs are put back where the checkpoint left them."""
+    """(first step to run, 0-based, the checkpoint's driver state or None, total steps); the
+    loader and the RNGs are put back where the checkpoint left them. A checkpoint after k
+    completed steps (global_step_k; k+1 for an old-style one named k) resumes at 0-based
+    step k, which the console and TensorBoard count as step k+1."""
     start_step, state = 0, None
     if found is not None:
         state = found.state
-        start_step = state["step"] + 1
+        start_step = found.completed_steps
         loader.load_state_dict(state["loader"])
         ckpt.set_rng_state(state["rng"])
-        logger.info("resuming after step %d from %s", state["step"], found.path)
     total = _total_steps(cfg, loader, val_only, start_step)
     if start_step > total:  # a finished run's checkpoint under a smaller step budget
         raise ConfigError(
-            f"trainer.total_training_steps: this run ends after step {total - 1}, but the "
-            f"checkpoint it resumes ({found.path}) has trained through step {start_step - 1}; "
-            f"raise trainer.total_training_steps, or start afresh with "
+            f"trainer.total_training_steps: this run has {total} steps, but the checkpoint "
+            f"it resumes ({found.path}) has trained {start_step}; raise "
+            f"trainer.total_training_steps, or start afresh with "
             f"trainer.resume_mode=disable or another trainer.experiment_name")
+    if found is not None:
+        nxt = (f"validating its weights (v{start_step})" if val_only else
+               f"training continues at step {start_step + 1}/{total}" if start_step < total
+               else "no step left to train")
+        logger.info("resuming after step %d from %s; %s", start_step, found.path, nxt)
     return start_step, state, total
 
 

@@ -9,7 +9,8 @@ function reads what the states before it put in the record and adds its own part
     REWARD      batch (tokens, masks, rewards, rollout log-probs, versions)
     REF_LOGP    batch["ref_logprobs"]       VALUES   batch["values"]
     LOGP        batch["old_logprobs"]       TRAIN    advantages, then the optimizer steps
-    SYNC        publishes version k+1       CHECKPOINT  writes step k with resume_after
+    SYNC        publishes version k+1       CHECKPOINT  writes global_step_<k+1> (k+1
+                                            steps done) with resume_after
 
 `RunState` is what lives across steps: the run's handles, the metrics, the rollout policy and
 the in-reward KL coefficient.
@@ -247,29 +248,32 @@ async def sync(st: RunState, rec: StepRecord) -> None:
 
 
 def resume_state(st: RunState, k: int) -> dict:
-    """The driver's part of checkpoint k, as it stands when SYNC(k) has finished: the trainer
+    """The driver's part of the checkpoint after 0-based step k, as it stands when SYNC(k) has
+    finished: k+1 steps are done (its `step`, and its name global_step_<k+1>) and the trainer
     holds version k+1; the next step's prompts have not been trained on, so the loader is
     saved at the position before them."""
     nxt = st.pipeline.records.get(k + 1)  # GENERATE(k+1) has started (one step off or more)
     owed = nxt.resume_before if nxt is not None else {
         "loader": st.run.loader.state_dict(), "partial": st.rollout.state_dict()}
-    return {"step": k, "weight_version": k + 1, "loader": owed["loader"],
+    return {"step": k + 1, "weight_version": k + 1, "loader": owed["loader"],
             "partial": owed["partial"], "kl_coef": st.kl_coef, "rng": ckpt.rng_state()}
 
 
 async def checkpoint(st: RunState, rec: StepRecord) -> None:
     """CHECKPOINT(k), on the trainer's group: the weights SYNC(k) published (TRAIN(k+1)
-    waits for this), with the resume state taken when SYNC(k) finished."""
+    waits for this), with the resume state taken when SYNC(k) finished. Named by completed
+    steps, as verl: 0-based step k's checkpoint is global_step_<k+1>."""
     r, k, t0 = st.run, rec.step, time.perf_counter()
-    tmp = ckpt.begin(r.plan.ckpt_root, k)
-    await r.actor.save(str(tmp / "actor"), step=k)
+    done = k + 1
+    tmp = ckpt.begin(r.plan.ckpt_root, done)
+    await r.actor.save(str(tmp / "actor"), step=done)
     if r.critic is not None:
-        await r.critic.save(str(tmp / "critic"), step=k)
+        await r.critic.save(str(tmp / "critic"), step=done)
     # every rank's files are complete (the save returned on all of them); checksumming a
     # large checkpoint takes a while, so it runs off the event loop
-    await asyncio.to_thread(ckpt.commit, r.plan.ckpt_root, k, rec.resume_after,
+    await asyncio.to_thread(ckpt.commit, r.plan.ckpt_root, done, rec.resume_after,
                             keep=st.cfg.trainer.max_actor_ckpt_to_keep)
-    r.loggers.log(k + 1, {"timing/checkpoint": time.perf_counter() - t0})
+    r.loggers.log(done, {"timing/checkpoint": time.perf_counter() - t0})
 
 
 # ------------------------------------------------------------------ validation

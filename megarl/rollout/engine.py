@@ -320,9 +320,10 @@ class EmbeddedEngine:
         return self._paused
 
     async def flush_cache(self) -> bool:
-        # No KV outlives its request here, so there is nothing to flush; like SGLang, refuse
-        # while requests are in flight.
-        return not self._seqs
+        # No KV outlives its request here, so there is nothing to flush; like stock SGLang,
+        # refuse while requests run, but not while a pause holds them all retracted (queued,
+        # without KV), which stock allows.
+        return not self._seqs or (self._paused and not len(self.batch))
 
     async def get_weight_version(self) -> str:
         return self.weight_version

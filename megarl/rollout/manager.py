@@ -13,9 +13,11 @@ Engines that fail. Each engine is in one of four states:
 - live: requests are routed to it;
 - stale: its weight version is not one megarl set (an integer): a failed sync left it
   half-updated (megarl.weight_sync marks it so, with SGLang's own `/update_weight_version`);
-- dead: its process exited, its connection broke, or it failed its health check (a `/health`
-  call that errs or outlasts `health_timeout_s`, polled every `health_interval_s` while
-  requests are in flight, so a wedged engine is found too);
+- dead: its process exited, its connection broke, or it failed its health check (the
+  engine's `health()`, for an SGLang-API server a `/model_info` call that runs no generation
+  and so answers while generation is paused, that errs or outlasts `health_timeout_s`,
+  polled every `health_interval_s` while requests are in flight, so a wedged engine is
+  found too);
 - joining: a replacement on the same devices, serving weights older than the live engines'
   until the next weight sync reaches it (the trainer's update group takes it in at the start of
   that version); it goes live once its version is the newest any live engine serves.
@@ -208,17 +210,17 @@ class RolloutManager:
                 self._event(i, "live")
 
     async def _healthy(self, i: int) -> str | None:
-        """None when engine i answers `/health` in time, else why not."""
+        """None when engine i answers its health check in time, else why not."""
         check = getattr(self.engines[i], "health", None)
         if check is None:
             return None
         try:
             ok = await asyncio.wait_for(check(), self.health_timeout_s)
         except asyncio.TimeoutError:
-            return f"/health gave no answer within {self.health_timeout_s:g} s"
+            return f"health check gave no answer within {self.health_timeout_s:g} s"
         except Exception as e:  # noqa: BLE001
-            return f"/health failed: {_why(e)}"
-        return None if ok else "/health failed"
+            return f"health check failed: {_why(e)}"
+        return None if ok else "health check failed"
 
     def _watch(self) -> None:
         if self._monitor is None or self._monitor.done():

@@ -170,8 +170,12 @@ class RolloutServer:
             "engine": "megarl-embedded"})
 
     async def server_info(self, request):
+        # tp_size and enable_deterministic_inference under stock's names: clients read them
+        # from stock servers to check TP and whether sampling seeds are honoured.
         return web.json_response({**self.engine.stats(), "engine": "megarl-embedded",
-                                  "max_running_requests": self.engine.max_running_requests})
+                                  "max_running_requests": self.engine.max_running_requests,
+                                  "tp_size": self.engine.tp_size,
+                                  "enable_deterministic_inference": self.engine.honour_seeds})
 
     # -- generation -------------------------------------------------------------------------
     def _requests(self, f: Fields) -> tuple[list[GenerateRequest], bool]:

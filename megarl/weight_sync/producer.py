@@ -31,24 +31,38 @@ import concurrent.futures
 import logging
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator
 
 import torch
 
 from megarl.rollout.weights import (bucket_layout, in_daemon_thread, new_update_group,
-                                    tensor_checksum, unpack_bucket)
+                                    unpack_bucket)
 
 from .buckets import Bucket, BucketPacker
 from .protocol import SyncConfig, WeightSyncError, copy_bytes, update_group_ranks
 from .transports import STALE_VERSION, EngineLink
+from .verify import SentDigest, check_engine, direct
 
 logger = logging.getLogger(__name__)
 
 _SPLIT_COPY_BYTES = 4 << 20  # snapshot copies at least this large use two threads
-# How stock SGLang (and the embedded engine) words a receive that broke in transport: such an
-# engine was in the broadcast, and failed only because another peer left it.
+# How stock SGLang (and the embedded engine) words a failed receive. Stock 0.5.23 uses the
+# same words for refusals raised BEFORE it joins the broadcast (scheduler_components/
+# weight_updater.py wraps every exception of the receive): an unknown group (the engine lost
+# it, e.g. restarted), a bucket layout it rejects (weight_sync/tensor_bucket.py), a dtype
+# name torch lacks. Those are the engine's own refusals and `_refused` tells them apart; only
+# the rest, a receive that broke in transport, means another peer left the broadcast.
 RECEIVE_FAILED = "Failed to receive weights"
+_REFUSAL_MARKS = ("init_weights_update_group` first", "empty tensor bucket",
+                  "Negative dimension", "Unaligned received tensor",
+                  "module 'torch' has no attribute", "Must provide either")
+
+
+def _refused(why: str) -> bool:
+    """An engine's failure answer says it refused the bucket (never joined the broadcast)."""
+    return RECEIVE_FAILED not in why or any(m in why for m in _REFUSAL_MARKS)
 
 
 @dataclass
@@ -112,11 +126,16 @@ class WeightProducer:
                  group_name: str = "megarl-weights", backend: str = "gloo",
                  device: str | torch.device = "cpu"):
         self.links, self.config, self.stage = list(links), config, stage
-        self.group_name, self.backend, self.device = group_name, backend, torch.device(device)
+        self.backend, self.device = backend, torch.device(device)
+        # Each group built gets a name of its own (`connect`): stock SGLang (0.5.23, through
+        # torch's process-group registry) refuses a name it has held before, even once that
+        # group is destroyed, so a rebuilt group, or a second run's, needs a new one.
+        self._group_base, self._groups_built = group_name, 0
+        self.group_name = group_name
         self.group = None
         self._members: set[str] = set()  # engines in the current group
         self._last_sent: concurrent.futures.Future | None = None  # the last broadcast's wait
-        self.sent_checksums: dict[str, str] = {}  # verify mode: the version being sent
+        self.sent_checksums = SentDigest()  # verify mode: the version being sent
         self.stale: dict[str, str] = {}  # engine -> why
         self._retired: set[str] = set()  # stale engines already given STALE_VERSION
         # Replacements for dead engines (slot -> link), taken in at the start of a version:
@@ -176,6 +195,8 @@ class WeightProducer:
         if not links:
             raise self._none_left()
         offsets, world = update_group_ranks([l.tp_size for l in links])
+        self._groups_built += 1
+        self.group_name = f"{self._group_base}-{uuid.uuid4().hex[:8]}-{self._groups_built}"
         async def join_all():
             return await asyncio.gather(*(asyncio.wait_for(l.init_group(
                 self._address, port, off, world, self.group_name, self.backend),
@@ -183,8 +204,21 @@ class WeightProducer:
                 return_exceptions=True)
 
         joins = self._io.submit(join_all())
-        self.group = new_update_group(self._address, port, 0, world, self.group_name,
-                                      self.backend, timeout_s=self.config.timeout_s)
+        # The group's own timeout bounds a broadcast that megarl's deadline cannot interrupt
+        # (NCCL): the largest bucket this producer can send.
+        group = in_daemon_thread(lambda: new_update_group(
+            self._address, port, 0, world, self.group_name, self.backend,
+            timeout_s=self.config.bucket_timeout_s(max(self.config.produce_bytes,
+                                                       self.config.bucket_bytes))))
+        # An engine that refuses to join (stock: a group name it still holds) answers at once,
+        # while the rendezvous would wait for it until its timeout: watch both.
+        concurrent.futures.wait([group, joins], return_when=concurrent.futures.FIRST_COMPLETED)
+        if not group.done():
+            for link, r in zip(links, joins.result()):
+                if isinstance(r, BaseException):
+                    raise RuntimeError(f"engine {link.name} did not join {self.group_name}: "
+                                       f"{_why(r, self.config.timeout_s)}")
+        self.group = group.result()
         for link, r in zip(links, joins.result()):
             if isinstance(r, BaseException):
                 raise RuntimeError(f"engine {link.name} did not join {self.group_name}: {r!r}")
@@ -263,9 +297,15 @@ class WeightProducer:
         self.mark_stale(stale)
         live = self.live()
         self._try(live, lambda l: l.end(), "end_weight_update")
-        # With requests held in place the flush is refused; the cache entries of the old
-        # weights then go as their requests finish.
-        self._each(self.live(), lambda l: l.flush())
+        # Paused engines hold their requests retracted (no KV), so the flush must succeed:
+        # one that refuses would serve prefixes computed with the old weights under the new
+        # version, so it is stale. Engines that stage and swap (pause_for_update False) keep
+        # no KV across versions and are not asked.
+        paused = [l for l in self.live() if l.pause_for_update]
+        flushed = self._each(paused, lambda l: l.flush())
+        self.mark_stale({l.name: "flush_cache after the update: " + (
+            _why(r, self.config.timeout_s) if isinstance(r, BaseException) else "refused")
+            for l, r in zip(paused, flushed) if r is not True})
         self._try([l for l in self.live() if l.pause_for_update], lambda l: l.resume(),
                   "continue_generation")
         dead = [l for l in self.links if l.name in self.stale and l.name not in self._retired]
@@ -281,27 +321,51 @@ class WeightProducer:
     def engine_checksums(self) -> list[dict[str, str]]:
         return self._all(self.live(), lambda l: l.checksums(), "weights_checker")
 
-    def verify(self, version: int, want: dict[str, str]) -> None:
-        """Verify mode: every live engine's `/weights_checker` checksum of each sent tensor
-        equals the trainer's. Engines that name their parameters otherwise (stock SGLang fuses
-        and shards them) are compared with each other instead."""
+    def verify(self, version: int, digest: SentDigest) -> dict[str, int]:
+        """Verify mode: each live engine's `/weights_checker` checksums against what this
+        stage sent, where they can be compared, else against each other's (the meaning of
+        each case is in megarl.weight_sync.verify). Returns, per engine compared with the
+        trainer, how many tensors were."""
+        live = self.live()
+        compared_with_trainer = {}
+        infos = self._all(live, lambda l: l.server_info(), "server_info")
         got = self.engine_checksums()
-        for link, sums in zip(self.live(), got):
-            shared = [n for n in want if n in sums]
-            bad = [n for n in shared if sums[n] != want[n]]
+        others = []
+        for link, info, sums in zip(live, infos, got):
+            if not direct(info):
+                others.append((link, info, sums))
+                continue
+            compared, skipped, bad = check_engine(
+                sums, digest, info.get("dtype"), info.get("engine") == "megarl-embedded")
             if bad:
                 raise WeightSyncError(version, None, f"checksum of {bad[0]} is {sums[bad[0]]}, "
-                                      f"sent {want[bad[0]]} ({len(bad)} tensors differ)",
-                                      stage=self.stage, engine=link.name)
-            if not shared:
-                logger.warning("verify: engine %s names no sent tensor; compared with the "
-                               "other engines only", link.name)
-        if len({tuple(sorted(s.items())) for s in got}) > 1 and all(
-                not set(want) & set(s) for s in got):
-            raise WeightSyncError(version, None, "engines disagree on their checksums",
-                                  stage=self.stage)
-        logger.info("weights v%d stage %d verified on %d engine(s): every checksum equals "
-                    "the trainer's", version, self.stage, len(got))
+                                      f"sent {digest.checksums[bad[0]]} ({len(bad)} of "
+                                      f"{compared} tensors differ)", stage=self.stage,
+                                      engine=link.name)
+            compared_with_trainer[link.name] = compared
+            logger.info("weights v%d stage %d on %s: %d tensors equal the trainer's "
+                        "(%d not comparable: cast or padded on load)", version, self.stage,
+                        link.name, compared, skipped)
+        layouts: dict[tuple, list] = {}
+        for link, info, sums in others:
+            layouts.setdefault((info.get("device"), info.get("tp_size")), []).append(
+                (link, sums))
+        for (device, tp), members in layouts.items():
+            if len(members) < 2:
+                logger.info("verify v%d: %s (%s, TP %s) cannot be compared with the trainer "
+                            "(its checksums are of its own shards or CUDA hashes) nor with "
+                            "another engine", version, members[0][0].name, device, tp)
+                continue
+            first = members[0][1]
+            for link, sums in members[1:]:
+                bad = [n for n in first if sums.get(n) != first[n]]
+                if bad:
+                    raise WeightSyncError(version, None, f"engines {members[0][0].name} and "
+                                          f"{link.name} disagree on {bad[0]} ({len(bad)} "
+                                          "tensors)", stage=self.stage, engine=link.name)
+            logger.info("verify v%d: %d engines (%s, TP %s) hold equal weights", version,
+                        len(members), device, tp)
+        return compared_with_trainer
 
     # -- sending ------------------------------------------------------------------------------
     def send(self, buckets: Iterable[Bucket], version: int, set_version: bool,
@@ -324,8 +388,8 @@ class WeightProducer:
         if self.config.verify:  # what this bucket holds, hashed as the engines will
             layout = bucket_layout(*(lambda r: (r["names"], r["dtypes"], r["shapes"]))(
                 b.meta.request(self.group_name)))
-            self.sent_checksums.update((n, tensor_checksum(t))
-                                       for n, t in unpack_bucket(flat, layout))
+            for n, t in unpack_bucket(flat, layout):
+                self.sent_checksums.add(n, t)
         last = ""
         for _ in range(len(self.links) + 1):
             try:
@@ -348,7 +412,7 @@ class WeightProducer:
         if self.group is None:
             raise WeightSyncError(b.meta.version, b.meta.index, "no update group; connect "
                                   "first", stage=self.stage)
-        links, timeout = self.live(), self.config.timeout_s
+        links, timeout = self.live(), self.config.bucket_timeout_s(b.meta.nbytes)
         answers = [self._io.submit(asyncio.wait_for(
             l.update_bucket(b.meta, self.group_name, tag), timeout)) for l in links]
         work = self.group.broadcast_async(flat, 0)
@@ -362,7 +426,7 @@ class WeightProducer:
             concurrent.futures.wait([sent, *answers], deadline - time.monotonic(),
                                     concurrent.futures.FIRST_COMPLETED)
             failed = _failures(links, answers, timeout)
-            refused = {n: w for n, w in failed.items() if RECEIVE_FAILED not in w}
+            refused = {n: w for n, w in failed.items() if _refused(w)}
             if refused:
                 raise _EngineFailed(refused, delivered=False)
             if failed:
@@ -390,12 +454,12 @@ class WeightProducer:
         otherwise (its connection dropped: a dead process) or says nothing. Every answer is
         read at least once, however many are already in: under load they all are by the time
         the broadcast's failure is seen. Where every engine answered a failed receive, each is
-        asked for /health and those that do not answer are the culprits; with none, the
+        asked for its health (liveness) and those that do not answer are the culprits; with none, the
         failure is the group's, not an engine's (empty: rebuild with everyone, send again)."""
         until = time.monotonic() + min(timeout, 5.0)
         while True:
             failed = {n: w for n, w in _failures(links, answers, timeout).items()
-                      if RECEIVE_FAILED not in w}
+                      if _refused(w)}
             if failed or all(a.done() for a in answers) or time.monotonic() >= until:
                 break
             concurrent.futures.wait(answers, until - time.monotonic(),
@@ -407,7 +471,7 @@ class WeightProducer:
         if silent:
             return silent
         alive = self._each(links, lambda l: l.health(), timeout=min(timeout, 5.0))
-        return {l.name: f"broadcast failed ({error}) and /health does not answer"
+        return {l.name: f"broadcast failed ({error}) and its health check does not answer"
                 for l, ok in zip(links, alive) if ok is not True}
 
     def _packing_buffer(self, index: int, nbytes: int) -> torch.Tensor:

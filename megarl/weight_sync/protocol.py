@@ -100,12 +100,24 @@ class SyncConfig:
     consume_bucket_mb: float = 128
     dual_buffer: bool = False
     verify: bool = False
-    timeout_s: float = 120.0  # per bucket: update call + broadcast + every engine's answer
+    timeout_s: float = 120.0  # per bucket, the floor: update call + broadcast + answers
     backend: str | None = None  # the update group's; None: nccl where CUDA is, else gloo
+    min_bandwidth_mbps: float = 50.0
+    """MB/s a bucket's transfer may not fall below: a bucket of n bytes waits at most
+    `bucket_timeout_s(n)`. Stock SGLang gives its side of the group torch's default (30
+    minutes under NCCL) and no field to change it, so this bound is the trainer's: past it
+    the engines that have not answered are failed and the group is built anew."""
 
     def __post_init__(self):
         if self.consume_bucket_mb <= 0 or self.produce_bucket_mb <= 0:
             raise ValueError("bucket sizes must be positive")
+        if self.min_bandwidth_mbps <= 0 or self.timeout_s <= 0:
+            raise ValueError("min_bandwidth_mbps and timeout_s must be positive")
+
+    def bucket_timeout_s(self, nbytes: int) -> float:
+        """The longest one bucket of `nbytes` may take end to end (every wait of a sync is
+        bounded by this or by `timeout_s` for calls that move no weights)."""
+        return self.timeout_s + nbytes / (self.min_bandwidth_mbps * 1e6)
 
     @property
     def produce_bytes(self) -> int:
@@ -122,7 +134,11 @@ class SyncConfig:
                    dual_buffer=rollout.enable_dual_buffer,
                    backend=None if rollout.get("update_group_backend") in (None, "auto")
                    else rollout.update_group_backend,
-                   **{"verify": rollout.verify_weight_sync, **overrides})
+                   **{"verify": rollout.verify_weight_sync,
+                      "timeout_s": float(rollout.get("weight_sync_timeout_s", 120.0)),
+                      "min_bandwidth_mbps": float(rollout.get("weight_sync_min_bandwidth_mbps",
+                                                              50.0)),
+                      **overrides})
 
 
 class WeightSyncError(RuntimeError):

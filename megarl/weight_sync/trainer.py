@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from .producer import SyncStats, WeightProducer
 from .protocol import SyncConfig, WeightSyncError
+from .verify import SentDigest
 
 logger = logging.getLogger(__name__)
 
@@ -95,9 +96,14 @@ class TrainerWeightSync:
                                       wait_for_workers=False)
         # A version waits for every earlier stage's whole transfer.
         self.turns = _StageTurns(store, self.num_stages, self.config.timeout_s * 20)
-        if self.sender:
-            self.producer.connect(self.address)
-        dist.barrier()
+        # One stage's group after another: stock SGLang serves init_weights_update_group
+        # calls one at a time, each blocking its scheduler until that group's rendezvous is
+        # complete (0.5.23 managers/communicator.py). Joined all at once, two engines could
+        # take the stages' joins in opposite orders and wait on each other for ever.
+        for stage in range(self.num_stages):
+            if self.sender and stage == self.stage:
+                self.producer.connect(self.address)
+            dist.barrier()
 
     def _agree(self, err: Exception | None, version: int) -> None:
         """Every rank learns whether any rank failed; all raise together."""
@@ -113,7 +119,7 @@ class TrainerWeightSync:
         """This stage's part of one version, in its turn; the coordinator opens and closes."""
         p, last = self.producer, self.stage == self.num_stages - 1
         t0 = time.perf_counter()
-        p.sent_checksums = {}
+        p.sent_checksums = SentDigest()
         before = self.turns.wait(seq, self.stage - 1)
         err = None
         try:
@@ -137,7 +143,7 @@ class TrainerWeightSync:
         if self.config.verify and err is None:  # once the version is live on the engines
             if self.turns.wait(seq, _CLOSED)["ok"]:
                 p.verify(version, p.sent_checksums)
-        p.sent_checksums = {}
+        p.sent_checksums = SentDigest()
         stats.transfer_s = time.perf_counter() - t0
         stats.stale = p.stale_now()
         if err is not None:

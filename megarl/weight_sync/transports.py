@@ -44,9 +44,14 @@ class EngineLink:
             load_format=body["load_format"])
 
     async def pause(self) -> None:
-        # in_place keeps running requests (and their KV) through the update: they resume on
-        # the new weights, and their version spans say where the weights changed.
-        await self.client.pause_generation("in_place")
+        # retract, not in_place: stock SGLang (0.5.23) refuses /flush_cache while an in_place
+        # pause holds running requests, and their KV and the radix tree's entries, computed
+        # with the old weights, would then be reused after the update (GRPO siblings, partial
+        # continuations: old-weight tokens tagged with the new version). retract frees the
+        # running requests' KV and requeues them with the tokens they have; the flush in
+        # `close_version` then succeeds, and on continue they prefill again under the new
+        # weights. Their version spans still say where the weights changed.
+        await self.client.pause_generation("retract")
 
     async def resume(self) -> None:
         await self.client.continue_generation()
@@ -58,6 +63,8 @@ class EngineLink:
         await self.client.end_weight_update()
 
     async def flush(self) -> bool:
+        # No `timeout` field: stock's timed flush waits for an idle scheduler without the
+        # paused-queue exemption, so it always fails while requests are held.
         return await self.client.flush_cache()
 
     async def set_version(self, version: int | str, abort_all_requests: bool = False) -> None:
@@ -68,6 +75,9 @@ class EngineLink:
         """Per-tensor checksums of TP rank 0 (stock `/weights_checker`, action checksum)."""
         out = await self.client.weights_checker("checksum")
         return dict(out["ranks"][0]["checksums"])
+
+    async def server_info(self) -> dict:
+        return await self.client.server_info()
 
     async def health(self) -> bool:
         return await self.client.health()

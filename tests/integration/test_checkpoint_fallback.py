@@ -1,11 +1,13 @@
 """Damaged checkpoints of a real training run: found before training, named, and the run
 resumes from the newest good one with the same per-step batches as an undamaged run.
 
-One `megarl train` run (real Ray, Megatron, embedded engine) saves checkpoints after steps 1
-and 3. Each damage kind is applied to a copy of its run directory and checked at selection
-(what `megarl train` does before data, models or Ray are loaded); flipped bytes in a weight
-file also resume end to end, and a run left with no good checkpoint stops with exit 2.
+One `megarl train` run (real Ray, Megatron, embedded engine) saves checkpoints after 2 and 4
+steps (global_step_2, global_step_4). Each damage kind is applied to a copy of its run
+directory and checked at selection (what `megarl train` does before data, models or Ray are
+loaded); flipped bytes in a weight file also resume end to end, and a run left with no good
+checkpoint stops with exit 2.
 """
+import json
 import os
 import shutil
 import subprocess
@@ -18,17 +20,11 @@ from test_train_e2e import _args, fresh_loader, megarl, trained
 
 from megarl.controller import checkpoint as ckpt
 
+# the `undamaged` run's (conftest.py, a session fixture shared with test_checkpoint_names.py),
+# which the copies resume with
 EXTRA = ["trainer.total_training_steps=4", "trainer.save_freq=2", "trainer.test_freq=-1",
          "trainer.val_before_train=False"]
-LAST, GOOD = 3, 1  # the checkpoints the run saves: after steps 1 and 3
-
-
-@pytest.fixture(scope="module")
-def undamaged(quickstart_assets, tmp_path_factory) -> Path:
-    run = tmp_path_factory.mktemp("undamaged")
-    megarl("train", _args(quickstart_assets, run, *EXTRA))
-    assert ckpt.steps(run / "megarl" / "t") == [LAST, GOOD]
-    return run
+LAST, GOOD = 4, 2  # the checkpoints the run saves: after 2 and 4 completed steps
 
 
 def copy_run(src: Path, dst: Path) -> Path:
@@ -105,10 +101,12 @@ def test_resume_from_the_previous_checkpoint_trains_the_undamaged_batches(
     first_ray = next(i for i, line in enumerate(lines) if "megarl.cluster.placement" in line)
     first_data = next(i for i, line in enumerate(lines) if "megarl.data.dataset" in line)
     assert warned < first_data < first_ray
-    assert f"resuming after step {GOOD}" in out
+    # global_step_2 holds 2 completed steps: the run goes on at step 3 (0-based index 2)
+    assert f"resuming after step {GOOD} " in out
+    assert f"training continues at step {GOOD + 1}/4" in out
     # the audit trail holds the retrained steps twice; the last record of each step counts
     records = (root / "trained_prompts.jsonl").read_text().splitlines()
-    assert len(records) == 4 + (LAST - GOOD)
+    assert [json.loads(r)["step"] for r in records[4:]] == list(range(GOOD, LAST))
     steps = trained(tmp_path)
     assert steps == trained(undamaged)
     loader = fresh_loader(quickstart_assets)

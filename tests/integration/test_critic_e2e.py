@@ -30,14 +30,14 @@ def test_critic_on_its_own_group_sync_then_resume(quickstart_assets, tmp_path):
     vf = scalars(tmp_path, "critic/vf_loss")
     assert sorted(vf) == list(range(1, 9)), out[-2000:]
     first, _ = _falls(vf)
-    ckpt = tmp_path / "megarl" / "t" / "global_step_7" / "critic"
+    ckpt = tmp_path / "megarl" / "t" / "global_step_8" / "critic"
     assert (ckpt / "megarl_meta.json").is_file()
     # the PPO loss ran on GAE advantages (whitened: nonzero, finite)
     assert all(v == v for v in scalars(tmp_path, "actor/pg_loss").values())
     # resume: the critic comes back trained (a fresh head would start near `first` again)
     out = megarl("train", _args(quickstart_assets, tmp_path, *GAE, *own,
                                 "trainer.total_training_steps=10"))
-    assert "resuming after step 7" in out
+    assert "resuming after step 8 " in out and "training continues at step 9/10" in out
     vf = scalars(tmp_path, "critic/vf_loss")
     assert vf[9] < 0.35 * first, vf
 

@@ -133,7 +133,7 @@ def test_a_wedged_engine_fails_its_health_check_and_loses_nothing(servers):
 
     ref, outs, dead, metrics = asyncio.run(go())
     assert {o.rid: o.output_ids for o in outs} == ref
-    assert list(dead) == [0] and "/health" in dead[0]
+    assert list(dead) == [0] and "health check" in dead[0]
     assert metrics["rollout/engines_alive"] == 1
 
 

@@ -177,8 +177,9 @@ def test_a_host_cut_off_stops_the_run_in_bounded_time_and_the_run_resumes(quicks
         codes = [p.wait(timeout=300) for p in procs]
         again = _log(tmp_path, 0, "-resumed")
     assert codes == [0, 0], again[-4000:]
-    assert f"resuming after step {saved}" in again or f"resuming after step {saved - 1}" \
-        in again, again[-3000:]
+    # global_step_<saved> holds `saved` completed steps: training goes on at step saved+1
+    assert f"resuming after step {saved} " in again, again[-3000:]
+    assert f"training continues at step {saved + 1}/{steps}" in again, again[-3000:]
     assert _trained_steps(tmp_path) == list(range(steps))
 
 
@@ -340,7 +341,7 @@ def test_slurm_on_two_hosts_trains_validates_and_converts(quickstart_assets, tmp
                                           *common)
                 jobs["convert"] = submit("convert", "-N", "1", "-w", "n1",
                                          ROOT / "launch" / "slurm_convert.sh", "mcore2hf",
-                                         "--ckpt", run / "global_step_3" / "actor",
+                                         "--ckpt", run / "global_step_4" / "actor",
                                          "--out", tmp_path / "hf")
     finally:
         for f in (d / "run").glob("*.pid"):

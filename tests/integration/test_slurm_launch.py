@@ -212,10 +212,10 @@ def test_train_job_trains_checkpoints_and_tears_ray_down(train_job):
     assert re.search(r"step 2/2 .*reward/mean=", out), out[-4000:]
     assert "megarl exited with status 0" in out
     run = train_job["run"]
-    # steps count from 0: the second (last) step is global_step_1
-    assert (run / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
-    assert (run / "global_step_1" / "driver_state.json").is_file()
-    assert (run / "global_step_1" / "actor").is_dir()
+    # named by completed steps (as verl): after the second (last) step, global_step_2
+    assert (run / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+    assert (run / "global_step_2" / "driver_state.json").is_file()
+    assert (run / "global_step_2" / "actor").is_dir()
     assert "stopping Ray on 1 node(s)" in out
     assert train_job["leftovers"] == [], "Ray processes outlived the job"
 
@@ -223,11 +223,11 @@ def test_train_job_trains_checkpoints_and_tears_ray_down(train_job):
 def test_validate_job_serves_the_checkpoint_weights(slurm, assets, train_job):
     assert train_job["code"] == 0, "needs the train job's checkpoint"
     trained = (train_job["run"] / "trained_prompts.jsonl").read_text()
-    # the run directory: the script follows latest_checkpointed_iteration.txt to global_step_1
+    # the run directory: the script follows latest_checkpointed_iteration.txt to global_step_2
     job = slurm.submit("slurm_validate.sh", CONFIG, train_job["run"], *_paths(assets))
     state, code, out = slurm.wait(job)
     assert (state, code) == ("COMPLETED", 0), out[-6000:]
-    ckpt = train_job["run"] / "global_step_1"
+    ckpt = train_job["run"] / "global_step_2"
     assert f"validating checkpoint {ckpt}" in out
     assert f"loaded Megatron checkpoint {ckpt / 'actor'}" in out
     # the engines validated the checkpoint's weights (v2, after two steps), not the HF init
@@ -291,7 +291,7 @@ def test_validate_job_rejects_a_non_checkpoint(slurm, assets):
 
 def test_convert_job_exports_hf_and_checks_the_allocation(slurm, train_job):
     assert train_job["code"] == 0, "needs the train job's checkpoint"
-    actor = train_job["run"] / "global_step_1" / "actor"
+    actor = train_job["run"] / "global_step_2" / "actor"
     hf = slurm.dir / "hf"
     too_big = slurm.submit("slurm_convert.sh", "mcore2hf", "--ckpt", actor, "--out",
                            slurm.dir / "hf_tp", "--tp", str((os.cpu_count() or 1) + 1),

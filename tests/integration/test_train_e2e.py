@@ -235,7 +235,9 @@ def check_saves_overlap_generation(run_dir, saved: int, steps: int, save_freq: i
                                     .read_text())["traceEvents"] if e["ph"] == "X"]
     span = {(e["cat"], e["args"]["step"]): (e["ts"], e["ts"] + e["dur"]) for e in events}
     saves = sorted(k for task, k in span if task == "checkpoint")
-    assert saves == [k for k in range(saved + 1, steps) if (k + 1) % save_freq == 0], saves
+    # 0-based step k completes k+1 steps: the resumed run (from global_step_<saved>) ran
+    # steps saved.. and saved every save_freq completed steps
+    assert saves == [k for k in range(saved, steps) if (k + 1) % save_freq == 0], saves
     for k in saves:
         start, end = span[("checkpoint", k)]
         assert start >= span[("sync", k)][1]
@@ -252,9 +254,18 @@ def test_kill_after_checkpoint_then_resume(quickstart_assets, tmp_path):
     extra = ["trainer.total_training_steps=8", "trainer.save_freq=2", "trainer.test_freq=-1",
              "trainer.val_before_train=False"]
     saved = kill_after_first_checkpoint(quickstart_assets, tmp_path, extra)
-    assert saved >= 1 and saved < 7, "the run should have been killed mid-way"
+    # named by completed steps, as verl: global_step_2, _4, _6 (_8 is the end)
+    assert saved in (2, 4, 6), "the run should have been killed mid-way"
+    run = tmp_path / "megarl" / "t"
+    before = len((run / "trained_prompts.jsonl").read_text().splitlines())
     out = megarl("train", _args(quickstart_assets, tmp_path, *extra))
-    assert f"resuming after step {saved}" in out
+    assert f"resuming after step {saved} from {run / f'global_step_{saved}'}" in out
+    assert f"training continues at step {saved + 1}/8" in out
+    # the resumed run trained 0-based steps saved..7 (1-based saved+1..8), each once
+    records = (run / "trained_prompts.jsonl").read_text().splitlines()
+    assert [json.loads(r)["step"] for r in records[before:]] == list(range(saved, 8))
+    assert sorted(int(p.name.split("_")[-1]) for p in run.glob("global_step_*")) == [2, 4, 6, 8]
+    assert (run / "latest_checkpointed_iteration.txt").read_text() == "8"
     steps = trained(tmp_path)
     assert sorted(steps) == list(range(8))
     # every step trained exactly the batch a never-interrupted run would have drawn
@@ -275,7 +286,7 @@ def test_partial_rollout_kill_resume_trains_every_prompt_once(quickstart_assets,
              "trainer.val_before_train=False", "actor_rollout_ref.rollout.partial_rollout=True",
              "actor_rollout_ref.rollout.over_sample_prompts=6"]
     saved = kill_after_first_checkpoint(quickstart_assets, tmp_path, extra)
-    assert 1 <= saved < 7, "the run should have been killed mid-way"
+    assert saved in (2, 4, 6), "the run should have been killed mid-way"
     state = json.loads((tmp_path / "megarl" / "t" / f"global_step_{saved}" /
                         "driver_state.json").read_text())
     assert state["partial"]["groups"], "the checkpoint should hold cached partial groups"
@@ -287,7 +298,7 @@ def test_partial_rollout_kill_resume_trains_every_prompt_once(quickstart_assets,
     uids = [u for k in range(8) for u in steps[k]]
     assert all(len(steps[k]) == 8 for k in range(8))
     assert len(uids) == len(set(uids)), "a prompt was trained twice"
-    final = json.loads((tmp_path / "megarl" / "t" / "global_step_7" /
+    final = json.loads((tmp_path / "megarl" / "t" / "global_step_8" /
                         "driver_state.json").read_text())
     cached = {g["uid"] for g in final["partial"]["groups"]}
     assert not cached & set(uids)
@@ -323,7 +334,7 @@ def test_kl_in_reward_with_adaptive_coefficient(quickstart_assets, tmp_path):
     assert sorted(kl) == [1, 2, 3]
     assert all(v >= 0 for v in kl.values()) and max(kl.values()) > 0
     assert not scalars(tmp_path, "actor/kl_loss")
-    state = json.loads((tmp_path / "megarl" / "t" / "global_step_2" /
+    state = json.loads((tmp_path / "megarl" / "t" / "global_step_3" /
                         "driver_state.json").read_text())
     # KL above target grows the coefficient from its initial 0.001
     assert state["kl_coef"] > 0.001

@@ -69,8 +69,15 @@ class SGLangClient:
 
     # -- status -----------------------------------------------------------------------------
     async def health(self) -> bool:
+        """Liveness: the server process answers. Read from `/model_info`, not `/health`: stock
+        SGLang's `/health` runs a one-token generation (0.5.23 `http_server.py`), which waits
+        while generation is paused for a weight update, answers 503 after
+        `SGLANG_HEALTH_CHECK_TIMEOUT` (20 s) and then marks the server unhealthy, so a long
+        sync would get a healthy engine replaced. `/model_info` is answered by the HTTP
+        process alone; a scheduler that dies takes the whole server down with it (sglang
+        kills its process tree), which this still sees as a refused connection."""
         try:
-            await self._call("GET", "/health", want="text")
+            await self._call("GET", "/model_info")
             return True
         except (aiohttp.ClientError, SGLangError):
             return False

@@ -6,8 +6,10 @@ weights come from the trainer), start-up, the /health wait with a timeout, and s
 Placement (which node and GPUs an engine gets) is megarl.cluster's business; this module takes
 the result as `base_gpu_id` and ports.
 
-`module="megarl.rollout.server"` starts megarl's embedded server with the same arguments
-(it accepts and ignores the GPU-only ones), which is how CI tests this path.
+On a CPU (`device="cpu"`) a stock server runs from its own environment (`python`, see
+megarl.backends.sglang.cpu_env) with the CPU engine, megarl's import shims and sglang's
+torch-native backends; CI runs it so. `module="megarl.rollout.server"` starts megarl's
+embedded server with the same arguments (it accepts and ignores the GPU-only ones).
 """
 from __future__ import annotations
 
@@ -47,6 +49,8 @@ class ServerArgs:
     max_running_requests: int | None = None
     weight_version: str | None = None  # the version the loaded weights report (megarl: "0")
     log_level: str = "warning"
+    device: str = "cuda"  # "cpu": stock sglang gets the CPU engine, shims and flags
+    python: str | None = None  # the server's interpreter; None: this one
     extra_args: list[str] = field(default_factory=list)
 
     @property
@@ -74,21 +78,37 @@ def replica_server_args(cfg, index: int, *, host: str, port: int,
                         base_gpu_id: int | None) -> ServerArgs:
     """The server of rollout replica `index`: the run's model with dummy weights (the trainer
     sends the real ones before the first rollout), the replica's TP and GPUs, version "0"."""
+    from megarl.backends.sglang.cpu_env import server_python
+
     r = cfg.actor_rollout_ref.rollout
     ctx = cfg.data.max_prompt_length + cfg.data.max_response_length
+    python = server_python(r.server_python) if module_for(r) == SGLANG_MODULE else None
     return ServerArgs.from_rollout_config(
         r, cfg.actor_rollout_ref.model.path, port=port, base_gpu_id=base_gpu_id, host=host,
         random_seed=cfg.trainer.seed + index, context_length=ctx, weight_version="0",
-        extra_args=list(r.server_extra_args))
+        device=cfg.trainer.device, python=python, extra_args=list(r.server_extra_args))
+
+
+def _stock_on_cpu(args: ServerArgs, module: str) -> bool:
+    return module == SGLANG_MODULE and args.device == "cpu"
 
 
 def build_command(args: ServerArgs, module: str = SGLANG_MODULE,
-                  python: str = sys.executable) -> list[str]:
+                  python: str | None = None) -> list[str]:
+    python = python or args.python or sys.executable
     cmd = [python, "-m", module, "--model-path", str(args.model_path), "--host", args.host,
            "--port", str(args.port), "--tp-size", str(args.tp_size),
            "--load-format", args.load_format, "--dtype", args.dtype,
            "--log-level", args.log_level]
-    optional = [("--mem-fraction-static", args.mem_fraction_static),
+    mem_fraction = args.mem_fraction_static
+    if _stock_on_cpu(args, module):
+        from megarl.backends.sglang import cpu_env
+
+        # On a CPU sglang takes the fraction of host memory: bounded by slots instead.
+        mem_fraction = cpu_env.CPU_MEM_FRACTION
+        cmd += [*cpu_env.CPU_FLAGS, "--max-total-tokens", str(cpu_env.cpu_max_total_tokens(
+            args.context_length, args.max_running_requests))]
+    optional = [("--mem-fraction-static", mem_fraction),
                 ("--base-gpu-id", args.base_gpu_id), ("--nccl-port", args.nccl_port),
                 ("--random-seed", args.random_seed), ("--context-length", args.context_length),
                 ("--max-running-requests", args.max_running_requests),
@@ -182,11 +202,15 @@ def launch_server(args: ServerArgs, *, module: str = SGLANG_MODULE, timeout_s: f
     """Start the server and block until /health answers; on failure the process is stopped."""
     cmd = build_command(args, module)
     log_path = Path(log_path or tempfile.mkstemp(prefix=f"rollout-{args.port}-", suffix=".log")[1])
+    full_env = {**os.environ, **(env or {})}
+    if _stock_on_cpu(args, module):
+        from megarl.backends.sglang.cpu_env import server_env
+
+        full_env.update(server_env(full_env))
     logger.info("starting %s (log %s)", " ".join(cmd), log_path)
     with open(log_path, "ab") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                env={**os.environ, **(env or {})}, start_new_session=True,
-                                preexec_fn=_die_with_parent)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env,
+                                start_new_session=True, preexec_fn=_die_with_parent)
     server = ServerProcess(args, proc, log_path)
     try:
         waited = wait_for_health(args.url, timeout_s, proc, log_path)

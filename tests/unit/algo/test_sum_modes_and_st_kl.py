@@ -1,4 +1,5 @@
-"""The constant-normaliser aggregation modes (token-sum, seq-mean-token-sum-norm) and the
+"""The aggregation modes whose loss normaliser is not the stats' count (token-sum,
+seq-mean-token-sum-norm; see also test_seq_mean_token_sum_norm_verl.py) and the
 straight-through KL kinds (k3+, low_var_kl+, ...), against hand-computed values on ragged
 masks, and their micro-batch / data-parallel shares."""
 import math
@@ -30,20 +31,23 @@ def test_token_sum_is_the_plain_masked_sum():
     assert stats_mode("token-sum") == "token-mean"
 
 
-def test_seq_mean_token_sum_norm_divides_by_the_constant():
-    assert global_denom(M, "seq-mean-token-sum-norm", loss_scale_factor=5) == 5.0
-    torch.testing.assert_close(aggregate(V, M, "seq-mean-token-sum-norm", denom=5.0),
-                               torch.tensor(10 / 5))
+def test_seq_mean_token_sum_norm_is_the_sequence_mean_over_the_constant():
+    # verl 0.9.1 core_algos.py:1181-1193: mean over the 2 valid rows of the row sums (6, 4),
+    # then / C: D = 2 sequences * C
+    assert global_denom(M, "seq-mean-token-sum-norm", loss_scale_factor=5) == 10.0
+    torch.testing.assert_close(aggregate(V, M, "seq-mean-token-sum-norm", denom=10.0),
+                               torch.tensor((6 + 4) / 2 / 5))
     # no constant given: verl's fallback, the padded width (3 here)
-    assert global_denom(M, "seq-mean-token-sum-norm") == 3.0
-    torch.testing.assert_close(aggregate(V, M, "seq-mean-token-sum-norm"), torch.tensor(10 / 3))
+    assert global_denom(M, "seq-mean-token-sum-norm") == 6.0
+    torch.testing.assert_close(aggregate(V, M, "seq-mean-token-sum-norm"),
+                               torch.tensor((6 + 4) / 2 / 3))
     assert stats_mode("seq-mean-token-sum-norm") == "seq-mean-token-mean"
     with pytest.raises(ValueError):
         global_denom(M, "seq-mean-token-sum-norm", loss_scale_factor=0)
 
 
 @pytest.mark.parametrize("mode,whole", [("token-mean", 4), ("seq-mean-token-sum", 2),
-                                        ("token-sum", 1), ("seq-mean-token-sum-norm", 5)])
+                                        ("token-sum", 1), ("seq-mean-token-sum-norm", 2 * 5)])
 def test_dp_size_divides_the_batch_normaliser(mode, whole):
     assert global_denom(M, mode, loss_scale_factor=5, dp_size=2) == whole / 2
 
@@ -66,11 +70,12 @@ def _ragged():
 GRAD_SUM = torch.tensor([[0.0, -0.5, -1.0], [1.5, 0.0, 0.0], [0.0, 0.0, 0.0]])
 
 
-@pytest.mark.parametrize("mode,c", [("token-sum", 1.0), ("seq-mean-token-sum-norm", 4.0)])
+# D: token-sum 1; seq-mean-token-sum-norm 2 valid sequences * C = 4
+@pytest.mark.parametrize("mode,c", [("token-sum", 1.0), ("seq-mean-token-sum-norm", 2 * 4.0)])
 def test_ppo_loss_value_gradient_and_stats(mode, c):
     logp, old, adv, mask = _ragged()
     loss, st = ppo_policy_loss(logp, old, adv, mask, 0.2, 0.2, clip_c=3.0, agg=mode,
-                               denom=global_denom(mask, mode, loss_scale_factor=c),
+                               denom=global_denom(mask, mode, loss_scale_factor=4.0),
                                stats_denom=global_denom(mask, stats_mode(mode)))
     torch.testing.assert_close(loss, torch.tensor(-1.2 / c))
     (grad,) = torch.autograd.grad(loss, logp)
@@ -259,5 +264,7 @@ def test_from_config_with_a_sum_mode():
     cfg.loss_agg_mode = "seq-mean-token-sum-norm"
     logp, old, adv, mask = _ragged()
     mb = {"response_mask": mask, "advantages": adv, "old_logprobs": old}
-    loss, _ = make_actor_loss_from_config(cfg, denom=4.0, stats_denom=2.0)(logp, None, mb)
-    torch.testing.assert_close(loss, torch.tensor(-1.2 / 4))
+    denom = global_denom(mask, cfg.loss_agg_mode, 4.0)  # 2 sequences * C = 4
+    assert denom == 8.0
+    loss, _ = make_actor_loss_from_config(cfg, denom=denom, stats_denom=2.0)(logp, None, mb)
+    torch.testing.assert_close(loss, torch.tensor(-1.2 / 8))

@@ -1,0 +1,68 @@
+"""Import shims that let the stock sglang 0.5.23 server run on a CPU without sgl-kernel.
+
+megarl's launcher puts this folder first on PYTHONPATH of a stock server it starts on a CPU
+(`megarl.backends.sglang.cpu_env.server_env`), so Python loads this file at start-up in the
+server process and in every scheduler/detokenizer process sglang spawns. It changes nothing
+else: no sglang file is edited, and a process without `MEGARL_SGLANG_CPU_SHIM=1` is left alone
+(so a PYTHONPATH that leaks into another program is harmless).
+
+1. torchvision. The only torchvision wheel for torch 2.13 on PyPI is a CUDA build whose C
+   extension does not load beside CPU torch; its Python part then registers fake kernels for
+   ops that were never defined (`torchvision::nms`), which raises. sglang imports torchvision
+   unconditionally (multimodal helpers), so the server would not start. Here registering a
+   fake kernel for a torchvision op that does not exist does nothing.
+2. sgl_kernel. With `SGLANG_USE_CPU_ENGINE=1`, a handful of sglang modules import `*_cpu`
+   kernels from `sgl_kernel` when they are imported, and no CPU build of sgl-kernel exists on
+   PyPI. A stand-in module answers every `*_cpu` name with a function that raises if called;
+   plain serving (no speculative decoding, no AMX) calls none of them, and because
+   `torch.ops.sgl_kernel` stays empty sglang's AMX probe is false and it takes its torch-native
+   paths. Any other `from sgl_kernel import X` still fails as it would without the package.
+"""
+import os
+import sys
+
+
+def _skip_missing_torchvision_fakes() -> None:
+    import torch
+    import torch.library
+
+    register_fake = torch.library.register_fake
+
+    def guarded(op, func=None, /, *args, **kwargs):
+        if isinstance(op, str) and op.startswith("torchvision::"):
+            name = op.split("::", 1)[1].split(".", 1)[0]
+            if not hasattr(torch.ops.torchvision, name):
+                return (lambda f: f) if func is None else func
+        return register_fake(op, func, *args, **kwargs)
+
+    torch.library.register_fake = guarded
+
+
+def _stand_in_sgl_kernel() -> None:
+    import types
+
+    if "sgl_kernel" in sys.modules:
+        return
+    module = types.ModuleType("sgl_kernel")
+    module.__file__ = __file__
+
+    def missing(name):
+        def kernel(*args, **kwargs):
+            raise NotImplementedError(f"sgl_kernel.{name}: no CPU sgl-kernel is installed "
+                                      f"(megarl's CPU shim, {__file__})")
+        kernel.__name__ = name
+        return kernel
+
+    def getattr_(name):
+        if name.endswith("_cpu"):
+            return missing(name)
+        raise AttributeError(name)
+
+    module.__getattr__ = getattr_
+    sys.modules["sgl_kernel"] = module
+
+
+if os.environ.get("MEGARL_SGLANG_CPU_SHIM") == "1":
+    _skip_missing_torchvision_fakes()
+    if os.environ.get("SGLANG_USE_CPU_ENGINE") == "1":
+        _stand_in_sgl_kernel()
