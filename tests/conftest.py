@@ -2,6 +2,7 @@
 integration/launch_helpers.py)."""
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -56,3 +57,25 @@ def quickstart_assets(tmp_path_factory) -> Path:
     make_tiny_model(d / "tiny", "qwen2")
     make_quickstart_task(d / "data")
     return d
+
+
+@pytest.fixture(scope="session")
+def stock_python() -> str:
+    """The stock server's Python (built here if needed); skips naming why it cannot be had."""
+    from megarl.backends.sglang import cpu_env
+
+    if cpu_env.venv_status() is not None:
+        script = Path(__file__).resolve().parents[1] / "tools" / "setup_sglang_env.sh"
+        build = subprocess.run(["bash", str(script)], capture_output=True, text=True,
+                               timeout=1200)
+        if build.returncode != 0:
+            pytest.skip("the stock SGLang CPU environment could not be built "
+                        f"(tools/setup_sglang_env.sh): {build.stdout[-1500:]}"
+                        f"{build.stderr[-1500:]}")
+    python = cpu_env.server_python()
+    problem = cpu_env.check_python(python)
+    if problem:
+        pytest.skip(f"no usable stock SGLang: {problem}")
+    return python
+
+

@@ -177,7 +177,7 @@ def _engine_processes(root_pid, marker):
     for p in procs:
         try:
             cmd = p.cmdline()
-            if (marker == "server" and cmd[1:3] == ["-m", "megarl.rollout.server"]) or (
+            if (marker == "server" and cmd[1:3] == ["-m", "sglang.launch_server"]) or (
                     marker == "ray" and "ray::RolloutActor" in " ".join(cmd)):
                 out.append(p)
         except psutil.Error:
@@ -287,10 +287,12 @@ def test_ray_run_replaces_a_killed_embedded_engine(quickstart_assets, tmp_path):
     _kill_one_and_finish(proc, tmp_path, quickstart_assets, "ray")
 
 
-def test_torchrun_run_replaces_a_killed_sglang_server(quickstart_assets, tmp_path):
-    """`rollout.name=sglang` under torchrun (no Ray): two launched servers (megarl's in its
-    SGLang-contract mode); one server process is SIGKILLed after step 1 and its rank starts a
-    new one."""
+@pytest.mark.stock_sglang
+def test_torchrun_run_replaces_a_killed_stock_sglang_server(quickstart_assets, tmp_path,
+                                                           stock_python):
+    """`rollout.name=sglang` under torchrun (no Ray): two launched stock SGLang servers; one
+    server process is SIGKILLed after step 1, its rank starts a new one, and no prompt is
+    lost or trained twice."""
     import subprocess
     import sys
 
@@ -303,9 +305,7 @@ def test_torchrun_run_replaces_a_killed_sglang_server(quickstart_assets, tmp_pat
            "-m", "megarl.cli", "train", *_args(
                quickstart_assets, tmp_path, *RUN, "trainer.launcher=torchrun",
                "trainer.logger=[console,tensorboard]",
-               "actor_rollout_ref.rollout.name=sglang",
-               "actor_rollout_ref.rollout.server_module=megarl.rollout.server",
-               "actor_rollout_ref.rollout.server_extra_args=[--sglang-contract]")]
+               "actor_rollout_ref.rollout.name=sglang")]
     proc = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True,
                             preexec_fn=_sigint_default)

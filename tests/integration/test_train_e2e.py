@@ -153,19 +153,21 @@ def check_timeline(run_dir, steps: int, every: int = 10) -> None:
     assert [i.step for i in acc.Images("timeline")] == list(range(every, steps + 1, every))
 
 
-def test_sglang_backend_trains_through_the_stock_contract(quickstart_assets, tmp_path):
-    """`rollout.name=sglang` as users run it, with the launcher's module the embedded server in
-    its SGLang-contract mode (each update call loads live, generation pauses per version): two
-    TP-2 servers launched per replica on 4 CPU devices, their logs in the run directory."""
+@pytest.mark.stock_sglang
+def test_sglang_backend_trains_on_stock_servers(quickstart_assets, tmp_path, stock_python):
+    """`rollout.name=sglang` as users run it on a CPU: megarl launches two stock
+    `sglang.launch_server` processes of TP 2 from their own environment (found without any
+    key; each TP rank holds its own rank of the trainer's update group: world 1 + 2 + 2), each
+    version goes begin -> flattened buckets -> end -> flush -> continue, and the run learns as
+    the embedded one does, with partial rollout aborting the tail and continuing it across
+    syncs (its tokens' versions come from the servers' spans)."""
     out = megarl("train", _args(
         quickstart_assets, tmp_path, "trainer.save_freq=-1", "trainer.test_freq=-1",
-        "trainer.val_before_train=False", "trainer.n_gpus_per_node=4",
-        "trainer.separated_node_tasks=[[logp,actor-train,ref_logp,generate]]",
-        "trainer.separated_node_ratios=[1.0]",
+        "trainer.val_before_train=False", "trainer.n_gpus_per_node=5",
+        "trainer.separated_node_ratios=[0.2,0.8]",  # 1 trainer process, 2 engines of TP 2
         "actor_rollout_ref.rollout.name=sglang",
         "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
-        "actor_rollout_ref.rollout.server_module=megarl.rollout.server",
-        "actor_rollout_ref.rollout.server_extra_args=[--sglang-contract,--log-level,info]"))
+        "actor_rollout_ref.rollout.partial_rollout=True"), timeout=900)
     reward = scalars(tmp_path, "reward/mean")
     assert sorted(reward) == list(range(1, 41)), out[-2000:]
     first = sum(reward[s] for s in range(1, 9)) / 8
@@ -176,13 +178,12 @@ def test_sglang_backend_trains_through_the_stock_contract(quickstart_assets, tmp
     assert max(stale.values()) <= 1
     paused = scalars(tmp_path, "weight_sync/engine_pause_s")
     assert paused and all(v > 0 for v in paused.values())
-    # each TP-2 engine holds two ranks of the trainer's update group: world 1 + 2 + 2
+    assert "rank offsets [1, 3]" in out and "sglang.launch_server" in out
+    assert "--tp-size 2" in out
+    assert stock_python in out  # the servers ran from the stock environment
     logs = tmp_path / "megarl" / "t" / "logs"
-    first_log = (logs / "rollout-0.log").read_text()
-    second_log = (logs / "rollout-1.log").read_text()
-    assert "as rank 1 of 5" in first_log and "as rank 2 of 5" in first_log
-    assert "as rank 3 of 5" in second_log and "as rank 4 of 5" in second_log
-    assert "rank offsets [1, 3]" in out and "--tp-size 2" in out
+    for i in (0, 1):
+        assert "init custom process group" in (logs / f"rollout-{i}.log").read_text()
 
 
 def test_given_servers_and_an_engine_failing_mid_version_is_dropped(quickstart_assets,

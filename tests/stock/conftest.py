@@ -2,19 +2,16 @@
 
 Every test in this folder is marked `stock_sglang`. The server runs from its own environment
 (tools/setup_sglang_env.sh; .ci/run builds it before the suite): when that environment is
-absent the session fixture builds it once, and where it cannot be built the tests skip naming
-why. A server costs ~20 s to start (mostly imports), so the protocol tests share one per
-model for the whole session and leave it as they found it (unpaused, version restored or
-asserted from a known base).
+absent the `stock_python` fixture (tests/conftest.py) builds it once, and where it cannot be
+built the tests skip naming why. A server costs ~20 s to start (mostly imports), so the
+protocol tests share one per model for the whole session and leave it as they found it
+(unpaused, version restored or asserted from a known base).
 """
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def pytest_collection_modifyitems(config, items):
@@ -22,24 +19,6 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if here in Path(str(item.fspath)).parents:
             item.add_marker(pytest.mark.stock_sglang)
-
-
-@pytest.fixture(scope="session")
-def stock_python() -> str:
-    """The stock server's Python (built here if needed); skips naming why it cannot be had."""
-    from megarl.backends.sglang import cpu_env
-
-    if cpu_env.venv_status() is not None:
-        build = subprocess.run(["bash", str(ROOT / "tools" / "setup_sglang_env.sh")],
-                               capture_output=True, text=True, timeout=1200)
-        if build.returncode != 0:
-            pytest.skip("the stock SGLang CPU environment could not be built "
-                        f"(tools/setup_sglang_env.sh): {build.stdout[-1500:]}{build.stderr[-1500:]}")
-    python = cpu_env.server_python()
-    problem = cpu_env.check_python(python)
-    if problem:
-        pytest.skip(f"no usable stock SGLang: {problem}")
-    return python
 
 
 def stock_args(model, python: str, **kw):

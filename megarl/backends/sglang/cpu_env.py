@@ -80,12 +80,29 @@ def server_python(configured: str | None = None) -> str:
     return sys.executable
 
 
-def server_env(base: dict | None = None) -> dict:
-    """Environment additions for a stock server on a CPU: the CPU engine and the shims."""
-    path = (base or os.environ).get("PYTHONPATH", "")
-    return {"SGLANG_USE_CPU_ENGINE": "1", "MEGARL_SGLANG_CPU_SHIM": "1",
-            "PYTHONPATH": str(SHIM_DIR) + (os.pathsep + path if path else ""),
-            "CUDA_VISIBLE_DEVICES": ""}
+def server_env(base: dict | None = None, tp_size: int = 1) -> dict:
+    """Environment additions for a stock server on a CPU: the CPU engine and the shims, and
+    for TP > 1 the cores of each TP rank (`SGLANG_CPU_OMP_THREADS_BIND`, `a-b|c-d|...`):
+    without it sglang allows one rank per NUMA node only. The cores this process may use are
+    split evenly; with fewer cores than ranks, ranks share them round robin."""
+    base = base or os.environ
+    path = base.get("PYTHONPATH", "")
+    env = {"SGLANG_USE_CPU_ENGINE": "1", "MEGARL_SGLANG_CPU_SHIM": "1",
+           "PYTHONPATH": str(SHIM_DIR) + (os.pathsep + path if path else ""),
+           "CUDA_VISIBLE_DEVICES": ""}
+    if tp_size > 1 and "SGLANG_CPU_OMP_THREADS_BIND" not in base:
+        env["SGLANG_CPU_OMP_THREADS_BIND"] = cores_per_rank(sorted(os.sched_getaffinity(0)),
+                                                            tp_size)
+    return env
+
+
+def cores_per_rank(cores: list[int], ranks: int) -> str:
+    if len(cores) < ranks:
+        return "|".join(str(cores[r % len(cores)]) for r in range(ranks))
+    share = len(cores) // ranks
+    parts = [cores[r * share:(r + 1) * share] for r in range(ranks)]
+    return "|".join(",".join(map(str, p)) if len(p) < 2 or p[-1] - p[0] != len(p) - 1
+                    else f"{p[0]}-{p[-1]}" for p in parts)
 
 
 def cpu_max_total_tokens(context_length: int | None, max_running_requests: int | None) -> int:

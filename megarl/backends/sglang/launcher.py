@@ -179,10 +179,15 @@ class ServerProcess:
         return self.args.url
 
     def stop(self, timeout_s: float = 30) -> None:
-        if self.proc.poll() is not None:
-            return
         # The server runs in its own process group: SGLang forks scheduler/detokenizer
-        # processes that must go with it.
+        # processes that must go with it, also when the server process itself was killed
+        # (they would outlive it, holding memory and cores).
+        if self.proc.poll() is not None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            return
         os.killpg(self.proc.pid, signal.SIGTERM)
         try:
             self.proc.wait(timeout_s)
@@ -206,7 +211,7 @@ def launch_server(args: ServerArgs, *, module: str = SGLANG_MODULE, timeout_s: f
     if _stock_on_cpu(args, module):
         from megarl.backends.sglang.cpu_env import server_env
 
-        full_env.update(server_env(full_env))
+        full_env.update(server_env(full_env, args.tp_size))
     logger.info("starting %s (log %s)", " ".join(cmd), log_path)
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env,
