@@ -1,8 +1,18 @@
 #!/usr/bin/env bash
 # Create .venv (if absent) and install megarl with its test extras. CPU machines take the local
 # torch 2.13.0 wheel first, so nothing pulls a multi-GB CUDA build.
+#   bash tools/setup_env.sh            megarl, its tests, Slurm for the launch test
+#   bash tools/setup_env.sh --sglang   also the stock SGLang server's own environment
+#                                      (tools/setup_sglang_env.sh: rollout.name=sglang on CPU)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+SGLANG=0
+for arg in "$@"; do
+  case "$arg" in
+    --sglang) SGLANG=1 ;;
+    *) echo "setup_env: unknown argument $arg (known: --sglang)" >&2; exit 2 ;;
+  esac
+done
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 . .venv/bin/activate
@@ -11,3 +21,8 @@ python -c "import torch" 2>/dev/null || python -m pip install -q "torch==2.13.0"
 python -m pip install -q -e ".[test]" 2>&1 | grep -v "^WARNING: Location" || true
 bash tools/install_slurm.sh || echo "setup_env: Slurm not installed; the Slurm launch test needs it (see above)" >&2
 python -c "import torch, megatron.core, megarl; print('env ok: torch', torch.__version__, 'megatron-core', megatron.core.__version__)"
+if [ "$SGLANG" = 1 ]; then
+  # megarl is set up whatever happens here; without this environment the stock SGLang tests
+  # skip, saying why, and rollout.name=sglang on a CPU names the command that builds it.
+  bash tools/setup_sglang_env.sh || echo "setup_env: the stock SGLang environment was not built (see above)" >&2
+fi

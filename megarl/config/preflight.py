@@ -43,6 +43,7 @@ def preflight(cfg) -> None:
                         "trainer.default_local_dir")
     _check_resume(cfg)
     _check_transformer_engine(cfg)
+    _check_sglang_server(cfg)
     model_dir = _check_model_dir(cfg)
     tokenizer_dir = _check_tokenizer_dir(cfg)
     # Cheapest first: the rows need neither torch (the model files' checks) nor transformers
@@ -53,6 +54,30 @@ def preflight(cfg) -> None:
     tokenizer = _load_tokenizer(cfg, tokenizer_dir) if tokenizer_dir is not None else None
     if tokenizer is not None and _lengths_can_fail(cfg.data):
         _check_data(cfg, tokenizer)
+
+
+def _check_sglang_server(cfg) -> None:
+    """Launched stock SGLang servers need a Python with sglang: named by
+    `rollout.server_python`, or the CPU environment tools/setup_sglang_env.sh builds, or
+    megarl's own (a GPU install). Checked here, not after minutes of start-up."""
+    import importlib.util
+
+    r = cfg.actor_rollout_ref.rollout
+    if r.name != "sglang" or r.server_urls or r.server_module:
+        return
+    from megarl.backends.sglang import cpu_env
+
+    key = "actor_rollout_ref.rollout.server_python"
+    if r.get("server_python"):
+        if not Path(r.server_python).exists():
+            raise ConfigError(f"{key}: {r.server_python} does not exist")
+        return
+    if os.environ.get("MEGARL_SGLANG_PYTHON") or cpu_env.venv_status() is None:
+        return
+    if importlib.util.find_spec("sglang") is None:
+        raise ConfigError(f"actor_rollout_ref.rollout.name=sglang launches stock SGLang "
+                          f"servers, but this Python has no sglang and {key} is null: "
+                          f"{cpu_env.venv_status()} (GPU machines: pip install -e .[gpu])")
 
 
 def _check_transformer_engine(cfg) -> None:
