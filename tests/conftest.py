@@ -10,6 +10,19 @@ import pytest
 from megarl.utils.tiny_model import make_tiny_model
 
 
+_SLOW_DIRS = ("integration", "stock")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Every end-to-end and multi-process test (tests/integration, tests/stock) is `slow`:
+    `-m "not slow"` is the fast tier (unit, contract and fuzz tests)."""
+    root = Path(__file__).resolve().parent
+    slow = [root / d for d in _SLOW_DIRS]
+    for item in items:
+        if any(d in Path(str(item.fspath)).resolve().parents for d in slow):
+            item.add_marker(pytest.mark.slow)
+
+
 def _make(tmp_path_factory, arch: str) -> Path:
     out = tmp_path_factory.mktemp(f"tiny-{arch}") / "model"
     # vocab 300 is not a multiple of 128×TP, so Megatron's vocab padding is always exercised.

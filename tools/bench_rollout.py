@@ -1,6 +1,7 @@
-"""Tokens/s of the embedded rollout engine against plain transformers `generate`.
+"""Tokens/s of the embedded rollout engine (and, with `--stock`, the stock SGLang server on
+this CPU) against plain transformers `generate`.
 
-Both run the same model, prompts, batch and per-row lengths, greedy (so the tokens can be
+All run the same model, prompts, batch and per-row lengths, greedy (so the tokens can be
 checked equal). Two workloads:
 
 - `uniform`: every row generates exactly `--new-tokens` (static batching's best case);
@@ -12,6 +13,8 @@ Tokens/s counts useful output tokens over wall time; "first back" is when the fi
 response is available (for `generate`, only when the whole batch ends).
 
     python tools/bench_rollout.py [--device cuda] [--layers 4 --hidden 256 --batch 32 ...]
+    python tools/bench_rollout.py --stock    # + stock sglang.launch_server (CPU environment of
+                                             #   tools/setup_sglang_env.sh), over HTTP
 """
 from __future__ import annotations
 
@@ -52,7 +55,8 @@ def run_hf(model, prompts, budgets, device):
     return wall, wall, rows
 
 
-def run_engine(engine, prompts, budgets):
+def run_engine(engine, prompts, budgets, close=False):
+    """`close`: an HTTP engine made for this run (its session belongs to this event loop)."""
     async def go():
         first = []
 
@@ -64,9 +68,28 @@ def run_engine(engine, prompts, budgets):
 
         t0 = time.perf_counter()
         rows = await asyncio.gather(*[one(p, b) for p, b in zip(prompts, budgets)])
-        return time.perf_counter() - t0, min(first) - t0, rows
+        wall = time.perf_counter() - t0
+        if close:
+            await engine.close()
+        return wall, min(first) - t0, rows
 
     return asyncio.run(go())
+
+
+def start_stock(model_dir, args):
+    """The stock server on this CPU, from its own environment (fp32 unless --dtype)."""
+    from megarl.backends.sglang import cpu_env
+    from megarl.backends.sglang.launcher import ServerArgs, find_free_port, launch_server
+
+    problem = cpu_env.venv_status()
+    if problem and not args.server_python:
+        raise SystemExit(f"--stock: {problem}")
+    ctx = args.prompt_len[1] + args.new_tokens + 8
+    server = ServerArgs(str(model_dir), port=find_free_port(), device="cpu",
+                        python=args.server_python or cpu_env.server_python(),
+                        dtype=args.dtype or "float32", context_length=ctx,
+                        max_running_requests=max(8, args.batch))
+    return launch_server(server, timeout_s=600)
 
 
 def sync(device):
@@ -86,6 +109,10 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=5, help="timed runs; the best is reported")
     ap.add_argument("--model", default=None, help="an HF model dir instead of a tiny one")
+    ap.add_argument("--stock", action="store_true",
+                    help="also the stock SGLang server on this CPU (same prompts, over HTTP)")
+    ap.add_argument("--server-python", default=None,
+                    help="with --stock: the server's Python (default: megarl's lookup)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
 
@@ -109,22 +136,45 @@ def main(argv=None) -> int:
     print(f"device={args.device} threads={torch.get_num_threads()} params={n_params / 1e6:.2f}M "
           f"layers={args.layers} hidden={args.hidden} batch={args.batch} "
           f"prompt_len={tuple(args.prompt_len)} new_tokens<={args.new_tokens}")
+    stock = stock_engine = None
+    if args.stock:
+        from megarl.backends.sglang import SGLangEngine
+
+        stock = start_stock(model_dir, args)
+        stock_engine = lambda: SGLangEngine(stock.url)  # noqa: E731 - one per asyncio.run
     print(f"{'workload':9} {'tokens':>7} {'generate tok/s':>15} {'engine tok/s':>13} "
-          f"{'ratio':>6} {'gen first back':>15} {'eng first back':>15} {'same tokens':>12}")
+          f"{'ratio':>6} {'gen first back':>15} {'eng first back':>15} {'same tokens':>12}"
+          + (f" {'stock tok/s':>12} {'ratio':>6} {'stock first back':>17} {'same':>6}"
+             if stock else ""))
     run_hf(model, prompts[:2], [4, 4], args.device)  # warm-up
     run_engine(engine, prompts[:2], [4, 4])
-    for name, budgets in workloads.items():
-        # Interleaved, best of `repeats`: a shared machine's load then hits both sides alike.
-        hf_runs, eng_runs = [], []
-        for _ in range(args.repeats):
-            hf_runs.append(run_hf(model, prompts, budgets, args.device))
-            eng_runs.append(run_engine(engine, prompts, budgets))
-        hf, eng = min(hf_runs, key=lambda r: r[0]), min(eng_runs, key=lambda r: r[0])
-        tokens = sum(budgets)
-        same = sum(a == b for a, b in zip(hf[2], eng[2]))
-        print(f"{name:9} {tokens:7d} {tokens / hf[0]:15.0f} {tokens / eng[0]:13.0f} "
-              f"{hf[0] / eng[0]:6.2f} {hf[1]:14.3f}s {eng[1]:14.3f}s {same:>7}/{len(budgets)}")
-    asyncio.run(engine.close())
+    if stock:
+        run_engine(stock_engine(), prompts[:2], [4, 4], close=True)
+    try:
+        for name, budgets in workloads.items():
+            # Interleaved, best of `repeats`: a shared machine's load hits every side alike.
+            hf_runs, eng_runs, stock_runs = [], [], []
+            for _ in range(args.repeats):
+                hf_runs.append(run_hf(model, prompts, budgets, args.device))
+                eng_runs.append(run_engine(engine, prompts, budgets))
+                if stock:
+                    stock_runs.append(run_engine(stock_engine(), prompts, budgets, close=True))
+            hf, eng = min(hf_runs, key=lambda r: r[0]), min(eng_runs, key=lambda r: r[0])
+            tokens = sum(budgets)
+            same = sum(a == b for a, b in zip(hf[2], eng[2]))
+            line = (f"{name:9} {tokens:7d} {tokens / hf[0]:15.0f} {tokens / eng[0]:13.0f} "
+                    f"{hf[0] / eng[0]:6.2f} {hf[1]:14.3f}s {eng[1]:14.3f}s "
+                    f"{same:>7}/{len(budgets)}")
+            if stock:
+                st = min(stock_runs, key=lambda r: r[0])
+                st_same = sum(a == b for a, b in zip(hf[2], st[2]))
+                line += (f" {tokens / st[0]:12.0f} {hf[0] / st[0]:6.2f} {st[1]:16.3f}s "
+                         f"{st_same:>3}/{len(budgets)}")
+            print(line)
+    finally:
+        asyncio.run(engine.close())
+        if stock:
+            stock.stop()
     return 0
 
 

@@ -10,7 +10,7 @@ from megarl.controller import checkpoint as ckpt
 @pytest.fixture(scope="session")
 def undamaged(quickstart_assets, tmp_path_factory) -> Path:
     """The run directory of one finished 4-step quickstart run saving every 2 steps (the
-    arguments test_checkpoint_fallback.py's EXTRA and test_checkpoint_names.py's resume with):
+    arguments test_checkpoint_fallback.py's EXTRA and test_checkpoint_naming_e2e.py's resume with):
     global_step_2 and global_step_4, named by completed steps as verl's. Read it, or copy it
     to change it."""
     run = tmp_path_factory.mktemp("undamaged")

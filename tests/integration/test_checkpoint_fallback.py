@@ -20,7 +20,7 @@ from test_train_e2e import _args, fresh_loader, megarl, trained
 
 from megarl.controller import checkpoint as ckpt
 
-# the `undamaged` run's (conftest.py, a session fixture shared with test_checkpoint_names.py),
+# the `undamaged` run's (conftest.py, a session fixture shared with test_checkpoint_naming_e2e.py),
 # which the copies resume with
 EXTRA = ["trainer.total_training_steps=4", "trainer.save_freq=2", "trainer.test_freq=-1",
          "trainer.val_before_train=False"]
