@@ -9,9 +9,15 @@ protocol tests share one per model for the whole session and leave it as they fo
 """
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
+
+# the launch helpers of the multi-process tests (torchrun'd rank programs)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
+
+from stock_helpers import stock_args  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):
@@ -19,16 +25,6 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if here in Path(str(item.fspath)).parents:
             item.add_marker(pytest.mark.stock_sglang)
-
-
-def stock_args(model, python: str, **kw):
-    """ServerArgs of a stock server on this CPU for `model` (fp32: equal to transformers)."""
-    from megarl.backends.sglang.launcher import ServerArgs, find_free_port
-
-    kw.setdefault("context_length", 512)
-    kw.setdefault("max_running_requests", 8)
-    return ServerArgs(str(model), port=find_free_port(), device="cpu", python=python,
-                      dtype="float32", weight_version="0", random_seed=0, **kw)
 
 
 @pytest.fixture(scope="session")

@@ -94,3 +94,25 @@ def test_transformer_engine_asked_for_where_it_is_missing_or_cannot_run(tmp_path
     with pytest.raises(ConfigError, match=rf"^{ref}: transformer_engine, but Transformer Engine "
                                           "is not installed"):
         preflight(cfg)
+
+
+def test_stock_sglang_without_a_server_python_is_refused_by_key(tmp_path, qwen_dir,
+                                                                 monkeypatch):
+    """rollout.name=sglang launches stock servers: with no Python that has sglang (no built
+    CPU environment, none named, none in megarl's own), the run stops before starting."""
+    monkeypatch.setenv("MEGARL_SGLANG_VENV", str(tmp_path / "no-venv"))
+    monkeypatch.delenv("MEGARL_SGLANG_PYTHON", raising=False)
+    sglang = ["actor_rollout_ref.rollout.name=sglang", "data.synthetic_task=quickstart",
+              f"data.train_files={tmp_path / 'd' / 'train.jsonl'}",
+              f"data.val_files={tmp_path / 'd' / 'val.jsonl'}"]
+    with pytest.raises(ConfigError, match=r"rollout\.server_python.*setup_sglang_env\.sh"):
+        preflight(_cfg(tmp_path, qwen_dir, *sglang))
+    with pytest.raises(ConfigError, match=r"server_python: /nowhere/python does not exist"):
+        preflight(_cfg(tmp_path, qwen_dir, *sglang,
+                       "actor_rollout_ref.rollout.server_python=/nowhere/python"))
+    import sys
+    preflight(_cfg(tmp_path, qwen_dir, *sglang,
+                   f"actor_rollout_ref.rollout.server_python={sys.executable}"))
+    # servers the user runs, or another module, need none
+    preflight(_cfg(tmp_path, qwen_dir, *sglang,
+                   "actor_rollout_ref.rollout.server_urls=[http://127.0.0.1:1]"))
