@@ -52,12 +52,46 @@ class MegatronGroup:
         self.actors = [transport.spawn("megatron", devices, i, share, self.role, i, n, threads)
                        for i in range(n)]
         self.single_node = cfg.trainer.nnodes == 1
-        addr, port = self._each("rendezvous", [self.actors[0]], self.single_node)[0]
-        self.ranks = self._each("setup", self.actors, spec, addr, port)
+        self._spec, self._devices = spec, devices
+
+    def ready(self) -> "MegatronGroup":
+        """Wait for the spawned workers and build the model on them. Separate from the
+        constructor so that every group's workers start (process, imports) before any group
+        is waited for: under Ray they start side by side."""
+        return self.ready_all([self])[0]
+
+    @staticmethod
+    def ready_all(groups: list["MegatronGroup"]) -> list["MegatronGroup"]:
+        """`ready` for several groups. Under Ray each group's workers are processes of their
+        own, so every group's rendezvous, then every group's model build, run side by side;
+        a torchrun rank may host several groups, which it serves strictly in turn."""
+        if not groups:
+            return groups
+        if groups[0].t.name != "ray":
+            for g in groups:
+                g._build(g._each("rendezvous", [g.actors[0]], g.single_node)[0])
+            return groups
+        t = groups[0].t
+        where = t.wait([t.call(g.actors[0], "rendezvous", g.single_node) for g in groups])
+        # Each rendezvous is a free port, not yet bound: two asked at once may be told the
+        # same one, which the later group is then asked again to avoid.
+        for i, g in enumerate(groups):
+            while tuple(where[i]) in {tuple(w) for w in where[:i]}:
+                where[i] = t.wait([t.call(g.actors[0], "rendezvous", g.single_node)])[0]
+        calls = [t.broadcast(g.actors, "setup", g._spec, *w) for g, w in zip(groups, where)]
+        for g, c in zip(groups, calls):
+            g._build(None, t.wait(c))
+        return groups
+
+    def _build(self, where, ranks=None) -> None:
+        """The model built at the rendezvous `where` (or already, giving `ranks`)."""
+        self.ranks = ranks if ranks is not None else self._each("setup", self.actors,
+                                                                 self._spec, *where)
         self.dp = self.ranks[0]["dp_size"]
         # Devices are global indices: under torchrun, the ranks.
-        logger.info("%s model: %d process(es) on group %s (devices %s), DP=%d, over %s", self.role,
-                    n, devices.name, list(devices.plan.devices), self.dp, transport.name)
+        logger.info("%s model: %d process(es) on group %s (devices %s), DP=%d, over %s",
+                    self.role, len(self.actors), self._devices.name,
+                    list(self._devices.plan.devices), self.dp, self.t.name)
 
     def _each(self, method: str, workers: list, *args) -> list:
         """One call on each worker, waited for (set-up, before the run's loop starts)."""
@@ -228,8 +262,7 @@ class RolloutGroup:
         self._start = None  # engine index -> a new worker in its place (None: not restartable)
         single = cfg.trainer.nnodes == 1
         if r.name == "sglang" and r.server_urls:
-            self.urls = list(r.server_urls)
-            check_user_servers(self.urls, r.tensor_model_parallel_size)
+            self.urls = list(r.server_urls)  # their TP was checked by config.preflight
         else:
             if r.name == "sglang":
                 tp = r.tensor_model_parallel_size
@@ -249,10 +282,16 @@ class RolloutGroup:
                     "rollout", devices, i, share, f"rollout{i}", model, threads,
                     cfg.trainer.seed + i, ctx, host=host)
             self.actors = [self._start(i) for i in range(count)]
-            self.urls = transport.wait(transport.broadcast(self.actors, "url"))
-        self.engines = engine_links(cfg, self.urls)
-        logger.info("rollout servers: %s (%s) over %s", ", ".join(self.urls), r.name,
-                    transport.name)
+            self.urls = None  # known once ready()
+
+    def ready(self) -> "RolloutGroup":
+        """Wait for the spawned servers (see MegatronGroup.ready)."""
+        if self.urls is None:
+            self.urls = self.t.wait(self.t.broadcast(self.actors, "url"))
+        self.engines = engine_links(self.cfg, self.urls)
+        logger.info("rollout servers: %s (%s) over %s", ", ".join(self.urls),
+                    self.cfg.actor_rollout_ref.rollout.name, self.t.name)
+        return self
 
     async def restart(self, i: int) -> str:
         """Engine `i` died: a new one on the same devices (what is left of the old one
@@ -272,29 +311,6 @@ class RolloutGroup:
     def shutdown(self, timeout_s: float = 60.0) -> None:
         if not self.t.shutdown(self.actors, timeout_s):
             logger.warning("rollout group did not shut down cleanly")
-
-
-def check_user_servers(urls: list[str], tp: int, timeout_s: float = 30.0) -> None:
-    """Servers the user runs must have the TP the config gives them (the update group's ranks
-    are counted from it): read from each server's `/server_info` before any work starts."""
-    import json
-    import urllib.request
-
-    from megarl.config import ConfigError
-
-    key = "actor_rollout_ref.rollout"
-    for i, url in enumerate(urls):
-        try:
-            with urllib.request.urlopen(url.rstrip("/") + "/server_info",
-                                        timeout=timeout_s) as resp:
-                info = json.loads(resp.read())
-        except (OSError, ValueError) as e:
-            raise ConfigError(f"{key}.server_urls[{i}]: {url} does not answer /server_info "
-                              f"({e})") from None
-        have = info.get("tp_size")
-        if have is not None and int(have) != tp:
-            raise ConfigError(f"{key}.tensor_model_parallel_size is {tp}, but "
-                              f"{key}.server_urls[{i}] ({url}) runs with tp_size {have}")
 
 
 def engine_links(cfg, urls: list[str]) -> list[dict]:

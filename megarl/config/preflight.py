@@ -59,10 +59,13 @@ def preflight(cfg) -> None:
 def _check_sglang_server(cfg) -> None:
     """Launched stock SGLang servers need a Python with sglang: named by
     `rollout.server_python`, or the CPU environment tools/setup_sglang_env.sh builds, or
-    megarl's own (a GPU install). Checked here, not after minutes of start-up."""
+    megarl's own (a GPU install). Checked here, not after minutes of start-up. Servers the
+    user runs (`server_urls`) must answer, with the configured TP."""
     import importlib.util
 
     r = cfg.actor_rollout_ref.rollout
+    if r.name == "sglang" and r.server_urls:
+        check_user_servers(list(r.server_urls), r.tensor_model_parallel_size)
     if r.name != "sglang" or r.server_urls or r.server_module:
         return
     from megarl.backends.sglang import cpu_env
@@ -78,6 +81,27 @@ def _check_sglang_server(cfg) -> None:
         raise ConfigError(f"actor_rollout_ref.rollout.name=sglang launches stock SGLang "
                           f"servers, but this Python has no sglang and {key} is null: "
                           f"{cpu_env.venv_status()} (GPU machines: pip install -e .[gpu])")
+
+
+def check_user_servers(urls: list[str], tp: int, timeout_s: float = 30.0) -> None:
+    """Servers the user runs must have the TP the config gives them (the update group's ranks
+    are counted from it): read from each server's `/server_info` before any work starts."""
+    import json
+    import urllib.request
+
+    key = "actor_rollout_ref.rollout"
+    for i, url in enumerate(urls):
+        try:
+            with urllib.request.urlopen(url.rstrip("/") + "/server_info",
+                                        timeout=timeout_s) as resp:
+                info = json.loads(resp.read())
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"{key}.server_urls[{i}]: {url} does not answer /server_info "
+                              f"({e})") from None
+        have = info.get("tp_size")
+        if have is not None and int(have) != tp:
+            raise ConfigError(f"{key}.tensor_model_parallel_size is {tp}, but "
+                              f"{key}.server_urls[{i}] ({url}) runs with tp_size {have}")
 
 
 def _check_transformer_engine(cfg) -> None:

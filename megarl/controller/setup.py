@@ -184,6 +184,10 @@ def _workers(cfg, plan: RunPlan):
     models = {role: MegatronGroup(transport, dgs[m.group], cfg, m.spec, share[m.group],
                                   count[m.group])
               for role, m in plan.models.items()}
+    # Every worker is spawned before any is waited for: their start-ups (a process each,
+    # torch and Megatron imports, the engine's model) overlap instead of queueing.
+    rollout.ready()
+    MegatronGroup.ready_all(list(models.values()))
     return transport, dgs, rollout, models
 
 

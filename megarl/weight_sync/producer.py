@@ -365,6 +365,8 @@ class WeightProducer:
                                           "tensors)", stage=self.stage, engine=link.name)
             logger.info("verify v%d: %d engines (%s, TP %s) hold equal weights", version,
                         len(members), device, tp)
+        logger.info("weights v%d stage %d verified on %d engine(s)", version, self.stage,
+                    len(live))
         return compared_with_trainer
 
     # -- sending ------------------------------------------------------------------------------

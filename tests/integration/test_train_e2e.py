@@ -173,9 +173,11 @@ def test_sglang_backend_trains_on_stock_servers(quickstart_assets, tmp_path, sto
     first = sum(reward[s] for s in range(1, 9)) / 8
     last = sum(reward[s] for s in range(33, 41)) / 8
     assert last > first + 0.1, (first, last)
-    # per-token versions come from the servers' spans: never more than one step off
-    stale = scalars(tmp_path, "rollout/staleness_max")
-    assert max(stale.values()) <= 1
+    # the tail was aborted on the stock servers, cached and continued after syncs: the
+    # continued samples hold tokens of several versions, read from the servers' spans
+    assert sum(scalars(tmp_path, "rollout/partial/aborted_requests").values()) > 0
+    assert sum(scalars(tmp_path, "rollout/partial/resumed_groups").values()) > 0
+    assert max(scalars(tmp_path, "rollout/partial/versions_spanned_max").values()) >= 2
     paused = scalars(tmp_path, "weight_sync/engine_pause_s")
     assert paused and all(v > 0 for v in paused.values())
     assert "rank offsets [1, 3]" in out and "sglang.launch_server" in out

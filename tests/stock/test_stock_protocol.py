@@ -251,7 +251,7 @@ def test_a_refusal_is_the_refusing_engines_and_the_group_bounds_its_wait(stock_s
 def test_seeds_and_user_run_servers_tp(stock_server, caplog):
     """Finding 8: a server run without --enable-deterministic-inference ignores sampling
     seeds, so megarl sends none and says so; a user-run server's TP is read from it."""
-    from megarl.cluster.group import check_user_servers
+    from megarl.config.preflight import check_user_servers
 
     url = stock_server.url
     with caplog.at_level(logging.WARNING, logger="megarl.backends.sglang.engine"):

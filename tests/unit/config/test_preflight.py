@@ -113,6 +113,8 @@ def test_stock_sglang_without_a_server_python_is_refused_by_key(tmp_path, qwen_d
     import sys
     preflight(_cfg(tmp_path, qwen_dir, *sglang,
                    f"actor_rollout_ref.rollout.server_python={sys.executable}"))
-    # servers the user runs, or another module, need none
-    preflight(_cfg(tmp_path, qwen_dir, *sglang,
-                   "actor_rollout_ref.rollout.server_urls=[http://127.0.0.1:1]"))
+    # servers the user runs need none, but must answer
+    with pytest.raises(ConfigError, match=r"server_urls\[0\]: http://127.0.0.1:1 does not "
+                                          r"answer /server_info"):
+        preflight(_cfg(tmp_path, qwen_dir, *sglang,
+                       "actor_rollout_ref.rollout.server_urls=[http://127.0.0.1:1]"))
