@@ -29,10 +29,11 @@ STAMP = ".megarl-sglang-stamp"
 
 # torch_native attention and the pytorch sampler are sglang's CPU-capable backends; CUDA graphs
 # and grammar backends need CUDA or compiled kernels; the tokenizer is never needed (megarl
-# sends token ids).
+# sends token ids). --sleep-on-idle: an idle scheduler otherwise polls its sockets without
+# pause, measured at ~60% of a core per server here, which a CPU shares with the trainer.
 CPU_FLAGS = ("--device", "cpu", "--attention-backend", "torch_native",
              "--sampling-backend", "pytorch", "--disable-cuda-graph",
-             "--grammar-backend", "none")
+             "--grammar-backend", "none", "--sleep-on-idle")
 CPU_MEM_FRACTION = 0.05
 """sglang sizes its KV pool as a fraction of host memory on a CPU; `--max-total-tokens`
 (`cpu_max_total_tokens`) is what really bounds it."""
