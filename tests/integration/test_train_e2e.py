@@ -167,7 +167,8 @@ def test_sglang_backend_trains_on_stock_servers(quickstart_assets, tmp_path, sto
         "trainer.separated_node_ratios=[0.2,0.8]",  # 1 trainer process, 2 engines of TP 2
         "actor_rollout_ref.rollout.name=sglang",
         "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
-        "actor_rollout_ref.rollout.partial_rollout=True"), timeout=900)
+        "actor_rollout_ref.rollout.partial_rollout=True",
+        "actor_rollout_ref.rollout.server_extra_args=[--log-level,info]"), timeout=900)
     reward = scalars(tmp_path, "reward/mean")
     assert sorted(reward) == list(range(1, 41)), out[-2000:]
     first = sum(reward[s] for s in range(1, 9)) / 8
@@ -183,9 +184,12 @@ def test_sglang_backend_trains_on_stock_servers(quickstart_assets, tmp_path, sto
     assert "rank offsets [1, 3]" in out and "sglang.launch_server" in out
     assert "--tp-size 2" in out
     assert stock_python in out  # the servers ran from the stock environment
+    # each TP rank of each server joined the trainer's update group as its own rank
     logs = tmp_path / "megarl" / "t" / "logs"
-    for i in (0, 1):
-        assert "init custom process group" in (logs / f"rollout-{i}.log").read_text()
+    for i, ranks in ((0, (1, 2)), (1, (3, 4))):
+        log = (logs / f"rollout-{i}.log").read_text()
+        for rank in ranks:
+            assert f"rank={rank}, world_size=5" in log, log[-2000:]
 
 
 def test_given_servers_and_an_engine_failing_mid_version_is_dropped(quickstart_assets,
