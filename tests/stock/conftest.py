@@ -17,7 +17,7 @@ import pytest
 # the launch helpers of the multi-process tests (torchrun'd rank programs)
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
 
-from stock_helpers import stock_args  # noqa: E402
+from stock_helpers import launched  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):
@@ -30,9 +30,5 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def stock_server(stock_python, qwen_dir, tmp_path_factory):
     """One stock server on `qwen_dir` (the default tiny Qwen2) for the session."""
-    from megarl.backends.sglang.launcher import launch_server
-
-    log = tmp_path_factory.mktemp("stock") / "server.log"
-    with launch_server(stock_args(qwen_dir, stock_python), timeout_s=300,
-                       log_path=log) as server:
+    with launched(qwen_dir, stock_python, tmp_path_factory, "stock") as server:
         yield server

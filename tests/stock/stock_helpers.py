@@ -11,3 +11,11 @@ def stock_args(model, python: str, **kw):
     kw.setdefault("max_running_requests", 8)
     return ServerArgs(str(model), port=find_free_port(), device="cpu", python=python,
                       dtype="float32", weight_version="0", random_seed=0, **kw)
+
+
+def launched(model, python: str, tmp_path_factory, name: str):
+    """A stock server on `model` started now (a context manager), its log under a temp dir."""
+    from megarl.backends.sglang.launcher import launch_server
+
+    log = tmp_path_factory.mktemp(name) / "server.log"
+    return launch_server(stock_args(model, python), timeout_s=300, log_path=log)

@@ -10,17 +10,12 @@ trainer's perturbed weights."""
 import pytest
 
 from launch_helpers import SCRIPTS, read_json, torchrun
+from stock_helpers import launched
 
 
 @pytest.fixture(scope="module")
 def second_server(stock_python, qwen_dir, tmp_path_factory):
-    from megarl.backends.sglang.launcher import launch_server
-
-    from stock_helpers import stock_args
-
-    log = tmp_path_factory.mktemp("stock2") / "server.log"
-    with launch_server(stock_args(qwen_dir, stock_python), timeout_s=300,
-                       log_path=log) as server:
+    with launched(qwen_dir, stock_python, tmp_path_factory, "stock2") as server:
         yield server
 
 
