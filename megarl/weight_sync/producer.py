@@ -456,8 +456,9 @@ class WeightProducer:
         otherwise (its connection dropped: a dead process) or says nothing. Every answer is
         read at least once, however many are already in: under load they all are by the time
         the broadcast's failure is seen. Where every engine answered a failed receive, each is
-        asked for its health (liveness) and those that do not answer are the culprits; with none, the
-        failure is the group's, not an engine's (empty: rebuild with everyone, send again)."""
+        asked for its health (liveness) and those that do not answer are the culprits; with
+        none, the failure is the group's, not an engine's (empty: rebuild with everyone, send
+        again)."""
         until = time.monotonic() + min(timeout, 5.0)
         while True:
             failed = {n: w for n, w in _failures(links, answers, timeout).items()

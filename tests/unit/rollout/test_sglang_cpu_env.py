@@ -4,8 +4,6 @@ import os
 import subprocess
 import sys
 
-import pytest
-
 from megarl.backends.sglang import cpu_env
 from megarl.backends.sglang.launcher import EMBEDDED_MODULE, ServerArgs, build_command
 
