@@ -94,7 +94,12 @@ class SGLangClient:
             return await self._call("GET", "/get_model_info")  # SGLang before /model_info
 
     async def server_info(self) -> dict:
-        return await self._call("GET", "/get_server_info")
+        try:
+            return await self._call("GET", "/server_info")
+        except SGLangError as e:
+            if e.status != 404:
+                raise
+            return await self._call("GET", "/get_server_info")  # SGLang before /server_info
 
     # -- generation -------------------------------------------------------------------------
     async def generate(self, input_ids: list[int] | list[list[int]] | None = None,
