@@ -54,24 +54,21 @@ class MegatronGroup:
         self.single_node = cfg.trainer.nnodes == 1
         self._spec, self._devices = spec, devices
 
-    def ready(self) -> "MegatronGroup":
-        """Wait for the spawned workers and build the model on them. Separate from the
-        constructor so that every group's workers start (process, imports) before any group
-        is waited for: under Ray they start side by side."""
-        return self.ready_all([self])[0]
-
     @staticmethod
-    def ready_all(groups: list["MegatronGroup"]) -> list["MegatronGroup"]:
-        """`ready` for several groups. Under Ray each group's workers are processes of their
-        own, so every group's rendezvous, then every group's model build, run side by side;
-        a torchrun rank may host several groups, which it serves strictly in turn."""
+    def ready_all(groups: list["MegatronGroup"]) -> None:
+        """Wait for the spawned workers of `groups` and build the model on them; separate from
+        the constructor so that every group's workers start (process, imports) before any is
+        waited for. Under Ray each group's workers are processes of their own, so every
+        group's rendezvous, then every group's model build, run side by side; a torchrun rank
+        may host several groups, which it serves strictly in turn."""
         if not groups:
-            return groups
-        if groups[0].t.name != "ray":
-            for g in groups:
-                g._build(g._each("rendezvous", [g.actors[0]], g.single_node)[0])
-            return groups
+            return
         t = groups[0].t
+        if t.name != "ray":
+            for g in groups:
+                where = g._each("rendezvous", [g.actors[0]], g.single_node)[0]
+                g._built(g._each("setup", g.actors, g._spec, *where))
+            return
         where = t.wait([t.call(g.actors[0], "rendezvous", g.single_node) for g in groups])
         # Each rendezvous is a free port, not yet bound: two asked at once may be told the
         # same one, which the later group is then asked again to avoid.
@@ -80,13 +77,10 @@ class MegatronGroup:
                 where[i] = t.wait([t.call(g.actors[0], "rendezvous", g.single_node)])[0]
         calls = [t.broadcast(g.actors, "setup", g._spec, *w) for g, w in zip(groups, where)]
         for g, c in zip(groups, calls):
-            g._build(None, t.wait(c))
-        return groups
+            g._built(t.wait(c))
 
-    def _build(self, where, ranks=None) -> None:
-        """The model built at the rendezvous `where` (or already, giving `ranks`)."""
-        self.ranks = ranks if ranks is not None else self._each("setup", self.actors,
-                                                                 self._spec, *where)
+    def _built(self, ranks: list[dict]) -> None:
+        self.ranks = ranks
         self.dp = self.ranks[0]["dp_size"]
         # Devices are global indices: under torchrun, the ranks.
         logger.info("%s model: %d process(es) on group %s (devices %s), DP=%d, over %s",
@@ -285,7 +279,7 @@ class RolloutGroup:
             self.urls = None  # known once ready()
 
     def ready(self) -> "RolloutGroup":
-        """Wait for the spawned servers (see MegatronGroup.ready)."""
+        """Wait for the spawned servers (see MegatronGroup.ready_all)."""
         if self.urls is None:
             self.urls = self.t.wait(self.t.broadcast(self.actors, "url"))
         self.engines = engine_links(self.cfg, self.urls)

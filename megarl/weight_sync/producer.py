@@ -213,15 +213,11 @@ class WeightProducer:
         # An engine that refuses to join (stock: a group name it still holds) answers at once,
         # while the rendezvous would wait for it until its timeout: watch both.
         concurrent.futures.wait([group, joins], return_when=concurrent.futures.FIRST_COMPLETED)
-        if not group.done():
-            for link, r in zip(links, joins.result()):
-                if isinstance(r, BaseException):
-                    raise RuntimeError(f"engine {link.name} did not join {self.group_name}: "
-                                       f"{_why(r, self.config.timeout_s)}")
-        self.group = group.result()
         for link, r in zip(links, joins.result()):
             if isinstance(r, BaseException):
-                raise RuntimeError(f"engine {link.name} did not join {self.group_name}: {r!r}")
+                raise RuntimeError(f"engine {link.name} did not join {self.group_name}: "
+                                   f"{_why(r, self.config.timeout_s)}")
+        self.group = group.result()
         self._members = {l.name for l in links}
         logger.info("update group %s: trainer + %d engine(s), world %d, rank offsets %s",
                     self.group_name, len(links), world, offsets)

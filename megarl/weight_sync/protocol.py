@@ -135,9 +135,8 @@ class SyncConfig:
                    backend=None if rollout.get("update_group_backend") in (None, "auto")
                    else rollout.update_group_backend,
                    **{"verify": rollout.verify_weight_sync,
-                      "timeout_s": float(rollout.get("weight_sync_timeout_s", 120.0)),
-                      "min_bandwidth_mbps": float(rollout.get("weight_sync_min_bandwidth_mbps",
-                                                              50.0)),
+                      "timeout_s": float(rollout.weight_sync_timeout_s),
+                      "min_bandwidth_mbps": float(rollout.weight_sync_min_bandwidth_mbps),
                       **overrides})
 
 

@@ -86,20 +86,19 @@ class SGLangClient:
         await self._call("GET", "/health_generate", want="text")
 
     async def model_info(self) -> dict:
-        try:
-            return await self._call("GET", "/model_info")
-        except SGLangError as e:
-            if e.status != 404:
-                raise
-            return await self._call("GET", "/get_model_info")  # SGLang before /model_info
+        return await self._get_either("/model_info", "/get_model_info")
 
     async def server_info(self) -> dict:
+        return await self._get_either("/server_info", "/get_server_info")
+
+    async def _get_either(self, path: str, older: str) -> Any:
+        """GET `path`, or `older` where the server predates it (SGLang renamed both)."""
         try:
-            return await self._call("GET", "/server_info")
+            return await self._call("GET", path)
         except SGLangError as e:
             if e.status != 404:
                 raise
-            return await self._call("GET", "/get_server_info")  # SGLang before /server_info
+            return await self._call("GET", older)
 
     # -- generation -------------------------------------------------------------------------
     async def generate(self, input_ids: list[int] | list[list[int]] | None = None,

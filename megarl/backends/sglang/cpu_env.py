@@ -59,7 +59,7 @@ def venv_status(venv: Path | None = None) -> str | None:
     """None when `venv` (default `default_venv()`) is a built, current server environment;
     else why not, naming the path and the command that builds it."""
     venv = Path(venv or default_venv())
-    build = f"build it with: bash tools/setup_sglang_env.sh (or tools/setup_env.sh --sglang)"
+    build = "build it with: bash tools/setup_sglang_env.sh (or tools/setup_env.sh --sglang)"
     if not (venv / "bin" / "python").exists():
         return f"no stock SGLang environment at {venv}; {build}"
     stamp = venv / STAMP
