@@ -42,7 +42,7 @@ setup(
             "transformer-engine[pytorch]>=2.9,<2.12",
         ],
         # msgspec: loads stock SGLang's generated API types in tests/contract.
-        "test": ["pytest>=8", "pytest-timeout>=2.3", "msgspec>=0.18"],
+        "test": ["pytest>=8", "pytest-timeout>=2.3", "pytest-xdist>=3.5", "msgspec>=0.18"],
     },
     entry_points={"console_scripts": ["megarl=megarl.cli:main"]},
 )

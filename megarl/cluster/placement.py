@@ -35,7 +35,10 @@ def init_ray(cfg) -> None:
     env = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
            "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(),
                                                        os.environ.get("PYTHONPATH")]))}
-    ray.init(runtime_env={"env_vars": env}, **kw)
+    # megarl runs only actors, each in a worker process of its own: the idle workers a new
+    # Ray prestarts for tasks (one per CPU, ~0.3 s of CPU each) would never be used
+    ray.init(runtime_env={"env_vars": env}, _system_config={"prestart_worker_first_driver": False},
+             **kw)
 
 
 class DeviceGroup:

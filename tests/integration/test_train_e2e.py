@@ -409,10 +409,14 @@ def test_logp_on_a_group_of_its_own_matches_logp_beside_the_trainer(quickstart_a
         assert f"weights v{v} stage 0 verified on 3 engine(s)" in own, own[-3000:]
     assert scalars(runs["own"], "actor/logp_version") == {s: s - 1.0 for s in range(1, 5)}
     assert set(scalars(runs["own"], "actor/logp_version_lag").values()) == {0.0}
-    for tag in ("reward/mean", "rollout/logp_mismatch_mean", "actor/pg_loss"):
+    # pg_loss is a mean of ratio x advantage terms of size ~1 that nearly cancel (|loss| ~1e-3):
+    # the TP=2 replica's log-probs differ from TP=1's in the last float bits (~1e-7 of a term),
+    # which is ~1e-7 of the loss absolutely but 5e-5 of it relatively (seen under load)
+    for tag, tol in (("reward/mean", 1e-7), ("rollout/logp_mismatch_mean", 1e-7),
+                     ("actor/pg_loss", 1e-6)):
         a, b = scalars(runs["own"], tag), scalars(runs["shared"], tag)
         assert sorted(a) == [1, 2, 3, 4], tag
-        assert a == pytest.approx(b, rel=1e-5, abs=1e-7), tag
+        assert a == pytest.approx(b, rel=1e-5, abs=tol), tag
     # the timeline shows LOGP on its own group, after the SYNC that brought its weights
     events = [e for e in json.loads((runs["own"] / "megarl" / "t" / "timeline.json")
                                     .read_text())["traceEvents"] if e["ph"] == "X"]

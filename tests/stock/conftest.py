@@ -25,6 +25,9 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if here in Path(str(item.fspath)).parents:
             item.add_marker(pytest.mark.stock_sglang)
+            # one xdist worker runs them all (`--dist loadgroup`), so the session server is
+            # started once, not once per worker
+            item.add_marker(pytest.mark.xdist_group("stock_server"))
 
 
 @pytest.fixture(scope="session")
