@@ -125,6 +125,9 @@ megarl_ray_start() {
     MEGARL_RAY_PIDS+=($!)
     export RAY_ADDRESS="$ip:$port"
     _megarl_wait_nodes 1 "$head"
+    # this job's head session (a directory of its own under the temp dir): teardown waits for
+    # the daemons that name it
+    MEGARL_RAY_SESSION=$(readlink -f "$MEGARL_RAY_TMPDIR/session_latest" 2>/dev/null || true)
     [ "${#MEGARL_NODES[@]}" -gt 1 ] || return 0
     local node
     for node in "${MEGARL_NODES[@]:1}"; do
@@ -173,6 +176,16 @@ megarl_ray_stop() {
         while kill -0 "$pid" 2>/dev/null && [ "$SECONDS" -lt "$deadline" ]; do sleep 0.5; done
         kill -KILL "$pid" 2>/dev/null || true
     done
+    # The head's daemons (GCS, raylet, their helpers) can outlive the ended step by seconds on
+    # a loaded node; a next job whose head lands here would find this GCS still on the port
+    # and `ray start` would refuse ("already running"). Wait for them, then kill what is left.
+    if [ -n "${MEGARL_RAY_SESSION:-}" ]; then
+        deadline=$((SECONDS + 30))
+        while pgrep -f -- "$MEGARL_RAY_SESSION" >/dev/null && [ "$SECONDS" -lt "$deadline" ]; do
+            sleep 0.5
+        done
+        pkill -KILL -f -- "$MEGARL_RAY_SESSION" 2>/dev/null || true
+    fi
     if [ "${RAY_STOP_ON_NODES:-1}" = 1 ]; then
         for node in "${MEGARL_NODES[@]}"; do
             timeout 60 srun --nodes=1 --ntasks=1 -w "$node" --overlap ray stop --force \

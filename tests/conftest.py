@@ -28,6 +28,9 @@ _WHOLE_MODULES = {
 }
 
 
+# tryfirst: xdist's own hook turns the xdist_group marks into groups, so they must be there
+# before it runs
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """Every end-to-end and multi-process test (tests/integration, tests/stock) is `slow`:
     `-m "not slow"` is the fast tier (unit, contract and fuzz tests)."""
@@ -39,6 +42,22 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
         if path.name in _WHOLE_MODULES and root / "integration" in path.parents:
             item.add_marker(pytest.mark.xdist_group(_WHOLE_MODULES[path.name] or path.stem))
+
+
+def pytest_configure(config):
+    """`--dist loadgroup` (tools/run_tests.sh) on a pytest that pytest-xdist cannot group
+    under: pytest 9.2 keeps node ids where xdist <= 3.8 cannot tag them with their group, and
+    the groups would be split silently (pytest-xdist #1386)."""
+    if hasattr(config, "workerinput") or config.getoption("dist", "no") != "loadgroup":
+        return
+    import xdist
+
+    xdist_version = tuple(int(x) for x in xdist.__version__.split(".")[:2])
+    if pytest.version_tuple[:2] >= (9, 2) and xdist_version <= (3, 8):
+        raise pytest.UsageError(
+            f"pytest {pytest.__version__} with pytest-xdist {xdist.__version__} does not honour "
+            "`--dist loadgroup` (pytest-xdist #1386): reinstall the test extras "
+            "(pip install -e '.[test]' pins pytest<9.2)")
 
 
 def _make(tmp_path_factory, arch: str) -> Path:

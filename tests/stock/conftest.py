@@ -20,6 +20,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
 from stock_helpers import launched  # noqa: E402
 
 
+# tryfirst: xdist's own hook turns the xdist_group marks into groups, so they must be there
+# before it runs
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     here = Path(__file__).parent
     for item in items:
