@@ -17,8 +17,18 @@ VENV=${1:-${MEGARL_SGLANG_VENV:-$CACHE/venvs/sglang-$VERSION-cpu}}
 LOCK=megarl/backends/sglang/cpu/requirements.lock
 STAMP="sglang==$VERSION $("$PY" -c "import hashlib,sys; print(hashlib.sha256(open(sys.argv[1],'rb').read()).hexdigest()[:16])" "$LOCK")"
 
+# One build at a time per environment (the test suite's two workers may both ask for it): a
+# second caller waits here, then finds the first one's environment current.
+mkdir -p "$(dirname "$VENV")"
+if command -v flock >/dev/null; then
+  exec 9>"$VENV.lock"
+  flock 9
+fi
+# Current: the stamp matches and sglang is installed (its version read from its metadata, not
+# by `import sglang`, which on a CPU succeeds only under megarl's shim).
 if [ -x "$VENV/bin/python" ] && [ "$(cat "$VENV/.megarl-sglang-stamp" 2>/dev/null)" = "$STAMP" ] \
-   && "$VENV/bin/python" -c "import sglang" 2>/dev/null; then
+   && "$VENV/bin/python" -c "import importlib.metadata as m; assert m.version('sglang') == '$VERSION'" \
+      2>/dev/null; then
   echo "setup_sglang_env: current environment at $VENV ($STAMP)"
   exit 0
 fi

@@ -86,10 +86,10 @@ MODES = {
                        "trainer.separated_node_ratios=[1.0]", "trainer.n_gpus_per_node=1",
                        "trainer.generate_ahead_steps=1"],
     "one-step-off": [],  # the quickstart: two groups, generate_ahead_steps=2
-    "ahead-3": ["trainer.generate_ahead_steps=3"],
-    # what a GPU trains in: bf16 params, Megatron's optimizer keeping fp32 main params, the
-    # weight sync casting into the fp32 engine
-    "bf16-trainer": ["actor_rollout_ref.actor.megatron.params_dtype=bfloat16",
+    # three steps ahead, trained as a GPU trains: bf16 params, Megatron's optimizer keeping
+    # fp32 main params, the weight sync casting into the fp32 engine
+    "ahead-3-bf16": ["trainer.generate_ahead_steps=3",
+                     "actor_rollout_ref.actor.megatron.params_dtype=bfloat16",
                      "actor_rollout_ref.ref.megatron.params_dtype=bfloat16"],
 }
 
@@ -105,7 +105,7 @@ def test_reward_rises(quickstart_assets, tmp_path, mode):
     last = sum(reward[s] for s in range(33, 41)) / 8
     assert last > first + 0.1, (mode, first, last)
     stale = scalars(tmp_path, "rollout/staleness_max")
-    ahead = {"colocated-sync": 1, "one-step-off": 2, "ahead-3": 3, "bf16-trainer": 2}[mode]
+    ahead = {"colocated-sync": 1, "one-step-off": 2, "ahead-3-bf16": 3}[mode]
     # samples are never more than a-1 versions behind, and off-policy modes really are behind
     assert max(stale.values()) <= ahead - 1
     if ahead > 1:
@@ -281,9 +281,21 @@ def test_kill_after_checkpoint_then_resume(quickstart_assets, tmp_path):
         assert steps[k] == sorted(p.uid for p in loader.next_batch()), k
     assert len(scalars(tmp_path, "reward/mean")) >= 8 - saved - 1
     check_saves_overlap_generation(tmp_path, saved, 8, save_freq=2)
-    # validation-only on the run's latest checkpoint: the engines serve its weights (v8)
+    # validation-only on the run's latest checkpoint: the engines serve its weights (v8) and
+    # nothing is trained
+    trained_lines = len((run / "trained_prompts.jsonl").read_text().splitlines())
     out = megarl("validate", _args(quickstart_assets, tmp_path, *extra))
-    assert "validation of weights v8:" in out
+    assert "validation of weights v8: val/reward_mean=" in out
+    assert len((run / "trained_prompts.jsonl").read_text().splitlines()) == trained_lines
+
+
+def test_validation_only_mode(quickstart_assets, tmp_path):
+    """`megarl validate` with no checkpoint: the model's own weights, no trainer started."""
+    out = megarl("validate", _args(quickstart_assets, tmp_path))
+    assert "val/reward_mean=" in out
+    assert 0 in scalars(tmp_path, "val/reward_mean")
+    assert not (tmp_path / "megarl" / "t" / "trained_prompts.jsonl").exists()
+    assert "actor model" not in out  # no trainer was started
 
 
 def test_partial_rollout_kill_resume_trains_every_prompt_once(quickstart_assets, tmp_path):
@@ -347,34 +359,21 @@ def test_kl_in_reward_with_adaptive_coefficient(quickstart_assets, tmp_path):
     assert state["kl_coef"] > 0.001
 
 
-def test_dual_buffer_synchronous_run_stays_on_policy(quickstart_assets, tmp_path):
+def test_dual_buffer_synchronous_run_on_two_nodes(quickstart_assets, tmp_path):
     """With the dual buffer a SYNC ends before its transfer lands; GENERATE(k) must still
-    start on version k when generate_ahead_steps=1 (it waits for the engines)."""
+    start on version k when generate_ahead_steps=1 (it waits for the engines). The layout is
+    trainer.nnodes=2 (one Ray node standing in for both): servers bind the node's address,
+    not loopback, so trainers on another node could reach them."""
     extra = ["trainer.total_training_steps=5", "trainer.save_freq=-1", "trainer.test_freq=-1",
              "trainer.val_before_train=False", "trainer.generate_ahead_steps=1",
-             "actor_rollout_ref.rollout.enable_dual_buffer=True"]
-    megarl("train", _args(quickstart_assets, tmp_path, *extra))
+             "actor_rollout_ref.rollout.enable_dual_buffer=True",
+             "trainer.nnodes=2", "trainer.n_gpus_per_node=1"]
+    out = megarl("train", _args(quickstart_assets, tmp_path, *extra))
     assert scalars(tmp_path, "rollout/staleness_max") == {k: 0.0 for k in range(1, 6)}
     assert len(scalars(tmp_path, "timing/wait_for_weights_s")) == 5
-
-
-def test_two_node_layout_serves_rollouts_on_the_node_address(quickstart_assets, tmp_path):
-    """trainer.nnodes=2 (one Ray node standing in for both): servers bind the node's address,
-    not loopback, so trainers on another node could reach them; the run still trains."""
-    extra = ["trainer.nnodes=2", "trainer.n_gpus_per_node=1", "trainer.total_training_steps=2",
-             "trainer.save_freq=-1", "trainer.test_freq=-1", "trainer.val_before_train=False"]
-    out = megarl("train", _args(quickstart_assets, tmp_path, *extra))
     line = next(x for x in out.splitlines() if "rollout servers:" in x)
     assert "http://" in line and "127.0.0.1" not in line, line
-    assert sorted(trained(tmp_path)) == [0, 1]
-
-
-def test_validation_only_mode(quickstart_assets, tmp_path):
-    out = megarl("validate", _args(quickstart_assets, tmp_path))
-    assert "val/reward_mean=" in out
-    assert 0 in scalars(tmp_path, "val/reward_mean")
-    assert not (tmp_path / "megarl" / "t" / "trained_prompts.jsonl").exists()
-    assert "actor model" not in out  # no trainer was started
+    assert sorted(trained(tmp_path)) == list(range(5))
 
 
 def test_logp_on_a_group_of_its_own_matches_logp_beside_the_trainer(quickstart_assets,
