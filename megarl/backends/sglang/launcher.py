@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -122,9 +121,10 @@ def build_command(args: ServerArgs, module: str = SGLANG_MODULE,
 
 
 def find_free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A port for a server to bind shortly (see `megarl.utils.launch.free_port`)."""
+    from megarl.utils.launch import free_port
+
+    return free_port(host)
 
 
 def wait_for_health(url: str, timeout_s: float, proc: subprocess.Popen | None = None,
