@@ -25,6 +25,9 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+# the port a launched server binds: one below the ephemeral range (see free_port)
+from megarl.utils.launch import free_port as find_free_port  # noqa: F401
+
 logger = logging.getLogger(__name__)
 
 SGLANG_MODULE = "sglang.launch_server"
@@ -118,13 +121,6 @@ def build_command(args: ServerArgs, module: str = SGLANG_MODULE,
     if args.skip_tokenizer_init:
         cmd.append("--skip-tokenizer-init")
     return cmd + list(args.extra_args)
-
-
-def find_free_port(host: str = "127.0.0.1") -> int:
-    """A port for a server to bind shortly (see `megarl.utils.launch.free_port`)."""
-    from megarl.utils.launch import free_port
-
-    return free_port(host)
 
 
 def wait_for_health(url: str, timeout_s: float, proc: subprocess.Popen | None = None,
