@@ -14,10 +14,9 @@ _SLOW_DIRS = ("integration", "stock")
 
 # With MEGARL_TEST_WORKERS=2, tools/run_tests.sh runs the suite on two pytest-xdist workers
 # (`--dist loadgroup`): each test goes to whichever worker is free, except these modules, each
-# run whole by one worker. Their
-# tests share an expensive module- or session-scoped run (a Slurm cluster, a trained
-# checkpoint, a finished training run, engines) that a split would build once per worker, or
-# they use a machine-wide name (test_multihost's Ray heads all listen on 10.213.77.1:6379, and
+# run whole by one worker. Their tests share an expensive module- or session-scoped run (a
+# Slurm cluster, a trained checkpoint, a finished training run, engines) that a split would
+# build once per worker, or they use a machine-wide name (test_multihost's Ray heads all listen on 10.213.77.1:6379, and
 # `ray start` refuses a second one whatever the namespace).
 _WHOLE_MODULES = {
     "test_checkpoint_fallback.py": "undamaged-run",  # the two share conftest's `undamaged`
