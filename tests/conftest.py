@@ -12,7 +12,7 @@ from megarl.utils.tiny_model import make_tiny_model
 
 _SLOW_DIRS = ("integration", "stock")
 
-# With MEGARL_TEST_WORKERS=2, tools/run_tests.sh runs the suite on two pytest-xdist workers
+# tools/run_tests.sh runs the suite on two pytest-xdist workers
 # (`--dist loadgroup`): each test goes to whichever worker is free, except these modules, each
 # run whole by one worker. Their tests share an expensive module- or session-scoped run (a
 # Slurm cluster, a trained checkpoint, a finished training run, engines) that a split would
