@@ -30,6 +30,18 @@ def split_batch(batch: dict, parts: int) -> list[dict]:
             for a, b in zip(bounds, bounds[1:])]
 
 
+def dp_order(batch: dict, parts: int, micro) -> list[torch.Tensor] | None:
+    """With a token budget and data parallelism: the rows of each DP share, balanced by real
+    tokens (long-tailed lengths would otherwise leave one rank with most of the work while
+    the others wait at the step's collectives). None: contiguous shares (`split_batch`)."""
+    from megarl.backends.megatron.packing import TokenBudget, balanced_partition, row_lengths
+
+    if parts == 1 or not isinstance(micro, TokenBudget):
+        return None
+    shares = balanced_partition(row_lengths(batch), parts, equal_size=True)
+    return [torch.tensor(s, dtype=torch.long) for s in shares]
+
+
 ERROR_GRACE_S = 2.0  # after a rank's failure, how long the others get to report theirs
 
 
@@ -122,27 +134,47 @@ class MegatronGroup:
                                  f"{type(e).__name__}: {first}") from e
         raise min(errors, key=lambda ie: (_secondary(ie[1]), ie[0]))[1]
 
-    def _shards(self, batch: dict) -> list[dict]:
-        parts = split_batch(batch, self.dp)
+    def _shards(self, batch: dict, micro=None) -> list[dict]:
+        """Each rank's data-parallel share. With a token budget (`micro` a `TokenBudget`),
+        shares balanced by real tokens, row counts equal to within one (`dp_order` puts the
+        per-share outputs back in batch order); else contiguous row ranges."""
+        order = dp_order(batch, self.dp, micro)
+        if order is None:
+            parts = split_batch(batch, self.dp)
+        else:
+            parts = [{k: v[idx] if torch.is_tensor(v) else v for k, v in batch.items()}
+                     for idx in order]
         return [parts[r["dp_rank"]] for r in self.ranks]
+
+    def _merge(self, batch: dict, micro, by_dp: dict, keys) -> dict:
+        """Per-DP-rank outputs back into one [B, ...] tensor per key, in batch order."""
+        order = dp_order(batch, self.dp, micro)
+        out = {k: torch.cat([by_dp[d][k] for d in range(self.dp)]) for k in keys}
+        if order is not None:
+            where = torch.cat(order)
+            for k, v in out.items():
+                placed = torch.empty_like(v)
+                placed[where] = v
+                out[k] = placed
+        return out
 
     async def compute_logp(self, batch: dict, temperature: float, micro_batch_size: int,
                            with_entropy: bool = False) -> dict:
-        shards = self._shards(batch)
+        shards = self._shards(batch, micro_batch_size)
         refs = [self.t.call(a, "compute_logp", s, temperature, micro_batch_size, with_entropy)
                 for a, s in zip(self.actors, shards)]
         results = await self._all("compute_logp", refs)
         by_dp = {}
         for r, out in zip(self.ranks, results):
             by_dp.setdefault(r["dp_rank"], out)
-        return {k: torch.cat([by_dp[d][k] for d in range(self.dp)]) for k in results[0]}
+        return self._merge(batch, micro_batch_size, by_dp, results[0])
 
     async def train(self, mini_batches: list[dict], micro_batch_size: int,
                     temperature: float) -> list[dict]:
         """One optimizer step per mini-batch; metrics averaged over data-parallel replicas."""
         per_rank = [[] for _ in self.actors]
         for mb in mini_batches:
-            for i, s in enumerate(self._shards(mb)):
+            for i, s in enumerate(self._shards(mb, micro_batch_size)):
                 per_rank[i].append(s)
         # Every rank normalises its shard by the whole mini-batch's count (MegatronRank.train).
         masks = [mb["response_mask"] for mb in mini_batches]
@@ -170,29 +202,30 @@ class MegatronGroup:
                               version: int, timeout_s: float) -> tuple[dict, int]:
         """`compute_logp` on the logp group's replica, under weight version `version`."""
         refs = [self.t.call(a, "compute_logp_at", s, temperature, micro_batch_size, version,
-                            timeout_s) for a, s in zip(self.actors, self._shards(batch))]
+                            timeout_s)
+                for a, s in zip(self.actors, self._shards(batch, micro_batch_size))]
         results = await self._all("compute_logp_at", refs)
         by_dp = {}
         for r, res in zip(self.ranks, results):
             by_dp.setdefault(r["dp_rank"], res["out"])
-        out = {k: torch.cat([by_dp[d][k] for d in range(self.dp)]) for k in by_dp[0]}
+        out = self._merge(batch, micro_batch_size, by_dp, by_dp[0])
         return out, min(res["version"] for res in results)
 
     async def compute_values(self, batch: dict, micro_batch_size: int) -> dict:
         """The critic's values [B, S] (`MegatronWorker.compute_values`)."""
         refs = [self.t.call(a, "compute_values", s, micro_batch_size)
-                for a, s in zip(self.actors, self._shards(batch))]
+                for a, s in zip(self.actors, self._shards(batch, micro_batch_size))]
         results = await self._all("compute_values", refs)
         by_dp = {}
         for r, out in zip(self.ranks, results):
             by_dp.setdefault(r["dp_rank"], out)
-        return {"values": torch.cat([by_dp[d]["values"] for d in range(self.dp)])}
+        return self._merge(batch, micro_batch_size, by_dp, ["values"])
 
     async def train_critic(self, mini_batches: list[dict], micro_batch_size: int) -> list[dict]:
         """One critic optimizer step per mini-batch; metrics averaged over DP replicas."""
         per_rank = [[] for _ in self.actors]
         for mb in mini_batches:
-            for i, s in enumerate(self._shards(mb)):
+            for i, s in enumerate(self._shards(mb, micro_batch_size)):
                 per_rank[i].append(s)
         masks = [mb["response_mask"] for mb in mini_batches]
         results = await self._all("train_critic",

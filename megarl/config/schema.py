@@ -116,6 +116,11 @@ RANGES: Dict[str, Range] = {
     "data.seed": SEED,
     f"{_A}.actor.ppo_mini_batch_size": POSITIVE,
     f"{_A}.actor.ppo_micro_batch_size_per_gpu": POSITIVE,
+    f"{_A}.actor.ppo_max_token_len_per_gpu": POSITIVE,
+    f"{_A}.ref.log_prob_max_token_len_per_gpu": POSITIVE,
+    f"{_A}.rollout.log_prob_max_token_len_per_gpu": POSITIVE,
+    "critic.ppo_max_token_len_per_gpu": POSITIVE,
+    "critic.forward_max_token_len_per_gpu": POSITIVE,
     f"{_A}.actor.ppo_epochs": POSITIVE,
     f"{_A}.actor.clip_ratio": POSITIVE,
     f"{_A}.actor.clip_ratio_low": PROBABILITY,     # the ratio's lower bound 1 - low stays >= 0
@@ -318,6 +323,17 @@ class ActorConfig:
     """Prompts per optimizer step (a training batch is split into mini-batches)."""
     ppo_micro_batch_size_per_gpu: int = 2
     """Sequences per forward/backward on one device (gradient accumulation unit)."""
+    use_dynamic_bsz: bool = False
+    """Micro-batches by tokens, not rows (verl's key): each mini-batch is split into
+    micro-batches of at most ``ppo_max_token_len_per_gpu`` real tokens, balanced by tokens
+    across micro-batches and data-parallel ranks (as many micro-batches on every rank), and
+    each micro-batch is packed into one row (no compute on padding). Losses and gradients
+    equal the padded path's; ``ppo_micro_batch_size_per_gpu`` is then unused. Also the
+    default of the log-prob passes' and the critic's ``*use_dynamic_bsz``."""
+    ppo_max_token_len_per_gpu: int = 16384
+    """With ``use_dynamic_bsz``: real tokens per training micro-batch on one device (a longer
+    sequence goes alone). Also the default of the log-prob passes' and the critic's token
+    budgets."""
     ppo_epochs: int = 1
     """Passes over each training batch."""
     clip_ratio: float = 0.2
@@ -419,6 +435,11 @@ class RolloutConfig:
     """Fraction of device memory SGLang may take (weights + KV cache)."""
     log_prob_micro_batch_size_per_gpu: int = 4
     """Sequences per log-prob forward on one device."""
+    log_prob_use_dynamic_bsz: Optional[bool] = None
+    """The LOGP pass (the proximal policy's log-probs) by token budget, packed; null means
+    ``actor.use_dynamic_bsz``."""
+    log_prob_max_token_len_per_gpu: Optional[int] = None
+    """Real tokens per LOGP micro-batch; null means ``actor.ppo_max_token_len_per_gpu``."""
     enable_dual_buffer: bool = False
     """The trainer blocks only for a snapshot of its weights; a background sender delivers it
     while training goes on. (Stock SGLang still pauses generation while a version loads; the
@@ -467,6 +488,10 @@ class RolloutConfig:
 class RefConfig:
     log_prob_micro_batch_size_per_gpu: int = 4
     """Sequences per reference log-prob forward on one device."""
+    log_prob_use_dynamic_bsz: Optional[bool] = None
+    """Reference log-probs by token budget, packed; null means ``actor.use_dynamic_bsz``."""
+    log_prob_max_token_len_per_gpu: Optional[int] = None
+    """Real tokens per reference micro-batch; null means ``actor.ppo_max_token_len_per_gpu``."""
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
     """Parallelism of the frozen reference model (the ``ref_logp`` task)."""
 
@@ -528,6 +553,15 @@ class CriticConfig:
     forward_micro_batch_size_per_gpu: Optional[int] = None
     """Sequences per value forward (the VALUES state); null means
     ``ppo_micro_batch_size_per_gpu``."""
+    use_dynamic_bsz: Optional[bool] = None
+    """The critic's passes by token budget, packed; null means the actor's
+    ``use_dynamic_bsz``."""
+    ppo_max_token_len_per_gpu: Optional[int] = None
+    """Real tokens per critic training micro-batch; null means the actor's
+    ``ppo_max_token_len_per_gpu``."""
+    forward_max_token_len_per_gpu: Optional[int] = None
+    """Real tokens per value forward micro-batch; null means the critic's
+    ``ppo_max_token_len_per_gpu``."""
     ppo_epochs: Optional[int] = None
     """Passes over each batch; null means the actor's ``ppo_epochs``."""
     cliprange_value: float = 0.5

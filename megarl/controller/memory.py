@@ -18,6 +18,8 @@ from megarl.cluster.topology import GroupPlan
 from megarl.config import ConfigError
 from megarl.convert.plan import itemsize, stage_param_bytes
 
+from .micro_batches import micro_batch_tokens
+
 if TYPE_CHECKING:
     from .dryrun import RunPlan, StageBuckets
 
@@ -57,6 +59,8 @@ FORMULAS = [
     "L·s·b·h·e + one such layer] × PP micro-batches in flight + 2·s·b·V/TP·4 (fp32 logits "
     "+ their grad), b = actor.ppo_micro_batch_size_per_gpu; logp = s·b'·V/TP·4, "
     "b' = rollout.log_prob_micro_batch_size_per_gpu",
+    "with use_dynamic_bsz (packed micro-batches) s·b is the pass's token budget "
+    "(*_max_token_len_per_gpu; at least s, as a longer sequence goes alone)",
     "reference = N·e (params, ref layout) + s·b·V/TP·4 (fp32 logits), "
     "b = ref.log_prob_micro_batch_size_per_gpu",
     "rollout   = gpu_memory_utilization × capacity, reserved by each engine: "
@@ -90,14 +94,10 @@ def _rank_params(a: ModelArgs, m: DictConfig) -> int:
     return max(stage_param_bytes(a, tp, pp, vocab, "float32")) // 4
 
 
-def _seq_len(cfg: DictConfig) -> int:
-    return cfg.data.max_prompt_length + cfg.data.max_response_length
-
-
-def _logits_bytes(cfg: DictConfig, a: ModelArgs, m: DictConfig, batch: int) -> int:
+def _logits_bytes(a: ModelArgs, m: DictConfig, tokens: int) -> int:
     tp = m.tensor_model_parallel_size
     vocab = padded_vocab_size(a.vocab_size, m.make_vocab_size_divisible_by, tp)
-    return _seq_len(cfg) * batch * vocab // tp * 4
+    return tokens * vocab // tp * 4
 
 
 def _activation_bytes(cfg: DictConfig, a: ModelArgs) -> int:
@@ -105,13 +105,13 @@ def _activation_bytes(cfg: DictConfig, a: ModelArgs) -> int:
     m = arr.actor.megatron
     tp, pp, e = m.tensor_model_parallel_size, m.pipeline_model_parallel_size, \
         itemsize(m.params_dtype)
-    sbh = _seq_len(cfg) * arr.actor.ppo_micro_batch_size_per_gpu * a.hidden_size
+    sbh = micro_batch_tokens(cfg, "actor") * a.hidden_size
     layer = sbh * (10 + 24 / tp) * e / 2
     layers = a.num_layers // pp
     stack = (layers * sbh * e + layer) if arr.model.enable_gradient_checkpointing \
         else layers * layer
-    train = stack * pp + 2 * _logits_bytes(cfg, a, m, arr.actor.ppo_micro_batch_size_per_gpu)
-    logp = _logits_bytes(cfg, a, m, arr.rollout.log_prob_micro_batch_size_per_gpu)
+    train = stack * pp + 2 * _logits_bytes(a, m, micro_batch_tokens(cfg, "actor"))
+    logp = _logits_bytes(a, m, micro_batch_tokens(cfg, "logp"))
     return int(max(train, logp))
 
 
@@ -132,7 +132,7 @@ def reference_memory(cfg: DictConfig, a: ModelArgs) -> list[MemoryItem]:
     n, e = _rank_params(a, ref.megatron), itemsize(ref.megatron.params_dtype)
     return [MemoryItem(f"reference params ({_count(n)} × {e} B)", n * e),
             MemoryItem("reference logits",
-                       _logits_bytes(cfg, a, ref.megatron, ref.log_prob_micro_batch_size_per_gpu))]
+                       _logits_bytes(a, ref.megatron, micro_batch_tokens(cfg, "ref")))]
 
 
 def replica_megatron(cfg: DictConfig) -> DictConfig:
@@ -153,8 +153,7 @@ def replica_memory(cfg: DictConfig, a: ModelArgs, stages: list[StageBuckets]
     hf = sum(s.total for s in stages)
     return [MemoryItem(f"replica params ({_count(n)} × {e} B)", n * e),
             MemoryItem("replica receiver (HF weights, live + staged)", 2 * hf),
-            MemoryItem("replica logits", _logits_bytes(
-                cfg, a, m, cfg.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu))]
+            MemoryItem("replica logits", _logits_bytes(a, m, micro_batch_tokens(cfg, "logp")))]
 
 
 def rollout_weights(cfg: DictConfig, stages: list[StageBuckets]) -> tuple[int, int]:

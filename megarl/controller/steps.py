@@ -31,6 +31,7 @@ from megarl.rollout.protocol import version_int
 
 from . import checkpoint as ckpt
 from .batch import StepRecord, build_batch, mini_batches
+from .micro_batches import micro_batching
 from .setup import Run
 from .trajectory import TrajectoryRunner, make_policy, sampling_params
 
@@ -131,17 +132,14 @@ async def ref_logp(st: RunState, rec: StepRecord) -> None:
     if st.run.ref is None:  # no KL anywhere: nothing consumes reference log-probs
         return
     out = await st.run.ref.compute_logp(
-        _model_inputs(rec.batch), st.run.plan.temperature,
-        st.cfg.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu)
+        _model_inputs(rec.batch), st.run.plan.temperature, micro_batching(st.cfg, "ref"))
     rec.batch["ref_logprobs"] = out["logprobs"]
 
 
 async def values(st: RunState, rec: StepRecord) -> None:
     """VALUES(k): the critic's value of every prefix of step k's batch, for GAE."""
-    c = st.cfg.critic
-    out = await st.run.critic.compute_values(
-        _model_inputs(rec.batch), c.forward_micro_batch_size_per_gpu
-        or c.ppo_micro_batch_size_per_gpu)
+    out = await st.run.critic.compute_values(_model_inputs(rec.batch),
+                                             micro_batching(st.cfg, "values"))
     rec.batch["values"] = out["values"]
 
 
@@ -150,7 +148,7 @@ async def logp(st: RunState, rec: StepRecord) -> None:
     computed by the actor itself or, with logp on a group of its own, by its replica
     there once it holds version k (SYNC(k-1) sent it; the machine orders LOGP after it)."""
     r, b, k = st.run, rec.batch, rec.step
-    mbs = st.cfg.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu
+    mbs = micro_batching(st.cfg, "logp")
     if r.logp is None:
         out, version = await r.actor.compute_logp(_model_inputs(b), r.plan.temperature, mbs), k
     else:
@@ -199,7 +197,7 @@ async def _train_critic(st: RunState, rec: StepRecord) -> None:
     mbs = mini_batches({n: b[n] for n in keys}, st.cfg.actor_rollout_ref.rollout.n,
                        c.ppo_mini_batch_size or actor.ppo_mini_batch_size,
                        c.ppo_epochs or actor.ppo_epochs)
-    for s in await st.run.critic.train_critic(mbs, c.ppo_micro_batch_size_per_gpu):
+    for s in await st.run.critic.train_critic(mbs, micro_batching(st.cfg, "critic")):
         for name, v in s.items():
             st.metrics.add(rec.step, name if "/" in name else f"critic/{name}", v)
 
@@ -214,7 +212,7 @@ async def train(st: RunState, rec: StepRecord) -> None:
     # trainer.critic_warmup: the first steps train the critic only (the actor's weights,
     # hence the versions SYNC publishes, stay as they were)
     train_actor = r.critic is None or k >= st.cfg.trainer.critic_warmup
-    jobs = [r.actor.train(mbs, actor.ppo_micro_batch_size_per_gpu, r.plan.temperature)
+    jobs = [r.actor.train(mbs, micro_batching(st.cfg, "actor"), r.plan.temperature)
             if train_actor else asyncio.sleep(0, [])]
     if r.critic is not None:  # on its own group, it trains while the actor does
         jobs.append(_train_critic(st, rec))

@@ -43,9 +43,12 @@ def test_critic_on_its_own_group_sync_then_resume(quickstart_assets, tmp_path):
 
 
 def test_critic_beside_actor_train_async_kl_in_reward_warmup(quickstart_assets, tmp_path):
+    # every pass (logp, ref, values, actor and critic training) in packed micro-batches
     extra = ["trainer.total_training_steps=8", "trainer.save_freq=-1",
              "trainer.critic_warmup=2", "algorithm.use_kl_in_reward=True",
-             "algorithm.kl_penalty=low_var_kl", "actor_rollout_ref.actor.use_kl_loss=False"]
+             "algorithm.kl_penalty=low_var_kl", "actor_rollout_ref.actor.use_kl_loss=False",
+             "actor_rollout_ref.actor.use_dynamic_bsz=true",
+             "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=128"]
     out = megarl("train", _args(quickstart_assets, tmp_path, *GAE, *extra))
     # the quickstart's layout: one-step-off, the critic on the trainer's group
     assert "critic model: 1 process(es) on group logp+actor-train+ref_logp" in out
@@ -56,3 +59,5 @@ def test_critic_beside_actor_train_async_kl_in_reward_warmup(quickstart_assets, 
     # the actor does not train during the warm-up: no actor metrics for steps 1 and 2
     assert sorted(scalars(tmp_path, "actor/pg_loss")) == list(range(3, 9))
     assert len(scalars(tmp_path, "reward/kl_penalty")) == 8
+    assert set(scalars(tmp_path, "critic/padding_frac").values()) == {0.0}
+    assert min(scalars(tmp_path, "critic/micro_batches").values()) >= 2

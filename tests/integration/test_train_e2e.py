@@ -87,10 +87,13 @@ MODES = {
                        "trainer.generate_ahead_steps=1"],
     "one-step-off": [],  # the quickstart: two groups, generate_ahead_steps=2
     # three steps ahead, trained as a GPU trains: bf16 params, Megatron's optimizer keeping
-    # fp32 main params, the weight sync casting into the fp32 engine
-    "ahead-3-bf16": ["trainer.generate_ahead_steps=3",
-                     "actor_rollout_ref.actor.megatron.params_dtype=bfloat16",
-                     "actor_rollout_ref.ref.megatron.params_dtype=bfloat16"],
+    # fp32 main params, the weight sync casting into the fp32 engine; and every pass in
+    # packed micro-batches of at most 96 tokens (verl's use_dynamic_bsz)
+    "ahead-3-bf16-packed": ["trainer.generate_ahead_steps=3",
+                            "actor_rollout_ref.actor.megatron.params_dtype=bfloat16",
+                            "actor_rollout_ref.ref.megatron.params_dtype=bfloat16",
+                            "actor_rollout_ref.actor.use_dynamic_bsz=true",
+                            "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=96"],
 }
 
 
@@ -105,7 +108,10 @@ def test_reward_rises(quickstart_assets, tmp_path, mode):
     last = sum(reward[s] for s in range(33, 41)) / 8
     assert last > first + 0.1, (mode, first, last)
     stale = scalars(tmp_path, "rollout/staleness_max")
-    ahead = {"colocated-sync": 1, "one-step-off": 2, "ahead-3-bf16": 3}[mode]
+    ahead = {"colocated-sync": 1, "one-step-off": 2, "ahead-3-bf16-packed": 3}[mode]
+    if mode.endswith("packed"):  # several packed micro-batches per step, no padding computed
+        assert set(scalars(tmp_path, "actor/padding_frac").values()) == {0.0}
+        assert min(scalars(tmp_path, "actor/micro_batches").values()) >= 2
     # samples are never more than a-1 versions behind, and off-policy modes really are behind
     assert max(stale.values()) <= ahead - 1
     if ahead > 1:

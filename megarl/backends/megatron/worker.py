@@ -12,6 +12,10 @@ softmax(logits / temperature); position 0 has no prediction and is 0. A critic's
 t - 1 (the prefix input_ids[b, :t]); position 0 is 0. That is verl's alignment
 (values[:, -response_length - 1:-1] of the critic's output), and it puts the value of the state
 a response token was sampled in at that token, beside the token's log-prob and reward.
+
+`micro_batch_size` is rows per micro-batch, or a `packing.TokenBudget`: micro-batches of at
+most that many real tokens, each packed into one row (no compute on padding); the outputs and
+the losses are the same either way (tests/integration/test_packing.py).
 """
 from __future__ import annotations
 
@@ -30,6 +34,8 @@ from megarl.backends.megatron.hf.model_config import check_layout, read_model_ar
 from . import model as mmodel
 from .logprobs import vocab_parallel_logprobs
 from .optim import OptimConfig, build_optimizer
+from .packing import TokenBudget, balanced_partition, count_micro_batches, pack, row_lengths, \
+    unpack_shifted
 from .parallel import init_distributed
 
 logger = logging.getLogger(__name__)
@@ -44,6 +50,23 @@ def _split(n: int, mbs: int) -> tuple[int, int]:
     """(micro-batch size, number of micro-batches) for n rows."""
     mbs = max(1, min(mbs, n))
     return mbs, -(-n // mbs)
+
+
+def _fill_rows(batch: dict, fill: int) -> dict:
+    """`batch` with `fill` all-zero rows appended (zero masks: no loss sees them)."""
+    return {k: (torch.cat([v, v.new_zeros(fill, *v.shape[1:])]) if torch.is_tensor(v) else v)
+            for k, v in batch.items()}
+
+
+def _layout_stats(batch: dict, mbatches: list[dict]) -> dict:
+    """This rank's micro-batch count, and the fraction of the token positions it computed
+    that were padding (right padding and filler rows; packed: only the tail that evens out
+    pipeline stages)."""
+    slots = sum(m["_packed"].input_ids.numel() if "_packed" in m else m["input_ids"].numel()
+                for m in mbatches)
+    mask = batch.get("attention_mask")
+    real = int(mask.sum()) if mask is not None else batch["input_ids"].numel()
+    return {"micro_batches": float(len(mbatches)), "padding_frac": 1.0 - real / max(slots, 1)}
 
 
 class MegatronWorker:
@@ -97,28 +120,72 @@ class MegatronWorker:
         return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
             else torch.device("cpu")
 
-    def _micro_batches(self, batch: dict, mbs: int) -> tuple[list[dict], int]:
-        """Split into equal micro-batches (pipeline stages exchange fixed shapes). The last one
-        is filled up with all-zero rows, whose masks are zero so no loss sees them."""
+    def _micro_batches(self, batch: dict, micro: "int | TokenBudget"
+                       ) -> tuple[list[dict], int, int]:
+        """(micro-batches, rows per micro-batch, sequence length) for the schedule.
+
+        An int: equal micro-batches of that many rows (pipeline stages exchange fixed
+        shapes); the last one is filled up with all-zero rows, whose masks are zero so no loss
+        sees them. A `TokenBudget`: packed micro-batches (`_packed_micro_batches`)."""
+        if isinstance(micro, TokenBudget):
+            return self._packed_micro_batches(batch, micro.max_tokens)
         n = batch["input_ids"].shape[0]
-        mbs, n_micro = _split(n, mbs)
+        mbs, n_micro = _split(n, micro)
         fill = n_micro * mbs - n
         dev = self._device()
         if fill:
-            batch = {k: (torch.cat([v, v.new_zeros(fill, *v.shape[1:])]) if torch.is_tensor(v)
-                         else v) for k, v in batch.items()}
+            batch = _fill_rows(batch, fill)
         mbatches = [{k: (v[i:i + mbs].to(dev) if torch.is_tensor(v) else v)
                      for k, v in batch.items()} for i in range(0, n + fill, mbs)]
-        return mbatches, mbs
+        return mbatches, mbs, batch["input_ids"].shape[1]
 
-    def _run(self, batch: dict, mbs: int, loss_of: Callable, forward_only: bool) -> list[dict]:
+    def _packed_micro_batches(self, batch: dict, max_tokens: int) -> tuple[list[dict], int, int]:
+        """Rows split into micro-batches of at most `max_tokens` real tokens, balanced by
+        tokens, as many on every data-parallel rank (the largest count any rank needs), each
+        packed into one row. A micro-batch left without rows (a rank with fewer rows than the
+        count) carries one all-zero filler row, whose masks are zero. Under pipeline
+        parallelism every packed row is padded to the longest, as stages exchange fixed
+        shapes. Each micro-batch keeps its rows' own tensors ([rows, S], for the loss), the
+        packed row under "_packed" and the rows' indices in the batch under "_rows"."""
+        lengths = row_lengths(batch)
+        k = torch.tensor([count_micro_batches(lengths, max_tokens)], device=self._device())
+        if self.ps.get_data_parallel_world_size() > 1:
+            dist.all_reduce(k, op=dist.ReduceOp.MAX, group=self.ps.get_data_parallel_group())
+        k = int(k.item())
+        parts = balanced_partition(lengths, k)
+        dev = self._device()
+        filler = _fill_rows({kk: v[:0] if torch.is_tensor(v) else v for kk, v in batch.items()}, 1)
+        chunks = []
+        for part in parts:
+            if part:
+                idx = torch.tensor(part, dtype=torch.long)
+                rows = {kk: (v[idx] if torch.is_tensor(v) else v) for kk, v in batch.items()}
+                chunks.append((rows, idx, [lengths[j] for j in part]))
+            else:
+                chunks.append((filler, torch.tensor([-1]), [1]))
+        total = max(sum(n) for _, _, n in chunks) \
+            if self.ps.get_pipeline_model_parallel_world_size() > 1 else None
+        mbatches = []
+        for rows, idx, n in chunks:
+            mb = {kk: (v.to(dev) if torch.is_tensor(v) else v) for kk, v in rows.items()}
+            mb["_packed"] = pack(mb["input_ids"], n, total)
+            mb["_rows"] = idx.to(dev)
+            mbatches.append(mb)
+        return mbatches, 1, max(m["_packed"].input_ids.shape[1] for m in mbatches)
+
+    def _run(self, batch: dict, micro: "int | TokenBudget", loss_of: Callable,
+             forward_only: bool, prepared: tuple | None = None) -> list[dict]:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        mbatches, mbs = self._micro_batches(batch, mbs)
-        seq = batch["input_ids"].shape[1]
+        mbatches, mbs, seq = prepared or self._micro_batches(batch, micro)
 
         def step(data_iter, model):
             mb = next(data_iter)
+            packed = mb.get("_packed")
+            if packed is not None:
+                out = model(packed.input_ids, packed.position_ids, attention_mask=None,
+                            packed_seq_params=packed.params())
+                return out, functools.partial(loss_of, mb)
             ids = mb["input_ids"]
             pos = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0).expand_as(ids)
             out = model(ids, pos, attention_mask=None)
@@ -130,9 +197,15 @@ class MegatronWorker:
             forward_only=forward_only)
 
     def _token_logprobs(self, mb, logits, temperature, with_entropy):
-        ids = mb["input_ids"]
+        packed = mb.get("_packed")
+        ids = mb["input_ids"] if packed is None else packed.input_ids
         lp, ent = vocab_parallel_logprobs(logits[:, :-1], ids[:, 1:], self.args.vocab_size,
                                           temperature, with_entropy)
+        if packed is not None:  # back to the rows' [rows, S] layout
+            width = mb["input_ids"].shape[1]
+            lp = unpack_shifted(lp[0], packed.lengths, width)
+            ent = unpack_shifted(ent[0], packed.lengths, width) if ent is not None else None
+            return lp, ent
         pad = lp.new_zeros(ids.shape[0], 1)
         lp = torch.cat([pad, lp], dim=1)
         if ent is not None:
@@ -141,7 +214,8 @@ class MegatronWorker:
 
     # ---------------------------------------------------------------- public operations
     @torch.no_grad()
-    def compute_logp(self, batch: dict, temperature: float = 1.0, micro_batch_size: int = 8,
+    def compute_logp(self, batch: dict, temperature: float = 1.0,
+                     micro_batch_size: "int | TokenBudget" = 8,
                      with_entropy: bool = False) -> dict:
         """Per-token log-probs (and entropy) for the batch; returned on every rank (CPU)."""
         self.model.eval()
@@ -151,6 +225,8 @@ class MegatronWorker:
             out = {"logprobs": lp}
             if ent is not None:
                 out["entropy"] = ent
+            if "_rows" in mb:
+                out["_rows"] = mb["_rows"]
             return logits.new_zeros(()), out
 
         store = self._run(batch, micro_batch_size, loss_of, forward_only=True)
@@ -158,32 +234,48 @@ class MegatronWorker:
         return self._gather_outputs(store, keys, batch["input_ids"].shape)
 
     def _gather_outputs(self, store: list[dict], keys: list[str], shape) -> dict:
-        """Per-token [B, S] outputs of the last stage's micro-batches, on every rank (CPU)."""
+        """Per-token [B, S] outputs of the last stage's micro-batches, on every rank (CPU).
+        Packed micro-batches name their rows ("_rows"; -1: a filler row)."""
         B, S = shape
         result = {}
         for k in keys:
-            full = torch.cat([d[k] for d in store])[:B].float() if self.ps.is_pipeline_last_stage() \
-                else torch.empty(B, S, dtype=torch.float32, device=self._device())
+            if not self.ps.is_pipeline_last_stage():
+                full = torch.empty(B, S, dtype=torch.float32, device=self._device())
+            elif store and "_rows" in store[0]:
+                rows = torch.cat([d["_rows"] for d in store])
+                vals = torch.cat([d[k] for d in store]).float()
+                keep = rows >= 0
+                full = vals.new_zeros(B, S)
+                full[rows[keep]] = vals[keep]
+            else:
+                full = torch.cat([d[k] for d in store])[:B].float()
             if self.ps.get_pipeline_model_parallel_world_size() > 1:
                 dist.broadcast(full, src=self.ps.get_pipeline_model_parallel_last_rank(),
                                group=self.ps.get_pipeline_model_parallel_group())
             result[k] = full.cpu()
         return result
 
-    def _token_values(self, out: torch.Tensor) -> torch.Tensor:
-        """Head outputs [b, S, 1] -> values [b, S] in token alignment (module doc)."""
+    def _token_values(self, out: torch.Tensor, mb: dict | None = None) -> torch.Tensor:
+        """Head outputs [b, S, 1] (packed: [1, T, 1]) -> values [b, S] in token alignment
+        (module doc)."""
         v = out[..., 0].float()
+        packed = (mb or {}).get("_packed")
+        if packed is not None:
+            return unpack_shifted(v[0], packed.lengths, mb["input_ids"].shape[1])
         return torch.cat([v.new_zeros(v.shape[0], 1), v[:, :-1]], dim=1)
 
     @torch.no_grad()
-    def compute_values(self, batch: dict, micro_batch_size: int = 8) -> dict:
+    def compute_values(self, batch: dict, micro_batch_size: "int | TokenBudget" = 8) -> dict:
         """The critic's values [B, S] (module doc), returned on every rank (CPU)."""
         if not self.value_model:
             raise RuntimeError("compute_values on a model without a value head")
         self.model.eval()
 
         def loss_of(mb, out):
-            return out.new_zeros(()), {"values": self._token_values(out)}
+            got = {"values": self._token_values(out, mb)}
+            if "_rows" in mb:
+                got["_rows"] = mb["_rows"]
+            return out.new_zeros(()), got
 
         store = self._run(batch, micro_batch_size, loss_of, forward_only=True)
         return self._gather_outputs(store, ["values"], batch["input_ids"].shape)
@@ -209,7 +301,7 @@ class MegatronWorker:
                            group=self.ps.get_pipeline_model_parallel_group())
         return logits.cpu()
 
-    def train_step(self, batch: dict, loss_fn: LossFn, micro_batch_size: int = 8,
+    def train_step(self, batch: dict, loss_fn: LossFn, micro_batch_size: "int | TokenBudget" = 8,
                    temperature: float = 1.0, with_entropy: bool = False,
                    max_metrics: tuple[str, ...] = ()) -> dict:
         """One optimizer step over the batch, split into micro-batches. Metrics are summed
@@ -221,21 +313,23 @@ class MegatronWorker:
 
         return self._train(batch, outputs_loss, micro_batch_size, max_metrics)
 
-    def train_values(self, batch: dict, loss_fn: Callable, micro_batch_size: int = 8) -> dict:
+    def train_values(self, batch: dict, loss_fn: Callable,
+                     micro_batch_size: "int | TokenBudget" = 8) -> dict:
         """One critic optimizer step: `loss_fn(values [b, S], mb) -> (loss share, metrics)`
         (e.g. `megarl.algo.value_loss.make_critic_loss`), values as in `compute_values`."""
         if not self.value_model:
             raise RuntimeError("train_values on a model without a value head")
-        return self._train(batch, lambda mb, out: loss_fn(self._token_values(out), mb),
+        return self._train(batch, lambda mb, out: loss_fn(self._token_values(out, mb), mb),
                            micro_batch_size)
 
-    def _train(self, batch: dict, outputs_loss: Callable, micro_batch_size: int,
+    def _train(self, batch: dict, outputs_loss: Callable, micro_batch_size: "int | TokenBudget",
                max_metrics: tuple[str, ...] = ()) -> dict:
         if self.optimizer is None:
             raise RuntimeError("a train step on a worker built with trainable=False")
         self.model.train()
         self.optimizer.zero_grad()
-        _, n_micro = _split(batch["input_ids"].shape[0], micro_batch_size)
+        prepared = self._micro_batches(batch, micro_batch_size)
+        n_micro = len(prepared[0])
 
         def loss_of(mb, logits):
             loss, metrics = outputs_loss(mb, logits)
@@ -245,9 +339,10 @@ class MegatronWorker:
             # loss_fn already returns this micro-batch's share of the batch loss.
             return loss * n_micro, metrics
 
-        store = self._run(batch, micro_batch_size, loss_of, forward_only=False)
+        store = self._run(batch, micro_batch_size, loss_of, forward_only=False, prepared=prepared)
         stats = self._reduce_metrics(store, max_metrics)
         stats.update(self.optimizer.step())
+        stats.update(_layout_stats(batch, prepared[0]))
         return stats
 
     def _reduce_metrics(self, store: list[dict], max_metrics: tuple[str, ...] = ()) -> dict:

@@ -138,6 +138,22 @@ def test_qwen2_buckets_and_memory(qwen2_out, hf_meta):
     assert f"group 'generate': {0.85 * 80:.2f} GiB" in out
 
 
+def test_token_budgets_size_the_micro_batches(capsys, qwen2_out):
+    """use_dynamic_bsz: the reference's logits are those of the token budget (8192 tokens,
+    not 16 rows × 3072); the trainer's activations shrink too."""
+    rc, out, _ = _dry_run(capsys, "actor_rollout_ref.actor.use_dynamic_bsz=true",
+                          "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=8192")
+    assert rc == 0
+
+    def group_gib(text, name):
+        return float(re.search(rf"group '{re.escape(name)}': ([0-9.]+) GiB", text).group(1))
+
+    saved = (16 * 3072 - 8192) * (152064 // 4) * 4 / GiB  # fp32 logits, TP4
+    assert group_gib(qwen2_out, "ref_logp") - group_gib(out, "ref_logp") == \
+        pytest.approx(saved, abs=0.01)
+    assert group_gib(out, "logp+actor-train") < group_gib(qwen2_out, "logp+actor-train") - 1
+
+
 def test_pipeline_stages_get_their_own_update_group(capsys):
     rc, out, _ = _dry_run(capsys, "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2")
     assert rc == 0
