@@ -49,11 +49,15 @@ def parse_args(argv=None):
 
 
 def long_tail(n: int, cap: int, seed: int) -> list[int]:
-    """Median about cap/8; a tenth of the rows at the cap."""
+    """A tenth of the rows at the cap (those that ran out of budget); the rest log-normal
+    with median cap/8, clipped to [2, cap]; in random order."""
     rng = random.Random(seed)
     mu = math.log(cap / 8)
-    return [cap if rng.random() < 0.1 else max(2, min(cap, int(rng.lognormvariate(mu, 0.6))))
-            for _ in range(n)]
+    at_cap = round(n / 10)
+    lengths = [cap] * at_cap + [max(2, min(cap, int(rng.lognormvariate(mu, 0.6))))
+                                for _ in range(n - at_cap)]
+    rng.shuffle(lengths)
+    return lengths
 
 
 def make_batch(lengths: list[int], cap: int, vocab: int, seed: int) -> dict:

@@ -5,8 +5,9 @@ Engine is a GPU-only extra, so this module is the core attention wherever TE is 
 CPU and on a GPU without TE. It is plugged in through the layer spec, so no Megatron layer code
 changes. Supports causal self-attention with GQA; padding is on the right, so a causal mask
 alone keeps real tokens from attending to pads. Packed sequences (Megatron's THD layout,
-`PackedSeqParams.cu_seqlens_q`) attend causally within their own sequence: one SDPA call per
-sequence, so the work is the sum of the squared lengths, not the square of the pack's.
+`PackedSeqParams.cu_seqlens_q`) attend causally within their own sequence: one batched SDPA
+call per distinct length, so the work is the sum of the squared lengths, not the square of
+the pack's.
 """
 from __future__ import annotations
 
@@ -41,37 +42,51 @@ class SDPAttention(MegatronModule):
         if packed_seq_params is not None:
             return self._packed(query, key, value, packed_seq_params)
         # Megatron hands [s, b, heads, dim]; SDPA wants [b, heads, s, dim].
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        out = self._causal(*(t.permute(1, 2, 0, 3) for t in (query, key, value)))
+        s, b = query.shape[0], query.shape[1]
+        return out.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.head_dim)
+
+    def _causal(self, q, k, v):
+        """Causal SDPA on [b, heads, s, dim] (k, v with the query groups' heads)."""
         if self.heads != self.groups:
             rep = self.heads // self.groups
             k = k.repeat_interleave(rep, dim=1)
             v = v.repeat_interleave(rep, dim=1)
-        out = F.scaled_dot_product_attention(
+        return F.scaled_dot_product_attention(
             q, k, v, is_causal=True, scale=self.scale,
             dropout_p=self.dropout if self.training else 0.0)
-        s, b = query.shape[0], query.shape[1]
-        return out.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.head_dim)
 
     def _packed(self, query, key, value, params):
-        """THD: [t, heads, dim] tensors, sequences delimited by cu_seqlens -> [t, heads*dim]."""
+        """THD: [t, heads, dim] tensors, sequences delimited by cu_seqlens -> [t, heads*dim].
+        Sequences of one length go through one batched SDPA call (RL batches repeat lengths,
+        short ones especially), each attending causally to itself only."""
         if params.qkv_format != "thd":
             raise NotImplementedError(f"SDPAttention: packed format {params.qkv_format!r}")
         if params.cu_seqlens_q_padded is not None and not torch.equal(
                 params.cu_seqlens_q_padded, params.cu_seqlens_q):
             raise NotImplementedError("SDPAttention: padded packed sequences")
         bounds = params.cu_seqlens_q.tolist()
-        outs = []
+        starts_of: dict[int, list[int]] = {}
         for a, b in zip(bounds, bounds[1:]):
-            if b == a:
-                continue
-            # [L, heads, dim] -> [1, heads, L, dim]
-            q, k, v = (t[a:b].permute(1, 0, 2).unsqueeze(0) for t in (query, key, value))
-            if self.heads != self.groups:
-                rep = self.heads // self.groups
-                k = k.repeat_interleave(rep, dim=1)
-                v = v.repeat_interleave(rep, dim=1)
-            o = F.scaled_dot_product_attention(
-                q, k, v, is_causal=True, scale=self.scale,
-                dropout_p=self.dropout if self.training else 0.0)
-            outs.append(o[0].permute(1, 0, 2).reshape(b - a, self.heads * self.head_dim))
-        return torch.cat(outs)
+            if b > a:
+                starts_of.setdefault(b - a, []).append(a)
+        order, outs = [], []
+        for length, starts in starts_of.items():
+            n = len(starts)
+            if n == 1:  # a slice, not a gather
+                a = starts[0]
+                idx = torch.arange(a, a + length, device=query.device)
+                q, k, v = (t[a:a + length].unsqueeze(0).transpose(1, 2)
+                           for t in (query, key, value))
+            else:
+                # [n·L] positions of the n sequences of this length, sequence by sequence
+                idx = (torch.tensor(starts, device=query.device).unsqueeze(1)
+                       + torch.arange(length, device=query.device)).reshape(-1)
+                # [n·L, heads, dim] -> [n, heads, L, dim]
+                q, k, v = (t[idx].view(n, length, *t.shape[1:]).transpose(1, 2)
+                           for t in (query, key, value))
+            o = self._causal(q, k, v)
+            outs.append(o.transpose(1, 2).reshape(n * length, self.heads * self.head_dim))
+            order.append(idx)
+        # back to packed order
+        return torch.cat(outs)[torch.argsort(torch.cat(order))]
