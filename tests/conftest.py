@@ -16,15 +16,17 @@ _SLOW_DIRS = ("integration", "stock")
 # (`--dist loadgroup`): each test goes to whichever worker is free, except these modules, each
 # run whole by one worker. Their tests share an expensive module- or session-scoped run (a
 # Slurm cluster, a trained checkpoint, a finished training run, engines) that a split would
-# build once per worker, or they use a machine-wide name (test_multihost's Ray heads all listen on 10.213.77.1:6379, and
-# `ray start` refuses a second one whatever the namespace).
+# build once per worker, or they start Ray heads with `ray start` on port 6379 (test_multihost
+# on 10.213.77.1 in its namespaces, the Slurm jobs on this host's address): `ray start
+# --head` looks for a running head machine-wide, whatever the namespace, and refuses a second
+# one, so the two modules share a group and never run at the same time.
 _WHOLE_MODULES = {
     "test_checkpoint_fallback.py": "undamaged-run",  # the two share conftest's `undamaged`
     "test_checkpoint_naming_e2e.py": "undamaged-run",
     "test_convert_trained.py": None, "test_critic_model.py": None,
     "test_megatron_optimizer.py": None, "test_megatron_train.py": None,
-    "test_multihost.py": None, "test_rollout_server.py": None, "test_slurm_launch.py": None,
-    "test_weight_sync.py": None,
+    "test_multihost.py": "ray-start-heads", "test_slurm_launch.py": "ray-start-heads",
+    "test_rollout_server.py": None, "test_weight_sync.py": None,
 }
 
 

@@ -14,7 +14,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-ROWS, WIDTH, STEPS = 11, 24, 3
+ROWS, WIDTH, STEPS = 11, 24, 10
 
 
 def ragged_batch(vocab: int, dp_rank: int, dp: int):
