@@ -19,7 +19,7 @@ KL_TYPES = KL_TYPES + tuple(k + "+" for k in KL_TYPES)
 
 CHOICES: Dict[str, tuple] = {
     "data.truncation": ("error", "left", "right"),
-    "data.synthetic_task": (None, "quickstart", "last_digit"),
+    "data.synthetic_task": (None, "quickstart", "last_digit", "tool_lookup"),
     "actor_rollout_ref.model.make_tiny": (None, "qwen2", "llama"),
     "data.bad_rows": ("skip", "error"),
     "actor_rollout_ref.actor.strategy": ("megatron",),
@@ -32,6 +32,8 @@ CHOICES: Dict[str, tuple] = {
     "actor_rollout_ref.ref.megatron.params_dtype": ("float32", "bfloat16", "float16"),
     "actor_rollout_ref.rollout.name": ("embedded", "sglang"),
     "actor_rollout_ref.rollout.update_group_backend": ("auto", "nccl", "gloo"),
+    "actor_rollout_ref.rollout.multi_turn.tool_response_truncate_side": ("middle", "left",
+                                                                         "right"),
     "algorithm.adv_estimator": (
         "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "drgrpo", "gae"),
     "algorithm.kl_penalty": KL_TYPES,
@@ -165,6 +167,12 @@ RANGES: Dict[str, Range] = {
     f"{_A}.rollout.param_update_preduce_bucket_size_mb": POSITIVE,
     f"{_A}.rollout.param_update_consume_bucket_size_mb": POSITIVE,
     f"{_A}.rollout.over_sample_prompts": NON_NEGATIVE,
+    f"{_A}.rollout.multi_turn.max_assistant_turns": POSITIVE,
+    f"{_A}.rollout.multi_turn.max_parallel_calls": POSITIVE,
+    f"{_A}.rollout.multi_turn.max_tool_response_length": POSITIVE,
+    f"{_A}.rollout.multi_turn.tool_timeout_s": POSITIVE,
+    f"{_A}.rollout.multi_turn.tool_workers": POSITIVE,
+    f"{_A}.rollout.multi_turn.dump_trajectories": NON_NEGATIVE,
     f"{_A}.rollout.val_kwargs.temperature": NON_NEGATIVE,
     f"{_A}.rollout.val_kwargs.top_p": PROBABILITY,
     f"{_A}.rollout.val_kwargs.top_k": OFF_OR_POSITIVE,
@@ -390,6 +398,46 @@ class ValKwargsConfig:
 
 
 @dataclass
+class MultiTurnConfig:
+    """Multi-turn tool use (``megarl.agent``): verl's ``multi_turn`` names where they fit."""
+    enable: bool = False
+    """Every sample is an agent trajectory: generate a turn, run the tools it calls, append
+    their answers as token ids (loss mask 0), go on; one reward at the end. Works with every
+    rollout policy (plain, partial, ``rollout_fn``), validation included."""
+    tools: List[Any] = field(default_factory=list)
+    """The tools: a built-in's name (``calculator``, ``python``: run in the reward sandbox,
+    ``lookup``) or ``{name, function: module:function, description, parameters}`` (OpenAI
+    format, ``parameters`` a JSON schema the arguments are checked against). A sample's
+    ``extra_info.tools_kwargs.<name>`` is passed to that tool as keyword arguments."""
+    format: str = "hermes"
+    """How tool calls are written: ``hermes`` (``<tool_call>{"name": ..., "arguments":
+    {...}}</tool_call>``, Qwen2.5/Qwen3) or a parser ``module:function`` (text ->
+    (calls, errors), see ``megarl.agent.parsers``)."""
+    max_assistant_turns: int = 5
+    """Assistant turns per sample at most; the last one's tool calls are not run."""
+    max_parallel_calls: int = 1
+    """Tool calls run per turn; further calls in the turn are answered with an error."""
+    max_tool_response_length: int = 256
+    """Tokens of one tool answer at most; a longer one is cut (``tool_response_truncate_side``)."""
+    tool_response_truncate_side: str = "middle"
+    """Which part of a long answer is kept: ``middle`` cuts its middle out, ``left`` keeps
+    its end, ``right`` its start."""
+    tool_response_template: str = ("\n<|im_start|>user\n<tool_response>\n{content}\n"
+                                   "</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    """The tokens appended after a turn that called tools, as text around ``{content}`` (the
+    answers): the chat template's tool turn and the next assistant header (Qwen's)."""
+    tool_response_separator: str = "\n</tool_response>\n<tool_response>\n"
+    """Between two answers of one turn inside ``{content}``."""
+    tool_timeout_s: float = 10.0
+    """Seconds one tool call may run; then its worker is killed and the model is told."""
+    tool_workers: int = 2
+    """Processes running tool calls (a hung tool ties up one until ``tool_timeout_s``)."""
+    dump_trajectories: int = 1
+    """Per step, this many samples' trajectories (turns, token ids, mask, calls, answers) are
+    written as JSON to ``<run dir>/trajectories/step_<k>.json``; 0: none."""
+
+
+@dataclass
 class RolloutConfig:
     name: str = "embedded"
     """Engine: ``embedded`` (megarl's transformers engine, CPU/CI/laptops; it stages weight
@@ -482,6 +530,8 @@ class RolloutConfig:
     a custom prompt mix); ``ctx`` is a ``megarl.controller.trajectory.RolloutContext`` whose
     ``runner`` generates, resumes after aborts and scores. null: the built-in (plain, or
     partial with ``partial_rollout``)."""
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
+    """Multi-turn tool use: an agent loop over whichever rollout policy runs."""
 
 
 @dataclass

@@ -49,6 +49,7 @@ def validate_config(cfg: DictConfig) -> None:
     _check_trainer(cfg.trainer, cfg.data)
     _check_reward(cfg.reward)
     _check_rollout_fn(cfg.actor_rollout_ref.rollout)
+    _check_multi_turn(cfg.actor_rollout_ref.rollout.multi_turn)
     _check_staleness(cfg)
     _check_transformer_impl(cfg)
     _check_optimizers(cfg)
@@ -227,6 +228,22 @@ def _check_rollout_fn(rollout: DictConfig) -> None:
         raise ConfigError(f"{_ARR}.rollout.rollout_fn: a rollout function replaces the built-in "
                           f"policies; {_ARR}.rollout.partial_rollout=true is one of them (set one "
                           "or the other)")
+
+
+def _check_multi_turn(mt: DictConfig) -> None:
+    key = f"{_ARR}.rollout.multi_turn"
+    if not mt.enable:
+        return
+    from megarl.agent.tools import tool_specs
+
+    if not mt.tools:
+        raise ConfigError(f"{key}.tools: multi_turn.enable=true needs at least one tool")
+    tool_specs(mt.tools)
+    if mt.format != "hermes":
+        check_import_path(mt.format, f"{key}.format")
+    if "{content}" not in mt.tool_response_template:
+        raise ConfigError(f"{key}.tool_response_template: must contain {{content}}, where "
+                          "the tool answers go")
 
 
 def hosting(plans: list[GroupPlan], task: str) -> GroupPlan:

@@ -4,7 +4,9 @@ A training row is [prompt | response | pad] (right padding, so a causal mask alo
 tokens from seeing pads). Every per-token tensor is aligned with `input_ids`: position t holds
 the quantity for token t — the trainer's `logprobs[t] = log p(input_ids[t] | <t)` and the
 rollout engine's own log-prob of response token t (the behaviour policy). `response_mask`
-is 1 exactly on response tokens, so prompt and padding never enter a loss.
+is 1 exactly on the response tokens the model generated, so prompt, padding and what a
+multi-turn loop appended (tool answers: `Sample.loss_mask` 0) never enter a loss, a KL, an
+entropy or a normaliser.
 """
 from __future__ import annotations
 
@@ -54,6 +56,10 @@ class Sample:
     response_text: str = ""
     reward: float = 0.0
     extra_info: dict = dataclasses.field(default_factory=dict)  # the prompt's, for rewards
+    # multi-turn: 1 on the model's own tokens, 0 on what the agent loop appended (tool
+    # answers, template); None: every response token is the model's
+    loss_mask: list[int] | None = None
+    agent: dict | None = None     # multi-turn: turns, tool calls and their answers
 
 
 def build_batch(samples: list[Sample], pad_id: int) -> dict[str, torch.Tensor]:
@@ -71,7 +77,8 @@ def build_batch(samples: list[Sample], pad_id: int) -> dict[str, torch.Tensor]:
         p, r = len(s.prompt_ids), len(s.response_ids)
         input_ids[i, :p + r] = torch.tensor(s.prompt_ids + s.response_ids)
         attention[i, :p + r] = 1
-        response[i, p:p + r] = 1.0
+        response[i, p:p + r] = 1.0 if s.loss_mask is None else torch.tensor(
+            s.loss_mask[:r], dtype=torch.float32)
         if r:
             rollout_lp[i, p:p + r] = torch.tensor(s.rollout_logprobs[:r], dtype=torch.float32)
             versions[i, p:p + r] = torch.tensor(s.token_versions[:r] or [s.weight_version] * r)

@@ -184,6 +184,11 @@ class Pipeline:
         if val_only or val_before_train:
             self.val_queue.append(start_step)
 
+    def add_intervals(self, intervals) -> None:
+        """Work done outside the schedule (a step's tool calls): (group, task, step, start,
+        end) on this pipeline's clock, shown on the timeline's row for `group`."""
+        self.timeline.extend(Interval(*iv) for iv in intervals)
+
     def incident(self, step: int, task: str, what: str) -> None:
         """Record a failure (or its recovery) met by `task`'s work for `step`."""
         self.incidents.append(Incident(step, task, what, self.clock() - self.t0))

@@ -236,7 +236,7 @@ class PartialRollout:
                 True, f"s{step}-{g.prompt.uid}-{i}+{len(t.ids)}.{attempt}")
 
         if await self.runner.extend(t, sp.max_new_tokens, request_for,
-                                    lambda: self._stopping):
+                                    lambda: self._stopping, prompt=g.prompt):
             self.runner.finish(g.prompt, t)
 
 

@@ -42,6 +42,7 @@ class Run:
     logp: Any = None                   # logp's replica, when logp has a group of its own
     transport: Any = None  # cluster/transport.py: how the groups reach their workers
     rollout_fn: Any = None  # actor_rollout_ref.rollout.rollout_fn, imported
+    agent: Any = None       # multi_turn.enable: megarl.agent.loop.AgentLoop (its tool workers)
 
     async def actor_wait(self) -> None:
         if self.actor is not None and self.actor.sync_initialised:
@@ -59,6 +60,8 @@ class Run:
             dg.remove()
         self.loggers.close()
         self.reward_pool.close()
+        if self.agent is not None:
+            self.agent.close()
         if self.transport is not None:
             self.transport.close()
 
@@ -69,7 +72,8 @@ def prepare_assets(cfg) -> None:
     if model.make_tiny and not (Path(model.path) / "config.json").is_file():
         from megarl.utils.tiny_model import make_tiny_model
 
-        make_tiny_model(model.path, model.make_tiny)
+        make_tiny_model(model.path, model.make_tiny,
+                        tool_tokens=bool(cfg.actor_rollout_ref.rollout.multi_turn.enable))
     if cfg.data.synthetic_task:
         from megarl.data.synthetic import make_synthetic_task
 
@@ -191,6 +195,15 @@ def _workers(cfg, plan: RunPlan):
     return transport, dgs, rollout, models
 
 
+def _agent(mt, tok, eos_ids):
+    if not mt.enable:
+        return None
+    from megarl.agent.loop import AgentLoop
+    from megarl.agent.tools import tool_specs
+
+    return AgentLoop(mt, tok, eos_ids, tool_specs(mt.tools))
+
+
 async def setup_run(cfg, val_only: bool) -> Run:
     from megarl.backends.sglang.engine import SGLangEngine
     from megarl.observability.loggers import make_loggers
@@ -209,6 +222,8 @@ async def setup_run(cfg, val_only: bool) -> Run:
     # ... and the rollout function, likewise
     rollout_fn = (load_callable(arr.rollout.rollout_fn, "actor_rollout_ref.rollout.rollout_fn")
                   if arr.rollout.rollout_fn else None)
+    # ... and the tools (their workers import them: a bad one fails here, named)
+    agent = _agent(arr.rollout.multi_turn, tok, eos_ids)
     start_step, state, total = _position(cfg, found, loader, val_only)
     plan = make_run_plan(cfg, root=root, start_step=start_step, total_steps=total,
                          val_only=val_only, resumed=state is not None)
@@ -239,4 +254,4 @@ async def setup_run(cfg, val_only: bool) -> Run:
                rollout=rollout, manager=manager, loggers=loggers, plan=plan,
                device_groups=list(dgs.values()), driver_state=state,
                critic=models.get("critic"), logp=logp, transport=transport,
-               rollout_fn=rollout_fn)
+               rollout_fn=rollout_fn, agent=agent)

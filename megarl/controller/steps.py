@@ -26,7 +26,8 @@ from typing import Any
 
 from megarl.algo.advantages import compute_advantages, gae_advantages, token_rewards
 from megarl.algo.kl import adaptive_kl_coef, apply_kl_in_reward
-from megarl.observability.metrics import MetricsTracker, staleness_metrics, throughput
+from megarl.observability.metrics import (MetricsTracker, merge_spans, staleness_metrics,
+                                          throughput)
 from megarl.rollout.protocol import version_int
 
 from . import checkpoint as ckpt
@@ -58,7 +59,7 @@ class RunState:
     @classmethod
     def start(cls, run: Run, pipeline) -> "RunState":
         cfg, saved = run.cfg, run.driver_state or {}
-        runner = TrajectoryRunner(run.manager, run.tokenizer, run.reward_pool)
+        runner = TrajectoryRunner(run.manager, run.tokenizer, run.reward_pool, agent=run.agent)
         rollout = make_policy(cfg.actor_rollout_ref.rollout, runner, run.loader,
                               need=cfg.data.train_batch_size,
                               max_staleness=cfg.algorithm.max_staleness,
@@ -72,7 +73,7 @@ class RunState:
 # ------------------------------------------------------------------ GENERATE, REWARD
 async def generate(st: RunState, rec: StepRecord) -> None:
     r, k = st.run, rec.step
-    sp = sampling_params(st.cfg.actor_rollout_ref.rollout, r.eos_ids,
+    sp = sampling_params(st.cfg.actor_rollout_ref.rollout, stop_ids(r),
                          st.cfg.trainer.seed * 1_000_003 + k, max_new_tokens=r.plan.max_new_tokens)
     waited = await engines_at(st, max(r.plan.start_step, k - r.plan.ahead + 1))
     t0 = time.perf_counter()
@@ -92,6 +93,29 @@ async def generate(st: RunState, rec: StepRecord) -> None:
                           "response/length_max": max(len(s.response_ids) for s in samples),
                           "response/aborted_resumed_frac": sum(
                               len(set(s.token_versions)) > 1 for s in samples) / len(samples)})
+    if r.agent is not None:
+        agent_step(st, k, samples)
+
+
+def stop_ids(r: Run) -> list[int]:
+    """What ends a generation: EOS, and with tools the closing call marker (a turn's end)."""
+    return list(r.eos_ids) + (r.agent.stop_ids if r.agent is not None else [])
+
+
+def agent_step(st: RunState, k: int, samples) -> None:
+    """A multi-turn step's tool metrics, its tool time on the timeline (one row, "tools":
+    the union of the step's tool-call intervals) and its trajectory dump."""
+    from megarl.agent.loop import step_metrics, trajectory_json, write_json_atomic
+
+    st.metrics.update(k, step_metrics(samples))
+    # the tool workers' counters (calls, failures, timeouts, latency) since the last step
+    st.metrics.update(k, st.run.agent.pool.pop_stats())
+    st.pipeline.add_intervals([("tools", "tool", k, a, b)
+                               for a, b in merge_spans(st.run.agent.pop_spans())])
+    n = int(st.cfg.actor_rollout_ref.rollout.multi_turn.dump_trajectories)
+    if n > 0:
+        path = st.run.plan.ckpt_root / "trajectories" / f"step_{k}.json"
+        write_json_atomic(path, [trajectory_json(s, st.run.tokenizer) for s in samples[:n]])
 
 
 async def engines_at(st: RunState, version: int, timeout_s: float = 600.0) -> float:
@@ -278,9 +302,11 @@ async def checkpoint(st: RunState, rec: StepRecord) -> None:
 async def val_generate(st: RunState, version: int) -> None:
     r = st.run
     await engines_at(st, version)
-    sp = sampling_params(st.cfg.actor_rollout_ref.rollout, r.eos_ids, st.cfg.trainer.seed,
+    sp = sampling_params(st.cfg.actor_rollout_ref.rollout, stop_ids(r), st.cfg.trainer.seed,
                          validation=True, max_new_tokens=r.plan.max_new_tokens)
     out = await st.runner.prompts(list(r.val_dataset), sp, f"v{version}")
+    if r.agent is not None:
+        r.agent.pop_spans()  # the timeline's tool row is training's
     st.val[version] = {"samples": out.samples, "scores": out.scores}
 
 
@@ -293,6 +319,10 @@ async def val_score(st: RunState, version: int) -> None:
          # ended by a stop token (EOS) rather than cut at the length cap
          "val/eos_frac": sum(s.finish == "stop" for s in d["samples"]) / n,
          "val/response_length_mean": sum(len(s.response_ids) for s in d["samples"]) / n}
+    if st.run.agent is not None:
+        from megarl.agent.loop import step_metrics
+        m.update({k.replace("rollout/", "val/"): v
+                  for k, v in step_metrics(d["samples"]).items()})
     st.val_results.append({"version": version, **m})
     logger.info("validation of weights v%d: %s", version,
                 " ".join(f"{k}={v:.4f}" for k, v in m.items()))

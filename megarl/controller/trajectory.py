@@ -41,22 +41,31 @@ class Trajectory:
     reward: float | None = None
     interrupted: int = 0          # times the policy stopped it before it finished
     text: str = ""
+    agent: Any = None             # megarl.agent.loop.AgentState of a multi-turn sample
     # transient: the scoring future and the Sample it scores (not checkpointed)
     future: Any = dataclasses.field(default=None, repr=False, compare=False)
     sample: Any = dataclasses.field(default=None, repr=False, compare=False)
 
     def to_dict(self) -> dict:
         # copies: the live lists grow in place while a snapshot waits to be written
-        return {"ids": list(self.ids), "logprobs": list(self.logprobs),
-                "versions": list(self.versions),
-                "finish": self.finish, "reward": self.reward, "interrupted": self.interrupted,
-                "text": self.text}
+        d = {"ids": list(self.ids), "logprobs": list(self.logprobs),
+             "versions": list(self.versions),
+             "finish": self.finish, "reward": self.reward, "interrupted": self.interrupted,
+             "text": self.text}
+        if self.agent is not None:
+            d["agent"] = self.agent.to_dict()
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "Trajectory":
+        agent = None
+        if d.get("agent") is not None:
+            from megarl.agent.loop import AgentState
+            agent = AgentState.from_dict(d["agent"])
         return cls(ids=list(d["ids"]), logprobs=[float(x) for x in d["logprobs"]],
                    versions=[int(v) for v in d["versions"]], finish=d["finish"],
-                   reward=d["reward"], interrupted=int(d["interrupted"]), text=d["text"])
+                   reward=d["reward"], interrupted=int(d["interrupted"]), text=d["text"],
+                   agent=agent)
 
 
 @dataclasses.dataclass
@@ -94,18 +103,34 @@ RequestFor = Callable[[Trajectory, int], GenerateRequest]
 
 class TrajectoryRunner:
     """Runs trajectories on the rollout manager; `scorer.submit(sample)` returns an awaitable
-    of the reward (the streaming `megarl.reward.pool.RewardPool`), None skips scoring."""
+    of the reward (the streaming `megarl.reward.pool.RewardPool`), None skips scoring.
+    With `agent` (a `megarl.agent.loop.AgentLoop`) every trajectory is multi-turn: the loop
+    runs tools between the turns this runner generates, whichever policy drives it."""
 
-    def __init__(self, manager, tokenizer, scorer=None, max_resumes: int = 100):
+    def __init__(self, manager, tokenizer, scorer=None, max_resumes: int = 100, agent=None):
         self.manager, self.tokenizer, self.scorer = manager, tokenizer, scorer
         self.max_resumes = max_resumes
+        self.agent = agent
         self.running: dict[str, None] = {}  # rids in flight (insertion-ordered set)
 
     async def extend(self, t: Trajectory, budget: int, request_for: RequestFor,
-                     stopping: Callable[[], bool] = lambda: False) -> bool:
+                     stopping: Callable[[], bool] = lambda: False, prompt=None) -> bool:
         """Generate into `t` until it finishes (True) or `stopping()` holds (False, counted
         in `t.interrupted`). An abort while not stopping is a weight update: the request is
-        resumed with the budget left, under the new weights."""
+        resumed with the budget left, under the new weights. Multi-turn (`agent`): through
+        every turn and tool call, with `prompt`'s ``extra_info`` as the tools' context."""
+        if self.agent is None:
+            return await self._generate(t, budget, request_for, stopping)
+        if t.agent is None:
+            from megarl.agent.loop import AgentState
+            t.agent = AgentState(mask=[1] * len(t.ids))
+        return await self.agent.extend(
+            t, budget, lambda t: self._generate(t, budget, request_for, stopping),
+            extra_info_of(prompt))
+
+    async def _generate(self, t: Trajectory, budget: int, request_for: RequestFor,
+                        stopping: Callable[[], bool]) -> bool:
+        """One generation to its finish (a multi-turn sample's turn), resumed over aborts."""
         attempts = 0
         while t.finish is None:
             if budget - len(t.ids) <= 0:
@@ -124,6 +149,8 @@ class TrajectoryRunner:
             t.ids += out.output_ids
             t.logprobs += out.output_logprobs or [0.0] * len(out.output_ids)
             t.versions += out.token_versions()
+            if t.agent is not None:
+                t.agent.mask += [1] * len(out.output_ids)
             if not out.aborted:
                 t.finish = out.finish_reason.type
             elif stopping():
@@ -143,12 +170,24 @@ class TrajectoryRunner:
             return t.sample
         if not t.text:
             t.text = self.tokenizer.decode(t.ids, skip_special_tokens=True)
+        extra, mask, agent = extra_info_of(prompt), None, None
+        if t.agent is not None:
+            mask = list(t.agent.mask)
+            agent = {**t.agent.summary(), "calls": [dict(c) for c in t.agent.calls]}
+            # for the reward (verl adds num_turns the same way): what the model did and its
+            # last turn's text, special tokens kept (tool-call markers often are special)
+            extra.update({"num_turns": t.agent.turns,
+                          "tool_calls": [{k: c[k] for k in ("name", "arguments", "ok", "answer")}
+                                         for c in t.agent.calls],
+                          "final_turn": self.tokenizer.decode(t.ids[t.agent.turn_start:],
+                                                              skip_special_tokens=False)})
         t.sample = Sample(uid=prompt.uid, prompt_ids=list(prompt_ids or prompt.prompt_ids),
                           response_ids=list(t.ids), rollout_logprobs=list(t.logprobs),
                           weight_version=t.versions[0] if t.versions else -1,
                           token_versions=list(t.versions), finish=t.finish,
                           ground_truth=prompt.ground_truth, data_source=prompt.data_source,
-                          response_text=t.text, extra_info=extra_info_of(prompt))
+                          response_text=t.text, extra_info=extra, loss_mask=mask,
+                          agent=agent)
         if t.reward is not None:
             t.sample.reward = t.reward
             t.future = _done(t.reward)
@@ -171,8 +210,13 @@ class TrajectoryRunner:
         def request_for(t: Trajectory, attempt: int) -> GenerateRequest:
             if not t.ids:
                 return request
-            return continuation(request, t.ids)
-        await self.extend(t, request.sampling.max_new_tokens, request_for)
+            req = continuation(request, t.ids)
+            seed = req.sampling.sampling_seed
+            if t.agent is not None and seed is not None:
+                # a later turn draws afresh, not the first turn's random stream again
+                req.sampling.sampling_seed = (seed * 1_000_003 + len(t.ids)) % (2**63)
+            return req
+        await self.extend(t, request.sampling.max_new_tokens, request_for, prompt=prompt)
         self.finish(prompt, t, request.input_ids)
         return t
 

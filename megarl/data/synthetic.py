@@ -21,7 +21,7 @@ import random
 import tempfile
 from pathlib import Path
 
-from megarl.reward import last_digit
+from megarl.reward import last_digit, tool_lookup
 from megarl.reward.quickstart import DATA_SOURCE
 
 logger = logging.getLogger(__name__)
@@ -95,8 +95,31 @@ def last_digit_rows(n_train: int, n_val: int, seed: int = 0,
     return train, val
 
 
+def tool_lookup_rows(n_train: int, n_val: int, seed: int = 0) -> tuple[list[dict], list[dict]]:
+    """(train rows, val rows) of the tool-use task (``megarl.reward.tool_lookup``): "Look up
+    K", the answer in a table of ten digit keys drawn at random for each prompt, which only
+    the ``lookup`` tool sees (``extra_info.tools_kwargs``)."""
+    if n_train <= 0 or n_val < 0:
+        raise ValueError(f"tool_lookup_rows: need n_train > 0, n_val >= 0; got {n_train}, "
+                         f"{n_val}")
+    rng = random.Random(seed)
+
+    def row(split: str, index: int) -> dict:
+        key = str(rng.randrange(10))
+        table = {str(k): str(rng.randrange(10)) for k in range(10)}
+        return {"data_source": tool_lookup.DATA_SOURCE,
+                "prompt": f"Look up {key}",
+                "ability": "tool_use",
+                "reward_model": {"style": "rule", "ground_truth": table[key]},
+                "extra_info": {"split": split, "index": index, "key": key,
+                               "tools_kwargs": {"lookup": {"table": table}}}}
+
+    return [row("train", i) for i in range(n_train)], [row("val", i) for i in range(n_val)]
+
+
 # data.synthetic_task -> its rows maker
-TASKS = {"quickstart": quickstart_rows, "last_digit": last_digit_rows}
+TASKS = {"quickstart": quickstart_rows, "last_digit": last_digit_rows,
+         "tool_lookup": tool_lookup_rows}
 
 
 def make_synthetic_task(task: str, out_dir: str | os.PathLike, n_train: int = 256,

@@ -22,11 +22,12 @@ from typing import Iterable, Mapping, Sequence
 
 TIMING_NAME = {"generate": "generate", "reward": "reward", "ref_logp": "ref_logp",
                "logp": "logp", "actor-train": "train", "sync": "sync", "checkpoint": "checkpoint",
-               "val-generate": "val_generate", "val-score": "val_score"}
+               "val-generate": "val_generate", "val-score": "val_score",
+               "tool": "tool"}  # multi-turn: the step's tool calls (their union)
 """Pipeline task -> the `timing/<name>` it reports under."""
 
 
-def _merge(spans: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+def merge_spans(spans: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
     merged: list[list[float]] = []
     for s, e in sorted(spans):
         if merged and s <= merged[-1][1]:
@@ -43,7 +44,7 @@ def busy_time(intervals: Iterable, window: tuple[float, float]) -> dict[str, flo
     for iv in intervals:
         s, e = max(iv.start, lo), min(iv.end, hi)
         spans[iv.group].append((s, max(s, e)))
-    return {g: sum(e - s for s, e in _merge(sp)) for g, sp in spans.items()}
+    return {g: sum(e - s for s, e in merge_spans(sp)) for g, sp in spans.items()}
 
 
 def idle_ratio(intervals: Iterable, window: tuple[float, float],

@@ -38,6 +38,7 @@ from multiprocessing.connection import wait as mp_wait
 from typing import Callable, Optional
 
 from megarl.utils.errors import ConfigError
+from megarl.utils.imports import load_callable
 from megarl.reward.registry import load_reward_fn
 
 logger = logging.getLogger(__name__)
@@ -63,10 +64,26 @@ def _to_score(value) -> float:
     return score
 
 
-def _worker_main(spec: Optional[str], conn) -> None:
-    """Worker process: load the function, then score calls until told to stop (None)."""
+def reward_caller(spec: Optional[str]) -> Callable:
+    """The reward function of `spec` as a worker's call: (data_source, solution, ground truth,
+    extra_info) -> a finite float."""
+    fn = load_reward_fn(spec)
+
+    def call(data_source, solution_str, ground_truth, extra_info):
+        # extra_info is passed only when there is some: many user functions take three args
+        if extra_info is None:
+            return _to_score(fn(data_source, solution_str, ground_truth))
+        return _to_score(fn(data_source, solution_str, ground_truth, extra_info))
+    return call
+
+
+def _worker_main(spec: Optional[str], conn, caller: str = "megarl.reward.pool:reward_caller"
+                 ) -> None:
+    """Worker process: make the call from `spec` with `caller` (an import path: the reward
+    function here, the tools for `megarl.agent.executor.ToolPool`), then serve calls until
+    told to stop (None)."""
     try:
-        fn = load_reward_fn(spec)
+        call = load_callable(caller, "worker caller")(spec)
     except BaseException as err:  # noqa: BLE001 - reported to the parent, which gives up
         conn.send(("fatal", f"{type(err).__name__}: {err}"))
         return
@@ -81,9 +98,7 @@ def _worker_main(spec: Optional[str], conn) -> None:
         call_id, args = msg
         t0 = time.perf_counter()
         try:
-            # extra_info is passed only when there is some: many user functions take three args
-            value = fn(*args) if args[3] is not None else fn(*args[:3])
-            conn.send((call_id, "ok", _to_score(value), time.perf_counter() - t0))
+            conn.send((call_id, "ok", call(*args), time.perf_counter() - t0))
         except Exception as err:  # noqa: BLE001 - every failure becomes a failure score
             conn.send((call_id, "error", f"{type(err).__name__}: {err}",
                        time.perf_counter() - t0))
@@ -97,10 +112,10 @@ class _Job:
 
 
 class _Worker:
-    def __init__(self, ctx, spec):
+    def __init__(self, ctx, spec, caller: str, kind: str):
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_worker_main, args=(spec, child), daemon=True,
-                                name="megarl-reward-worker")
+        self.proc = ctx.Process(target=_worker_main, args=(spec, child, caller), daemon=True,
+                                name=f"megarl-{kind}-worker")
         self.proc.start()
         child.close()
         self.started = time.monotonic()
@@ -117,7 +132,20 @@ class _Worker:
 
 
 class RewardPool:
-    """``num_workers`` processes running ``spec`` (``reward.reward_fn``; None = by data source)."""
+    """``num_workers`` processes running ``spec`` (``reward.reward_fn``; None = by data source).
+
+    Subclasses reuse the workers for other killable calls: `CALLER` (an import path) makes a
+    worker's call from the spec, `KIND` names the metrics (``<KIND>/calls`` ...) and
+    `_check_spec` fails on a bad spec up front."""
+
+    KIND = "reward"
+    CALLER = "megarl.reward.pool:reward_caller"
+
+    def _check_spec(self, spec) -> None:
+        if spec is not None and not isinstance(spec, str):
+            raise ConfigError(f"reward.reward_fn must be an import path string "
+                              f"'module:function' for the process pool, got {spec!r}")
+        load_reward_fn(spec)  # fail here, naming reward.reward_fn, not in every worker
 
     def __init__(self, spec: Optional[str], num_workers: int, timeout_s: float,
                  failure_score: float = 0.0):
@@ -128,10 +156,7 @@ class RewardPool:
         if not math.isfinite(float(failure_score)):
             raise ConfigError(f"reward.failure_score must be a finite number, "
                               f"got {failure_score!r}")
-        if spec is not None and not isinstance(spec, str):
-            raise ConfigError(f"reward.reward_fn must be an import path string "
-                              f"'module:function' for the process pool, got {spec!r}")
-        load_reward_fn(spec)  # fail here, naming reward.reward_fn, not in every worker
+        self._check_spec(spec)
         self.spec, self.num_workers = spec, num_workers
         self.timeout_s, self.failure_score = float(timeout_s), float(failure_score)
         self._ctx = mp.get_context("spawn")
@@ -144,8 +169,9 @@ class RewardPool:
         self._reset_counters()
         self._total_failures = 0
         self._start_failures = 0
-        self._workers = [_Worker(self._ctx, spec) for _ in range(num_workers)]
-        self._thread = threading.Thread(target=self._dispatch_loop, name="megarl-reward-pool",
+        self._workers = [_Worker(self._ctx, spec, self.CALLER, self.KIND) for _ in range(num_workers)]
+        self._thread = threading.Thread(target=self._dispatch_loop,
+                                        name=f"megarl-{self.KIND}-pool",
                                         daemon=True)
         self._thread.start()
         # close at exit even if the owner forgets; a weakref keeps atexit from pinning the pool
@@ -268,7 +294,8 @@ class RewardPool:
                     self._start_failures = 0
                     return
                 if msg[0] == "fatal":
-                    self._give_up(f"worker could not load reward.reward_fn {self.spec!r}: "
+                    self._give_up(f"worker could not load its {self.KIND} function(s) "
+                                  f"{self.spec!r:.200}: "
                                   f"{msg[1]}")
                     return
                 call_id, kind, value, elapsed = msg
@@ -305,7 +332,7 @@ class RewardPool:
     def _replace(self, i: int) -> None:
         self._workers[i].kill()
         self._restarts += 1
-        self._workers[i] = _Worker(self._ctx, self.spec)
+        self._workers[i] = _Worker(self._ctx, self.spec, self.CALLER, self.KIND)
 
     def _give_up(self, why: str) -> None:
         logger.error("RewardPool: %s; failing all waiting calls", why)
@@ -328,11 +355,11 @@ class RewardPool:
             self._total_failures += 1
             n = self._total_failures
             if n <= _FULL_LOGS:
-                logger.warning("reward call failed (data_source %r), scored %g: %s",
-                               job.args[0], score, error)
+                logger.warning("%s call failed (%r)%s: %s", self.KIND, job.args[0],
+                               f", scored {score:g}" if self.KIND == "reward" else "", error)
             elif n % _SUMMARY_EVERY == 0:
-                logger.warning("%d reward calls have failed so far (latest: data_source %r: "
-                               "%.200s)", n, job.args[0], error)
+                logger.warning("%d %s calls have failed so far (latest: %r: %.200s)", n,
+                               self.KIND, job.args[0], error)
         job.done(score, error)
 
     # ---- metrics and shutdown ---------------------------------------------------------------
@@ -354,10 +381,11 @@ class RewardPool:
             return out
 
     def _stats_unlocked(self) -> dict[str, float]:
-        return {"reward/calls": self._calls, "reward/failures": self._failures,
-                "reward/timeouts": self._timeouts, "reward/worker_restarts": self._restarts,
-                "reward/latency_mean_s": self._lat_sum / max(1, self._lat_n),
-                "reward/latency_max_s": self._lat_max, "reward/queued": len(self._queue)}
+        k = self.KIND
+        return {f"{k}/calls": self._calls, f"{k}/failures": self._failures,
+                f"{k}/timeouts": self._timeouts, f"{k}/worker_restarts": self._restarts,
+                f"{k}/latency_mean_s": self._lat_sum / max(1, self._lat_n),
+                f"{k}/latency_max_s": self._lat_max, f"{k}/queued": len(self._queue)}
 
     def worker_pids(self) -> list[int]:
         with self._lock:

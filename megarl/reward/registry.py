@@ -15,7 +15,7 @@ import math
 from typing import Callable, Optional, Sequence
 
 from megarl.utils.imports import load_callable
-from megarl.reward import code_exec, last_digit, math_exact, quickstart
+from megarl.reward import code_exec, last_digit, math_exact, quickstart, tool_lookup
 
 logger = logging.getLogger(__name__)
 
@@ -25,6 +25,7 @@ RewardFn = Callable[..., object]
 DATA_SOURCES: dict[str, RewardFn] = {
     quickstart.DATA_SOURCE: quickstart.compute_score,
     last_digit.DATA_SOURCE: last_digit.compute_score,
+    tool_lookup.DATA_SOURCE: tool_lookup.compute_score,
     "openai/gsm8k": math_exact.compute_score,
     "gsm8k": math_exact.compute_score,
     "lighteval/MATH": math_exact.compute_score,

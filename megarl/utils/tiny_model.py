@@ -20,6 +20,9 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
+# Qwen2.5's tool-use markers, special tokens there too; added (after the BPE vocabulary, so a
+# model made without them is unchanged) when the tiny model is made for a multi-turn run.
+TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
 
 # Qwen2-style chat template; kept short so the tiny tokenizer stays readable in tests.
 CHAT_TEMPLATE = (
@@ -86,7 +89,7 @@ def make_tiny_model(out_dir: str | os.PathLike, arch: str = "qwen2", *, vocab_si
                     num_kv_heads: int = 2, intermediate_size: int = 128,
                     tie_word_embeddings: bool | None = None, rope_theta: float = 10000.0,
                     max_position_embeddings: int = 1024, seed: int = 0,
-                    overwrite: bool = False) -> Path:
+                    overwrite: bool = False, tool_tokens: bool = False) -> Path:
     """Write config.json, model.safetensors, tokenizer.json (+ tokenizer_config.json).
 
     `vocab_size` is the tokenizer's; the model's embedding has the same size. Defaults tie the
@@ -103,6 +106,8 @@ def make_tiny_model(out_dir: str | os.PathLike, arch: str = "qwen2", *, vocab_si
     if tie_word_embeddings is None:
         tie_word_embeddings = arch == "qwen2"
     tok = build_tokenizer(vocab_size, seed)
+    if tool_tokens:
+        tok.add_special_tokens(TOOL_TOKENS)
     eos = tok.token_to_id("<|im_end|>")
     pad = tok.token_to_id("<|pad|>")
     cfg = hf_config(arch, tok.get_vocab_size(), hidden_size, num_layers, num_heads, num_kv_heads,
@@ -164,10 +169,12 @@ def main(argv=None) -> None:
     p.add_argument("--rope-theta", type=float, default=10000.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--tool-tokens", action="store_true",
+                   help="add Qwen's <tool_call>/<tool_response> markers as special tokens")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     tie = None if a.tie == "auto" else a.tie == "yes"
     make_tiny_model(a.out_dir, a.arch, vocab_size=a.vocab, hidden_size=a.hidden,
                     num_layers=a.layers, num_heads=a.heads, num_kv_heads=a.kv_heads,
                     intermediate_size=a.ffn, tie_word_embeddings=tie, rope_theta=a.rope_theta,
-                    seed=a.seed, overwrite=a.overwrite)
+                    seed=a.seed, overwrite=a.overwrite, tool_tokens=a.tool_tokens)

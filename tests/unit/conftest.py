@@ -1,4 +1,5 @@
-"""Shared by the rollout-policy tests: a real embedded engine and a streaming reward pool."""
+"""Shared by the rollout-policy and agent-loop tests: a real embedded engine and a streaming
+reward pool."""
 import asyncio
 
 import pytest
