@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import logging
 import time
 from typing import Awaitable, Callable
@@ -115,7 +114,7 @@ class AgentLoop:
                                    ended_turn=bool(turn) and turn[-1] in self.eos_ids)
             room = budget - len(t.ids)
             last_v = t.versions[-1] if t.versions else -1
-            take = ids[:max(0, room)]
+            take = ids[:room]  # room > 0: a full budget returned above
             t.ids += take
             t.logprobs += [0.0] * len(take)
             t.versions += [last_v] * len(take)
@@ -214,20 +213,3 @@ def trajectory_json(sample, tokenizer) -> dict:
             "reward": sample.reward, "finish": sample.finish, "segments": segments,
             "calls": (sample.agent or {}).get("calls", []),
             "summary": {k: v for k, v in (sample.agent or {}).items() if k != "calls"}}
-
-
-def write_json_atomic(path, obj) -> None:
-    import os
-    import tempfile
-    from pathlib import Path
-
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=1)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise

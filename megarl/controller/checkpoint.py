@@ -102,7 +102,8 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
 
 
-def _write_json_atomic(path: Path, obj) -> None:
+def write_json_atomic(path: Path, obj) -> None:
+    """`obj` as JSON at `path`, via a temp file and a rename: a reader never sees half."""
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "w") as f:
         json.dump(obj, f, indent=1, default=_jsonable)
@@ -152,7 +153,7 @@ def write_manifest(d, step: int) -> dict:
     crcs = _checksums(d, rels)
     manifest = {"format": MANIFEST_FORMAT, "step": step, "checksum": "crc32",
                 "files": {r: {"size": (d / r).stat().st_size, "crc32": crcs[r]} for r in rels}}
-    _write_json_atomic(d / MANIFEST, manifest)
+    write_json_atomic(d / MANIFEST, manifest)
     return manifest
 
 
@@ -250,7 +251,7 @@ def commit(root, step: int, driver_state: dict, keep: int | None = None) -> Path
     returned."""
     root = Path(root)
     tmp = tmp_dir(root, step)
-    _write_json_atomic(tmp / DRIVER_STATE, {**driver_state, FORMAT_KEY: FORMAT})
+    write_json_atomic(tmp / DRIVER_STATE, {**driver_state, FORMAT_KEY: FORMAT})
     write_manifest(tmp, step)
     dst = step_dir(root, step)
     if dst.exists():

@@ -105,7 +105,7 @@ def stop_ids(r: Run) -> list[int]:
 def agent_step(st: RunState, k: int, samples) -> None:
     """A multi-turn step's tool metrics, its tool time on the timeline (one row, "tools":
     the union of the step's tool-call intervals) and its trajectory dump."""
-    from megarl.agent.loop import step_metrics, trajectory_json, write_json_atomic
+    from megarl.agent.loop import step_metrics, trajectory_json
 
     st.metrics.update(k, step_metrics(samples))
     # the tool workers' counters (calls, failures, timeouts, latency) since the last step
@@ -115,7 +115,9 @@ def agent_step(st: RunState, k: int, samples) -> None:
     n = int(st.cfg.actor_rollout_ref.rollout.multi_turn.dump_trajectories)
     if n > 0:
         path = st.run.plan.ckpt_root / "trajectories" / f"step_{k}.json"
-        write_json_atomic(path, [trajectory_json(s, st.run.tokenizer) for s in samples[:n]])
+        path.parent.mkdir(parents=True, exist_ok=True)
+        ckpt.write_json_atomic(path, [trajectory_json(s, st.run.tokenizer)
+                                      for s in samples[:n]])
 
 
 async def engines_at(st: RunState, version: int, timeout_s: float = 600.0) -> float:
