@@ -51,6 +51,9 @@ def _cases(stock) -> dict[str, ServerArgs]:
             model_path="m", load_format="dummy", skip_tokenizer_init=True, base_gpu_id=2,
             nccl_port=29600, tp_size=2, mem_fraction_static=0.6),
         "tokenizer on": ServerArgs(model_path="m", skip_tokenizer_init=False),
+        # every value of rollout.dtype but auto (which megarl resolves itself)
+        **{f"dtype {d}": ServerArgs(model_path="m", dtype=d)
+           for d in ("float32", "bfloat16", "float16")},
         # How docs/install_gpu.md says to make `sampling_seed` take effect.
         "server_extra_args": ServerArgs(model_path="m",
                                         extra_args=["--enable-deterministic-inference"]),

@@ -93,6 +93,7 @@ MODES = {
     "ahead-3-bf16-packed": ["trainer.generate_ahead_steps=3",
                             "actor_rollout_ref.actor.megatron.params_dtype=bfloat16",
                             "actor_rollout_ref.ref.megatron.params_dtype=bfloat16",
+                            "actor_rollout_ref.rollout.dtype=float32",
                             "actor_rollout_ref.actor.use_dynamic_bsz=true",
                             "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=96"],
 }

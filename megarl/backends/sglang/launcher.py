@@ -88,7 +88,14 @@ def replica_server_args(cfg, index: int, *, host: str, port: int,
     return ServerArgs.from_rollout_config(
         r, cfg.actor_rollout_ref.model.path, port=port, base_gpu_id=base_gpu_id, host=host,
         random_seed=cfg.trainer.seed + index, context_length=ctx, weight_version="0",
+        dtype=rollout_dtype(cfg),
         device=cfg.trainer.device, python=python, extra_args=list(r.server_extra_args))
+
+
+def rollout_dtype(cfg) -> str:
+    """The dtype launched servers load (`rollout.dtype`, `auto`: the actor's params dtype)."""
+    d = cfg.actor_rollout_ref.rollout.dtype
+    return cfg.actor_rollout_ref.actor.megatron.params_dtype if d == "auto" else d
 
 
 def _stock_on_cpu(args: ServerArgs, module: str) -> bool:

@@ -5,7 +5,9 @@ import sys
 import pytest
 
 from megarl.backends.sglang.launcher import (EMBEDDED_MODULE, ServerArgs, build_command,
-                                             find_free_port, wait_for_health)
+                                             find_free_port, replica_server_args,
+                                             wait_for_health)
+from megarl.config import ConfigError, load_config
 from megarl.config.schema import RolloutConfig
 from megarl.rollout.server import build_arg_parser
 
@@ -39,6 +41,25 @@ def test_embedded_server_parses_the_sglang_command():
     parsed = build_arg_parser().parse_args(build_command(args, EMBEDDED_MODULE)[3:])
     assert parsed.model_path == "/m" and parsed.port == 31000 and parsed.skip_tokenizer_init
     assert parsed.context_length == 64 and parsed.max_running_requests == 8
+
+
+@pytest.mark.parametrize("params,rollout,want", [
+    ("float32", "auto", "float32"),    # SGLang's own auto would serve this in float16
+    ("bfloat16", "auto", "bfloat16"),
+    ("bfloat16", "float32", "float32"),
+    ("float32", "float16", "float16")])
+def test_replicas_load_the_dtype_the_trainer_sends_unless_told(params, rollout, want):
+    cfg = load_config(None, [f"actor_rollout_ref.actor.megatron.params_dtype={params}",
+                             f"actor_rollout_ref.rollout.dtype={rollout}"])
+    args = replica_server_args(cfg, 0, host="127.0.0.1", port=1, base_gpu_id=None)
+    assert flag(build_command(args, python="py"), "--dtype") == want
+    parsed = build_arg_parser().parse_args(build_command(args, EMBEDDED_MODULE)[3:])
+    assert parsed.dtype == want
+
+
+def test_an_unknown_rollout_dtype_is_refused_by_key():
+    with pytest.raises(ConfigError, match=r"actor_rollout_ref\.rollout\.dtype"):
+        load_config(None, ["actor_rollout_ref.rollout.dtype=fp8"])
 
 
 def test_health_wait_times_out_on_a_silent_port():
