@@ -67,7 +67,10 @@ def _make(tmp_path_factory, arch: str) -> Path:
     # vocab 300 is not a multiple of 128×TP, so Megatron's vocab padding is always exercised.
     return make_tiny_model(out, arch, vocab_size=300, hidden_size=64, num_layers=2,
                            num_heads=4, num_kv_heads=2, intermediate_size=128,
-                           rope_theta=5000.0 if arch == "qwen2" else 10000.0)
+                           rope_theta=5000.0 if arch == "qwen2" else 10000.0,
+                           # Qwen3's head_dim is its own (128 at hidden 4096 / 32 heads in
+                           # the 8B, but 128 at 5120 / 64 in the 32B): not hidden / heads here
+                           head_dim=24 if arch == "qwen3" else None)
 
 
 @pytest.fixture(scope="session")
@@ -80,6 +83,12 @@ def tiny_qwen2(tmp_path_factory) -> Path:
 def tiny_llama(tmp_path_factory) -> Path:
     """Llama-shaped: no bias, untied embeddings, GQA."""
     return _make(tmp_path_factory, "llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3(tmp_path_factory) -> Path:
+    """Qwen3-shaped: per-head q/k RMSNorm, no bias, head_dim 24 (not 64 / 4), tied, GQA."""
+    return _make(tmp_path_factory, "qwen3")
 
 
 # Default-sized tiny models (make_tiny_model's defaults) for the rollout and weight-sync tests.

@@ -20,7 +20,7 @@ KL_TYPES = KL_TYPES + tuple(k + "+" for k in KL_TYPES)
 CHOICES: Dict[str, tuple] = {
     "data.truncation": ("error", "left", "right"),
     "data.synthetic_task": (None, "quickstart", "last_digit", "tool_lookup"),
-    "actor_rollout_ref.model.make_tiny": (None, "qwen2", "llama"),
+    "actor_rollout_ref.model.make_tiny": (None, "qwen2", "llama", "qwen3"),
     "data.bad_rows": ("skip", "error"),
     "actor_rollout_ref.actor.strategy": ("megatron",),
     "actor_rollout_ref.actor.loss_agg_mode": (
@@ -31,6 +31,7 @@ CHOICES: Dict[str, tuple] = {
     "actor_rollout_ref.actor.megatron.params_dtype": ("float32", "bfloat16", "float16"),
     "actor_rollout_ref.ref.megatron.params_dtype": ("float32", "bfloat16", "float16"),
     "actor_rollout_ref.rollout.name": ("embedded", "sglang"),
+    "actor_rollout_ref.rollout.dtype": ("auto", "float32", "bfloat16", "float16"),
     "actor_rollout_ref.rollout.update_group_backend": ("auto", "nccl", "gloo"),
     "actor_rollout_ref.rollout.multi_turn.tool_response_truncate_side": ("middle", "left",
                                                                          "right"),
@@ -255,8 +256,8 @@ class ModelConfig:
     path: str = "outputs/tiny-qwen2"
     """Hugging Face model directory (converted to Megatron on load)."""
     make_tiny: Optional[str] = None
-    """``qwen2`` or ``llama``: make a tiny random model with a local tokenizer at ``path`` when
-    it does not exist yet (quickstart, tests, laptops)."""
+    """``qwen2``, ``qwen3`` or ``llama``: make a tiny random model with a local tokenizer at
+    ``path`` when it does not exist yet (quickstart, tests, laptops)."""
     tokenizer_path: Optional[str] = None
     """Tokenizer directory; null means ``path``."""
     trust_remote_code: bool = False
@@ -457,6 +458,10 @@ class RolloutConfig:
     server_extra_args: List[str] = field(default_factory=list)
     """Extra command-line arguments for every launched server (e.g.
     ``[--enable-deterministic-inference]``, which SGLang needs to honour sampling seeds)."""
+    dtype: str = "auto"
+    """The dtype launched servers hold the weights in (``--dtype``); ``auto``: the actor's
+    ``megatron.params_dtype``, the dtype the trainer sends, so rollouts sample from the
+    weights as trained (SGLang's own ``auto`` serves a float32 checkpoint in float16)."""
     server_start_timeout_s: float = 900.0
     """How long a launched server may take to answer /health before the run stops."""
     engine_health_interval_s: float = 2.0

@@ -45,7 +45,8 @@ PORT_BASE = 30000  # placeholder ports in the printed commands: real ones are ch
 UPDATE_GROUP_NAME = "megarl-weights"  # as megarl.weight_sync.trainer names it, + "-pp<stage>"
 # Norm weights stay float32 in megarl's Megatron model (the local spec's torch RMSNorm takes
 # no dtype), and the producer sends them as they are.
-_FP32_SUFFIXES = ("layernorm.weight", "model.norm.weight")
+# (Qwen3's per-head q_norm / k_norm included.)
+_FP32_SUFFIXES = ("norm.weight",)
 
 
 # ------------------------------------------------------------------------------ the plan
@@ -316,7 +317,7 @@ def plan_update_groups(cfg: DictConfig, groups: list[GroupPlan],
 def stage_specs(a: ModelArgs, pp: int, params_dtype: str) -> list[list[TensorSpec]]:
     """The HF tensors each pipeline stage exports, in export order (Megatron's
     ``named_parameters``: embedding, then per layer norm, o_proj, q/k/v weights, q/k/v
-    biases, norm, gate, up, down; then the final norm and lm_head). A tied lm_head is not
+    biases, q/k norms, norm, gate, up, down; then the final norm and lm_head). A tied lm_head is not
     sent; layers split evenly over the stages."""
     shapes = hf_shapes(a)
     per_stage = a.num_layers // pp
@@ -337,6 +338,8 @@ def _layer_export_order(a: ModelArgs, i: int) -> list[str]:
     names += [f"{p}self_attn.{x}_proj.weight" for x in "qkv"]
     if a.qkv_bias:
         names += [f"{p}self_attn.{x}_proj.bias" for x in "qkv"]
+    if a.qk_norm:
+        names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
     return names + [p + "post_attention_layernorm.weight", p + "mlp.gate_proj.weight",
                     p + "mlp.up_proj.weight", p + "mlp.down_proj.weight"]
 

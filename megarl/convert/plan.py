@@ -51,7 +51,8 @@ def hf_shapes(a: ModelArgs) -> dict[str, tuple[int, ...]]:
                  "self_attn.v_proj.weight": (kv, h), "self_attn.q_proj.bias": (q,),
                  "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,),
                  "self_attn.o_proj.weight": (h, q), "mlp.gate_proj.weight": (f, h),
-                 "mlp.up_proj.weight": (f, h), "mlp.down_proj.weight": (h, f)}
+                 "mlp.up_proj.weight": (f, h), "mlp.down_proj.weight": (h, f),
+                 "self_attn.q_norm.weight": (a.head_dim,), "self_attn.k_norm.weight": (a.head_dim,)}
     out = {}
     for name in mapping.hf_names(a):
         layer = name.split(".", 3)
@@ -79,6 +80,8 @@ def mcore_params(a: ModelArgs, pp: int, padded_vocab: int) -> list[tuple[str, tu
                 (p + "self_attention.linear_qkv.weight", (qkv, h), s)]
         if a.qkv_bias:
             out.append((p + "self_attention.linear_qkv.bias", (qkv,), s))
+        if a.qk_norm:
+            out += [(p + f"self_attention.{x}_layernorm.weight", (a.head_dim,), s) for x in "qk"]
         out += [(p + "self_attention.linear_proj.weight", (h, a.num_heads * a.head_dim), s),
                 (p + "pre_mlp_layernorm.weight", (h,), s),
                 (p + "mlp.linear_fc1.weight", (2 * a.ffn_hidden_size, h), s),

@@ -2,7 +2,7 @@
 
 Nothing can be downloaded from a model hub on the machines this project is developed and
 tested on, so tests, benchmarks and the quickstart build their own model: a Llama- or
-Qwen2-shaped config, random weights saved as safetensors, and a byte-level BPE tokenizer
+Qwen2- or Qwen3-shaped config, random weights saved as safetensors, and a byte-level BPE tokenizer
 trained here with `tokenizers` on a small synthetic corpus (arithmetic and short words), saved
 as tokenizer.json with a chat template. Deliberately simplified: the tokenizer corpus is tiny,
 so it is only good for the synthetic tasks that the project generates itself.
@@ -31,7 +31,7 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
-ARCHS = ("qwen2", "llama")
+ARCHS = ("qwen2", "llama", "qwen3")
 
 
 def _corpus(rng: random.Random, lines: int = 4000) -> list[str]:
@@ -65,8 +65,8 @@ def build_tokenizer(vocab_size: int, seed: int = 0):
 def hf_config(arch: str, vocab_size: int, hidden_size: int, num_layers: int, num_heads: int,
               num_kv_heads: int, intermediate_size: int, tie_word_embeddings: bool,
               rope_theta: float, max_position_embeddings: int, eos_token_id: int,
-              pad_token_id: int):
-    from transformers import LlamaConfig, Qwen2Config
+              pad_token_id: int, head_dim: int | None = None):
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
     common = dict(
         vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
@@ -80,7 +80,10 @@ def hf_config(arch: str, vocab_size: int, hidden_size: int, num_layers: int, num
         return Qwen2Config(**common)
     if arch == "llama":
         return LlamaConfig(attention_bias=False, mlp_bias=False,
-                           head_dim=hidden_size // num_heads, **common)
+                           head_dim=head_dim or hidden_size // num_heads, **common)
+    if arch == "qwen3":
+        return Qwen3Config(attention_bias=False, head_dim=head_dim or hidden_size // num_heads,
+                           **common)
     raise ValueError(f"arch: unknown architecture {arch!r}; expected one of {ARCHS}")
 
 
@@ -89,11 +92,13 @@ def make_tiny_model(out_dir: str | os.PathLike, arch: str = "qwen2", *, vocab_si
                     num_kv_heads: int = 2, intermediate_size: int = 128,
                     tie_word_embeddings: bool | None = None, rope_theta: float = 10000.0,
                     max_position_embeddings: int = 1024, seed: int = 0,
-                    overwrite: bool = False, tool_tokens: bool = False) -> Path:
+                    overwrite: bool = False, tool_tokens: bool = False,
+                    head_dim: int | None = None) -> Path:
     """Write config.json, model.safetensors, tokenizer.json (+ tokenizer_config.json).
 
     `vocab_size` is the tokenizer's; the model's embedding has the same size. Defaults tie the
-    embeddings for Qwen2 and untie them for Llama, as the small public checkpoints do. The
+    embeddings for Qwen2 and Qwen3 and untie them for Llama, as the small public checkpoints
+    do. `head_dim` (Llama, Qwen3) may differ from hidden_size / num_heads, as in Qwen3. The
     directory is written to a temp dir beside `out_dir` and renamed into place, so a crash never
     leaves a half-written model behind.
     """
@@ -104,7 +109,7 @@ def make_tiny_model(out_dir: str | os.PathLike, arch: str = "qwen2", *, vocab_si
     if out.exists() and not overwrite:
         raise FileExistsError(f"{out}: already exists (pass overwrite=True to replace it)")
     if tie_word_embeddings is None:
-        tie_word_embeddings = arch == "qwen2"
+        tie_word_embeddings = arch in ("qwen2", "qwen3")
     tok = build_tokenizer(vocab_size, seed)
     if tool_tokens:
         tok.add_special_tokens(TOOL_TOKENS)
@@ -112,7 +117,7 @@ def make_tiny_model(out_dir: str | os.PathLike, arch: str = "qwen2", *, vocab_si
     pad = tok.token_to_id("<|pad|>")
     cfg = hf_config(arch, tok.get_vocab_size(), hidden_size, num_layers, num_heads, num_kv_heads,
                     intermediate_size, tie_word_embeddings, rope_theta, max_position_embeddings,
-                    eos, pad)
+                    eos, pad, head_dim)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     # Random init at HF's default std (0.02) gives near-uniform logits; a larger scale gives the
@@ -121,6 +126,9 @@ def make_tiny_model(out_dir: str | os.PathLike, arch: str = "qwen2", *, vocab_si
         for name, p in model.named_parameters():
             if p.dim() >= 2:
                 p.normal_(0.0, 0.1)
+            elif name.endswith(("q_norm.weight", "k_norm.weight")):
+                # away from HF's init (ones), so a dropped or misplaced q/k norm shows
+                p.uniform_(0.5, 1.5)
             elif "bias" in name:
                 p.normal_(0.0, 0.05)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -165,6 +173,8 @@ def main(argv=None) -> None:
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--ffn", type=int, default=128)
+    p.add_argument("--head-dim", type=int, default=None,
+                   help="per-head size (llama, qwen3); default hidden / heads")
     p.add_argument("--tie", choices=["auto", "yes", "no"], default="auto")
     p.add_argument("--rope-theta", type=float, default=10000.0)
     p.add_argument("--seed", type=int, default=0)
@@ -177,4 +187,5 @@ def main(argv=None) -> None:
     make_tiny_model(a.out_dir, a.arch, vocab_size=a.vocab, hidden_size=a.hidden,
                     num_layers=a.layers, num_heads=a.heads, num_kv_heads=a.kv_heads,
                     intermediate_size=a.ffn, tie_word_embeddings=tie, rope_theta=a.rope_theta,
-                    seed=a.seed, overwrite=a.overwrite, tool_tokens=a.tool_tokens)
+                    seed=a.seed, overwrite=a.overwrite, tool_tokens=a.tool_tokens,
+                    head_dim=a.head_dim)

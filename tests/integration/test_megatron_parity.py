@@ -1,15 +1,16 @@
-"""Megatron GPTModel built from an HF config reproduces the HF model (TP=1, TP=2, PP=2)."""
+"""Megatron GPTModel built from an HF config reproduces the HF model (TP=1, TP=2, PP=2) for
+Qwen2, Llama and Qwen3."""
 import pytest
 
 from launch_helpers import SCRIPTS, read_json, torchrun
 
 
 @pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2)], ids=["tp1", "tp2", "pp2"])
-def test_logits_logprobs_entropy_match_hf(tmp_path, tiny_qwen2, tiny_llama, tp, pp):
+def test_logits_logprobs_entropy_match_hf(tmp_path, tiny_qwen2, tiny_llama, tiny_qwen3, tp, pp):
     out = tmp_path / "parity.json"
-    torchrun(SCRIPTS / "parity.py", tp * pp, out, tp, pp, tiny_qwen2, tiny_llama)
+    torchrun(SCRIPTS / "parity.py", tp * pp, out, tp, pp, tiny_qwen2, tiny_llama, tiny_qwen3)
     res = read_json(out)
-    assert set(res) == {str(tiny_qwen2), str(tiny_llama)}
+    assert set(res) == {str(tiny_qwen2), str(tiny_llama), str(tiny_qwen3)}
     for model, r in res.items():
         assert r["logits"] <= 1e-4, (model, r)
         for temp in ("1.0", "0.7"):

@@ -2,6 +2,46 @@
 test modules can import it whichever conftest pytest loaded first)."""
 from __future__ import annotations
 
+import asyncio
+
+PROMPT = [5, 17, 42, 99, 7, 123, 64]
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def greedy(n=8, **kw):
+    from megarl.rollout.protocol import SamplingParams
+
+    return SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True, **kw)
+
+
+def hf_greedy(model_dir, prompt, n=8):
+    """Greedy tokens of transformers in fp32, one full forward per token (no cache)."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir),
+                                                              dtype=torch.float32)
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+async def generate(url, prompt=PROMPT, sp=None, rid="g", **kw):
+    from megarl.backends.sglang import SGLangEngine
+    from megarl.rollout.protocol import GenerateRequest
+
+    engine = SGLangEngine(url, **kw)
+    try:
+        return await engine.generate(GenerateRequest(prompt, sp or greedy(), rid=rid,
+                                                     return_logprob=True))
+    finally:
+        await engine.close()
+
 
 def stock_args(model, python: str, **kw):
     """ServerArgs of a stock server on this CPU for `model` (fp32: equal to transformers)."""

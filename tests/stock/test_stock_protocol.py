@@ -19,46 +19,17 @@ from safetensors.torch import load_file
 from megarl.backends.sglang import SGLangEngine
 from megarl.config import ConfigError
 from megarl.rollout.manager import RolloutManager
-from megarl.rollout.protocol import GenerateRequest, SamplingParams
+from megarl.rollout.protocol import GenerateRequest
 from megarl.weight_sync.producer import SyncStats, WeightProducer
 from megarl.weight_sync.protocol import SyncConfig, WeightSyncError
 from megarl.weight_sync.transports import EngineLink
 from megarl.weight_sync.verify import SentDigest
+from stock_helpers import PROMPT, generate, greedy, hf_greedy, run
 
-PROMPT = [5, 17, 42, 99, 7, 123, 64]
 KB = 1 / 1024  # MiB
-
-
-def run(coro):
-    return asyncio.run(coro)
-
-
-def greedy(n=8, **kw):
-    return SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True, **kw)
-
-
-def hf_greedy(model_dir, prompt, n=8):
-    """Greedy tokens of transformers in fp32, one full forward per token (no cache)."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir),
-                                                              dtype=torch.float32)
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(n):
-            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt):]
-
 
 def weights(model_dir):
     return sorted(load_file(str(model_dir / "model.safetensors")).items())
-
-
-async def generate(url, prompt=PROMPT, sp=None, rid="g", **kw):
-    engine = SGLangEngine(url, **kw)
-    try:
-        return await engine.generate(GenerateRequest(prompt, sp or greedy(), rid=rid,
-                                                     return_logprob=True))
-    finally:
-        await engine.close()
 
 
 def deliver(prod, named, version):

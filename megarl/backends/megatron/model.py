@@ -1,4 +1,4 @@
-"""Megatron-core GPTModel from a Hugging Face `config.json` (Llama and Qwen2 families).
+"""Megatron-core GPTModel from a Hugging Face `config.json` (Llama, Qwen2 and Qwen3 families).
 
 Owns the mapping from HF hyper-parameters to Megatron's `TransformerConfig` and the layer
 spec. The spec is Megatron's local one with `SDPAttention` as core attention (see
@@ -18,10 +18,13 @@ import torch.nn.functional as F
 logger = logging.getLogger(__name__)
 
 SUPPORTED_ARCHS = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
+                   "Qwen3ForCausalLM": "qwen3",
                    # a critic in HF form (verl's too): the transformer + `score` (hidden -> 1)
                    "LlamaForTokenClassification": "llama",
-                   "Qwen2ForTokenClassification": "qwen2"}
-CRITIC_ARCHS = {"llama": "LlamaForTokenClassification", "qwen2": "Qwen2ForTokenClassification"}
+                   "Qwen2ForTokenClassification": "qwen2",
+                   "Qwen3ForTokenClassification": "qwen3"}
+CRITIC_ARCHS = {"llama": "LlamaForTokenClassification", "qwen2": "Qwen2ForTokenClassification",
+                "qwen3": "Qwen3ForTokenClassification"}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -41,6 +44,9 @@ class ModelArgs:
     max_position_embeddings: int
     tie_word_embeddings: bool
     qkv_bias: bool
+    qk_norm: bool = False
+    """Qwen3: an RMSNorm over each head's query and key (one weight of head_dim each,
+    shared by the heads), after the projection and before RoPE."""
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> "ModelArgs":
@@ -67,8 +73,9 @@ class ModelArgs:
             rope_theta=float(theta),
             max_position_embeddings=hf.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            # Qwen2 always has QKV bias; Llama has it only with attention_bias.
+            # Qwen2 always has QKV bias; Llama and Qwen3 have it only with attention_bias.
             qkv_bias=arch == "qwen2" or bool(hf.get("attention_bias", False)),
+            qk_norm=arch == "qwen3",
         )
 
 
@@ -90,7 +97,8 @@ def transformer_config(args: ModelArgs, tp: int, pp: int, params_dtype: str = "f
         kv_channels=args.head_dim, ffn_hidden_size=args.ffn_hidden_size,
         normalization="RMSNorm", layernorm_epsilon=args.norm_eps,
         gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
-        add_qkv_bias=args.qkv_bias, hidden_dropout=0.0, attention_dropout=0.0,
+        add_qkv_bias=args.qkv_bias, qk_layernorm=args.qk_norm, hidden_dropout=0.0,
+        attention_dropout=0.0,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16, use_cpu_initialization=not on_gpu,
@@ -115,7 +123,7 @@ def transformer_engine_usable() -> bool:
 _SPEC_LOGGED: set = set()
 
 
-def layer_spec(impl: str = "auto"):
+def layer_spec(impl: str = "auto", qk_norm: bool = False):
     """The transformer layer: Transformer Engine's (each pre-norm fused into the linear after
     it) for `transformer_engine`, or `auto` where TE is usable; else Megatron's local layers.
     Attention is torch's SDPA in both (on CUDA its flash / memory-efficient kernels), which
@@ -127,10 +135,11 @@ def layer_spec(impl: str = "auto"):
 
     use_te = impl == "transformer_engine" or (impl == "auto" and transformer_engine_usable())
     if use_te:
-        spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
+        spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_norm)
         what = "Transformer Engine layers (fused norm + linear), torch SDPA attention"
     else:
-        spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+        spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm",
+                                                         qk_layernorm=qk_norm)
         why = {"local": "transformer_impl=local",
                "auto": "Transformer Engine not installed or no CUDA"}.get(impl, impl)
         what = f"Megatron local layers ({why}), torch SDPA attention"
@@ -177,7 +186,7 @@ def build_gpt_model(args: ModelArgs, config, make_vocab_size_divisible_by: int =
     _patches.apply()
     tp = ps.get_tensor_model_parallel_world_size()
     model = GPTModel(
-        config=config, transformer_layer_spec=layer_spec(transformer_impl),
+        config=config, transformer_layer_spec=layer_spec(transformer_impl, args.qk_norm),
         vocab_size=padded_vocab_size(args.vocab_size, make_vocab_size_divisible_by, tp),
         max_sequence_length=args.max_position_embeddings,
         pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),

@@ -68,6 +68,8 @@ def main():
             results[case] = {"equal": [c[0] > 0 and not c[2] for c in checks],
                              "compared": [c[0] for c in checks],
                              "versions": [x["weight_version"] for x in infos],
+                             # the names each engine reports that the trainer sent
+                             "names": [sorted(set(g) & set(want.checksums)) for g in got],
                              "buckets": stats.buckets, "bucket_bytes": bucket,
                              "biggest": biggest, "total": total, "stale": stats.stale}
         dist.barrier()

@@ -67,6 +67,26 @@ def test_qwen2_placement_servers_and_ranks(qwen2_out):
     assert out.count("megarl-weights-pp") == 1
 
 
+def test_qwen3_8b_plan_sends_every_tensor_transformers_has(capsys):
+    """configs/qwen3_8b_async.yaml: the dry run exits 0, and its plan names every parameter of
+    transformers' Qwen3-8B (q_norm / k_norm included) with its shape, and nothing else."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = str(REPO / "configs" / "qwen3_8b_async.yaml")
+    assert main(["train", "--config", config, "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(
+            AutoConfig.from_pretrained(REPO / "configs" / "models" / "qwen3_8b.json"))
+    want = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    a = ModelArgs.from_hf(dryrun.load_hf_config(load_config(config, []))[0])
+    assert a.qk_norm and a.head_dim == 128 and not a.qkv_bias
+    specs = [s for stage in dryrun.stage_specs(a, 1, "bfloat16") for s in stage]
+    assert {s.name: s.shape for s in specs} == want
+    assert f"stage 0 (layers 0-35): {len(want)} tensors" in out
+    assert "trainer (logp+actor-train): TP4 × PP1 × DP4" in out
+
+
 def test_qwen2_tensors_match_transformers(hf_meta):
     cfg = load_config(QWEN2, [])
     hf, _ = dryrun.load_hf_config(cfg)
@@ -95,7 +115,11 @@ print(real == planned, real, planned)
 """
 
 
-def test_planned_tensors_are_what_megatron_exports():
+@pytest.mark.parametrize("extra", [{"architectures": ["Qwen2ForCausalLM"]},
+                                   # Qwen3: per-head q/k norms, head_dim apart from hidden
+                                   {"architectures": ["Qwen3ForCausalLM"], "head_dim": 24}],
+                         ids=["qwen2", "qwen3"])
+def test_planned_tensors_are_what_megatron_exports(extra):
     """Names, order and dtypes of the planned specs are what the producer really sends (a
     one-rank Megatron model in a subprocess, so no process group leaks into this one)."""
     import json
@@ -106,9 +130,9 @@ def test_planned_tensors_are_what_megatron_exports():
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    hf = {"architectures": ["Qwen2ForCausalLM"], "vocab_size": 300, "hidden_size": 64,
+    hf = {"vocab_size": 300, "hidden_size": 64,
           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-          "intermediate_size": 128, "tie_word_embeddings": False}
+          "intermediate_size": 128, "tie_word_embeddings": False, **extra}
     proc = subprocess.run([sys.executable, "-c", _EXPORT, str(port), json.dumps(hf)],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -1,11 +1,12 @@
-"""Pure HF <-> Megatron name and layout maps for the Llama and Qwen2 families.
+"""Pure HF <-> Megatron name and layout maps for the Llama, Qwen2 and Qwen3 families.
 
 "Full" Megatron tensors are unsharded and carry global layer indices; the TP split of a full
-tensor is `shard()`, its inverse `unshard()`. Both families share HF names; they differ only in
-QKV bias and in tied embeddings, which `ModelArgs` records. Megatron's fused QKV interleaves
-per query group — [q heads of the group, k, v] for each group — so TP can split on groups.
-The vocabulary is padded on the Megatron side (see model.padded_vocab_size) and trimmed back
-on the way out.
+tensor is `shard()`, its inverse `unshard()`. The families share HF names; they differ only in
+QKV bias, tied embeddings and Qwen3's per-head query/key norms (`q_norm`, `k_norm`: one
+head_dim-sized weight each, replicated over TP like every norm), which `ModelArgs` records.
+Megatron's fused QKV interleaves per query group — [q heads of the group, k, v] for each
+group — so TP can split on groups. The vocabulary is padded on the Megatron side (see
+model.padded_vocab_size) and trimmed back on the way out.
 """
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ _LAYER_1TO1 = {
     "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
     "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
     "mlp.linear_fc2.weight": "mlp.down_proj.weight",
+    "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
+    "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
 }
 _GLOBAL_1TO1 = {
     "decoder.final_layernorm.weight": "model.norm.weight",
@@ -191,6 +194,8 @@ def hf_names(a: ModelArgs) -> list[str]:
             names.append(f"{p}self_attn.{x}_proj.weight")
             if a.qkv_bias:
                 names.append(f"{p}self_attn.{x}_proj.bias")
+        if a.qk_norm:
+            names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
         names += [p + "self_attn.o_proj.weight", p + "post_attention_layernorm.weight",
                   p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight", p + "mlp.down_proj.weight"]
     names.append("model.norm.weight")
