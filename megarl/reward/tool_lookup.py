@@ -13,11 +13,12 @@ Scores, for the value ``g`` (``1.0`` needs the tool: a guess is right one time i
 
 - ``1.0``: a call with the right key was answered, the last turn is exactly ``g`` and ended
   with a stop token;
-- otherwise partial credit, at most ``0.65``: ``0.05`` for trying a call, ``0.4`` more for
+- otherwise partial credit, at most ``0.75``: ``0.05`` for trying a call, ``0.4`` more for
   a call with the right key that the tool answered (else ``0.1`` if the response starts with
-  the key), and ``0.2`` more if the last turn's text starts with ``g`` (special tokens
-  aside: the answer copied, though the turn may not end right). Calling as such pays
-  little: a constant call would otherwise collapse the policy onto it.
+  the key), ``0.2`` more if the last turn's text starts with ``g`` (special tokens aside:
+  the answer copied, though the turn may not end right), and ``0.1`` more if a turn after
+  a call ended with the stop token rather than another call. Calling as such pays little: a
+  constant call would otherwise collapse the policy onto it.
 
 The reward reads what the agent loop adds to ``extra_info``: ``tool_calls`` (name,
 arguments, ok, answer of each), ``final_turn`` (the last turn's text, special tokens kept)
@@ -37,6 +38,7 @@ W_TRY = 0.05
 W_KEY_FIRST = 0.1
 W_RIGHT_KEY = 0.4
 W_ANSWER_START = 0.2
+W_STOP = 0.1
 
 
 def compute_score(data_source: str, solution_str: str, ground_truth, extra_info=None) -> float:
@@ -65,4 +67,11 @@ def compute_score(data_source: str, solution_str: str, ground_truth, extra_info=
         score += W_KEY_FIRST
     if final.startswith(answer):  # even if it then (wrongly) calls again: the copy is right
         score += W_ANSWER_START
+    # Ending the turn after a call with the stop token pays from the first steps on. Without
+    # it the stop was learned last, after "digits then </tool_call>" had been reinforced by
+    # every good call, and then found only by sampling (1 run in 3 stalled at 0.65, its
+    # answer turn closed with </tool_call>); with it every run measured stopped right by
+    # v250-v600 (docs/agents.md).
+    if calls and answered and stopped:
+        score += W_STOP
     return score

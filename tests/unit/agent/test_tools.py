@@ -134,7 +134,10 @@ def test_lookup_task_reward_pays_for_tool_use_not_guessing():
     assert score(tool_lookup.DATA_SOURCE, "4", "7", guessed) == pytest.approx(0.3)
     wrong_key = {**info, "tool_calls": [{"name": "lookup", "arguments": {"key": "5"},
                                          "ok": True}]}
-    assert score(tool_lookup.DATA_SOURCE, "", "7", wrong_key) == pytest.approx(0.25)
+    # a call, then a turn that stopped: the stop pays from the start (0.1)
+    assert score(tool_lookup.DATA_SOURCE, "", "7", wrong_key) == pytest.approx(0.35)
+    wrong_answer = {**info, "final_turn": "3<|im_end|>"}
+    assert score(tool_lookup.DATA_SOURCE, "", "7", wrong_answer) == pytest.approx(0.55)
     cut = {**info, "finish_reason": "length"}
     assert score(tool_lookup.DATA_SOURCE, "", "7", cut) == pytest.approx(0.65)
     for text in ("<tool_call>4</tool_call>", "4</tool_call>", "x<tool_call> 4 </tool_call>"):
