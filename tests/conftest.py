@@ -62,12 +62,20 @@ def pytest_configure(config):
             "(pip install -e '.[test]' pins pytest<9.2)")
 
 
+# Llama 3.2's RoPE: with head_dim 16 and theta 500000, half the frequency pairs have
+# wavelengths past 8192 positions (divided by 32) and one lies in the interpolated band.
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
 def _make(tmp_path_factory, arch: str) -> Path:
     out = tmp_path_factory.mktemp(f"tiny-{arch}") / "model"
     # vocab 300 is not a multiple of 128×TP, so Megatron's vocab padding is always exercised.
     return make_tiny_model(out, arch, vocab_size=300, hidden_size=64, num_layers=2,
                            num_heads=4, num_kv_heads=2, intermediate_size=128,
-                           rope_theta=5000.0 if arch == "qwen2" else 10000.0,
+                           rope_theta={"qwen2": 5000.0, "llama": 500000.0}.get(arch, 10000.0),
+                           rope_scaling=LLAMA3_ROPE if arch == "llama" else None,
+                           max_position_embeddings=131072 if arch == "llama" else 1024,
                            # Qwen3's head_dim is its own (128 at hidden 4096 / 32 heads in
                            # the 8B, but 128 at 5120 / 64 in the 32B): not hidden / heads here
                            head_dim=24 if arch == "qwen3" else None)
@@ -81,7 +89,7 @@ def tiny_qwen2(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> Path:
-    """Llama-shaped: no bias, untied embeddings, GQA."""
+    """Llama-3.x-shaped: no bias, untied embeddings, GQA, llama3 RoPE scaling (LLAMA3_ROPE)."""
     return _make(tmp_path_factory, "llama")
 
 

@@ -65,7 +65,8 @@ def build_tokenizer(vocab_size: int, seed: int = 0):
 def hf_config(arch: str, vocab_size: int, hidden_size: int, num_layers: int, num_heads: int,
               num_kv_heads: int, intermediate_size: int, tie_word_embeddings: bool,
               rope_theta: float, max_position_embeddings: int, eos_token_id: int,
-              pad_token_id: int, head_dim: int | None = None):
+              pad_token_id: int, head_dim: int | None = None,
+              rope_scaling: dict | None = None):
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
     common = dict(
@@ -76,6 +77,8 @@ def hf_config(arch: str, vocab_size: int, hidden_size: int, num_layers: int, num
         bos_token_id=eos_token_id, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
         torch_dtype="float32",
     )
+    if rope_scaling:  # e.g. Llama 3.x's {"rope_type": "llama3", "factor": 32.0, ...}
+        common["rope_scaling"] = dict(rope_scaling)
     if arch == "qwen2":
         return Qwen2Config(**common)
     if arch == "llama":
@@ -93,7 +96,7 @@ def make_tiny_model(out_dir: str | os.PathLike, arch: str = "qwen2", *, vocab_si
                     tie_word_embeddings: bool | None = None, rope_theta: float = 10000.0,
                     max_position_embeddings: int = 1024, seed: int = 0,
                     overwrite: bool = False, tool_tokens: bool = False,
-                    head_dim: int | None = None) -> Path:
+                    head_dim: int | None = None, rope_scaling: dict | None = None) -> Path:
     """Write config.json, model.safetensors, tokenizer.json (+ tokenizer_config.json).
 
     `vocab_size` is the tokenizer's; the model's embedding has the same size. Defaults tie the
@@ -117,7 +120,7 @@ def make_tiny_model(out_dir: str | os.PathLike, arch: str = "qwen2", *, vocab_si
     pad = tok.token_to_id("<|pad|>")
     cfg = hf_config(arch, tok.get_vocab_size(), hidden_size, num_layers, num_heads, num_kv_heads,
                     intermediate_size, tie_word_embeddings, rope_theta, max_position_embeddings,
-                    eos, pad, head_dim)
+                    eos, pad, head_dim, rope_scaling)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     # Random init at HF's default std (0.02) gives near-uniform logits; a larger scale gives the

@@ -47,6 +47,9 @@ class ModelArgs:
     qk_norm: bool = False
     """Qwen3: an RMSNorm over each head's query and key (one weight of head_dim each,
     shared by the heads), after the projection and before RoPE."""
+    rope_scaling_factor: float | None = None
+    """Llama 3.x (``rope_type: llama3``): low RoPE frequencies divided by this factor, the
+    middle band interpolated; None: plain RoPE."""
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> "ModelArgs":
@@ -57,8 +60,11 @@ class ModelArgs:
                              f"{sorted(SUPPORTED_ARCHS)}")
         arch = known[0]
         rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-        if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
-            raise ValueError(f"config.json rope_scaling={rope}: only plain RoPE is supported")
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        scaling = _llama3_factor(rope) if kind == "llama3" else None
+        if kind not in ("default", None, "llama3"):
+            raise ValueError(f"config.json rope_scaling={rope}: supported are plain RoPE and "
+                             f"rope_type llama3")
         theta = hf.get("rope_theta", rope.get("rope_theta", 10000.0))
         heads = hf["num_attention_heads"]
         hidden = hf["hidden_size"]
@@ -76,7 +82,27 @@ class ModelArgs:
             # Qwen2 always has QKV bias; Llama and Qwen3 have it only with attention_bias.
             qkv_bias=arch == "qwen2" or bool(hf.get("attention_bias", False)),
             qk_norm=arch == "qwen3",
+            rope_scaling_factor=scaling,
         )
+
+
+# Megatron-core's llama3 RoPE takes the factor; these three it holds at Llama 3.1/3.2/3.3's
+# values (RotaryEmbedding._apply_scaling), so a config.json with others is refused.
+_LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                 "original_max_position_embeddings": 8192}
+
+
+def _llama3_factor(rope: dict) -> float:
+    factor = rope.get("factor")
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
+        raise ValueError(f"config.json rope_scaling.factor={factor!r}: llama3 RoPE needs a "
+                         f"positive number")
+    for key, want in _LLAMA3_FIXED.items():
+        got = rope.get(key, want)
+        if isinstance(got, bool) or not isinstance(got, (int, float)) or got != want:
+            raise ValueError(f"config.json rope_scaling.{key}={got!r}: Megatron-core's llama3 "
+                             f"RoPE supports {want:g} only")
+    return float(factor)
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
@@ -192,6 +218,8 @@ def build_gpt_model(args: ModelArgs, config, make_vocab_size_divisible_by: int =
         pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
         share_embeddings_and_output_weights=args.tie_word_embeddings and not value_head,
         position_embedding_type="rope", rotary_base=args.rope_theta, rotary_percent=1.0,
+        rope_scaling=args.rope_scaling_factor is not None,
+        rope_scaling_factor=args.rope_scaling_factor or 8.0,
         parallel_output=True,
     )
     if value_head and model.post_process:
