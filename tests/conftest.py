@@ -78,7 +78,7 @@ def _make(tmp_path_factory, arch: str) -> Path:
                            max_position_embeddings=131072 if arch == "llama" else 1024,
                            # Qwen3's head_dim is its own (128 at hidden 4096 / 32 heads in
                            # the 8B, but 128 at 5120 / 64 in the 32B): not hidden / heads here
-                           head_dim=24 if arch == "qwen3" else None)
+                           head_dim=24 if arch.startswith("qwen3") else None)
 
 
 @pytest.fixture(scope="session")
@@ -97,6 +97,13 @@ def tiny_llama(tmp_path_factory) -> Path:
 def tiny_qwen3(tmp_path_factory) -> Path:
     """Qwen3-shaped: per-head q/k RMSNorm, no bias, head_dim 24 (not 64 / 4), tied, GQA."""
     return _make(tmp_path_factory, "qwen3")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_moe(tmp_path_factory) -> Path:
+    """Qwen3-MoE-shaped: tiny_qwen3's attention, every MLP 8 routed experts (width 32), top-2
+    renormalised, untied embeddings."""
+    return _make(tmp_path_factory, "qwen3_moe")
 
 
 # Default-sized tiny models (make_tiny_model's defaults) for the rollout and weight-sync tests.

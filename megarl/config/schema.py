@@ -20,7 +20,7 @@ KL_TYPES = KL_TYPES + tuple(k + "+" for k in KL_TYPES)
 CHOICES: Dict[str, tuple] = {
     "data.truncation": ("error", "left", "right"),
     "data.synthetic_task": (None, "quickstart", "last_digit", "tool_lookup"),
-    "actor_rollout_ref.model.make_tiny": (None, "qwen2", "llama", "qwen3"),
+    "actor_rollout_ref.model.make_tiny": (None, "qwen2", "llama", "qwen3", "qwen3_moe"),
     "data.bad_rows": ("skip", "error"),
     "actor_rollout_ref.actor.strategy": ("megatron",),
     "actor_rollout_ref.actor.loss_agg_mode": (
@@ -256,8 +256,8 @@ class ModelConfig:
     path: str = "outputs/tiny-qwen2"
     """Hugging Face model directory (converted to Megatron on load)."""
     make_tiny: Optional[str] = None
-    """``qwen2``, ``qwen3`` or ``llama``: make a tiny random model with a local tokenizer at
-    ``path`` when it does not exist yet (quickstart, tests, laptops)."""
+    """``qwen2``, ``qwen3``, ``qwen3_moe`` or ``llama``: make a tiny random model with a local
+    tokenizer at ``path`` when it does not exist yet (quickstart, tests, laptops)."""
     tokenizer_path: Optional[str] = None
     """Tokenizer directory; null means ``path``."""
     trust_remote_code: bool = False

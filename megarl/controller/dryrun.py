@@ -340,8 +340,14 @@ def _layer_export_order(a: ModelArgs, i: int) -> list[str]:
         names += [f"{p}self_attn.{x}_proj.bias" for x in "qkv"]
     if a.qk_norm:
         names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
-    return names + [p + "post_attention_layernorm.weight", p + "mlp.gate_proj.weight",
-                    p + "mlp.up_proj.weight", p + "mlp.down_proj.weight"]
+    names.append(p + "post_attention_layernorm.weight")
+    if a.is_moe:  # the router, then each expert's gate, up and down
+        names.append(p + "mlp.gate.weight")
+        for e in range(a.num_experts):
+            names += [f"{p}mlp.experts.{e}.{x}_proj.weight" for x in ("gate", "up", "down")]
+        return names
+    return names + [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight",
+                    p + "mlp.down_proj.weight"]
 
 
 def _dtype_of(name: str, params_dtype: str) -> str:

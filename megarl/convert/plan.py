@@ -53,11 +53,17 @@ def hf_shapes(a: ModelArgs) -> dict[str, tuple[int, ...]]:
                  "self_attn.o_proj.weight": (h, q), "mlp.gate_proj.weight": (f, h),
                  "mlp.up_proj.weight": (f, h), "mlp.down_proj.weight": (h, f),
                  "self_attn.q_norm.weight": (a.head_dim,), "self_attn.k_norm.weight": (a.head_dim,)}
+    fm = a.moe_ffn_hidden_size
+    per_layer.update({"mlp.gate.weight": (a.num_experts, h), "expert.gate_proj.weight": (fm, h),
+                      "expert.up_proj.weight": (fm, h), "expert.down_proj.weight": (h, fm)})
     out = {}
     for name in mapping.hf_names(a):
         layer = name.split(".", 3)
         if name.startswith("model.layers."):
-            out[name] = per_layer[layer[3]]
+            suffix = layer[3]
+            if suffix.startswith("mlp.experts."):  # mlp.experts.<e>.<proj>.weight
+                suffix = "expert." + suffix.split(".", 3)[3]
+            out[name] = per_layer[suffix]
         elif name == "model.norm.weight":
             out[name] = (h,)
         else:  # embed_tokens, lm_head
@@ -83,9 +89,17 @@ def mcore_params(a: ModelArgs, pp: int, padded_vocab: int) -> list[tuple[str, tu
         if a.qk_norm:
             out += [(p + f"self_attention.{x}_layernorm.weight", (a.head_dim,), s) for x in "qk"]
         out += [(p + "self_attention.linear_proj.weight", (h, a.num_heads * a.head_dim), s),
-                (p + "pre_mlp_layernorm.weight", (h,), s),
-                (p + "mlp.linear_fc1.weight", (2 * a.ffn_hidden_size, h), s),
-                (p + "mlp.linear_fc2.weight", (h, a.ffn_hidden_size), s)]
+                (p + "pre_mlp_layernorm.weight", (h,), s)]
+        if a.is_moe:
+            fm = a.moe_ffn_hidden_size
+            out.append((p + "mlp.router.weight", (a.num_experts, h), s))
+            for e in range(a.num_experts):
+                x = f"{p}mlp.experts.local_experts.{e}."
+                out += [(x + "linear_fc1.weight", (2 * fm, h), s),
+                        (x + "linear_fc2.weight", (h, fm), s)]
+        else:
+            out += [(p + "mlp.linear_fc1.weight", (2 * a.ffn_hidden_size, h), s),
+                    (p + "mlp.linear_fc2.weight", (h, a.ffn_hidden_size), s)]
     out.append(("decoder.final_layernorm.weight", (h,), pp - 1))
     if not a.tie_word_embeddings or pp > 1:
         out.append(("output_layer.weight", (padded_vocab, h), pp - 1))

@@ -28,6 +28,7 @@ import hashlib
 import io
 import logging
 import math
+import re
 import socket
 import threading
 import time
@@ -318,6 +319,33 @@ def deserialize_named_tensors(data: str) -> list[tuple[str, torch.Tensor]]:
 
 
 # -- the model's side --------------------------------------------------------------------------
+_FUSED_EXPERTS = re.compile(r"^(.*\.mlp\.experts)\.gate_up_proj$")
+
+
+def expert_views(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Checkpoint-named views of fused MoE expert tensors.
+
+    transformers 5 holds a Qwen3-MoE layer's experts fused, `experts.gate_up_proj`
+    [E, 2I, H] (each expert's gate rows, then its up rows) and `experts.down_proj` [E, H, I],
+    while checkpoints, trainers and stock SGLang name them per expert
+    (`experts.<e>.gate_proj.weight` ...). Each view shares the fused tensor's storage, so an
+    update under the per-expert name lands in the fused tensor (by copy: `swap` sees the
+    storage shared and never rebinds it)."""
+    views = {}
+    for name, fused in params.items():
+        m = _FUSED_EXPERTS.match(name)
+        down = params.get(f"{m.group(1)}.down_proj") if m else None
+        if down is None or fused.dim() != 3 or down.dim() != 3:
+            continue
+        half = fused.shape[1] // 2
+        for e in range(fused.shape[0]):
+            pre = f"{m.group(1)}.{e}."
+            views[pre + "gate_proj.weight"] = fused[e, :half]
+            views[pre + "up_proj.weight"] = fused[e, half:]
+            views[pre + "down_proj.weight"] = down[e]
+    return views
+
+
 class WeightStore:
     """The model's named tensors by HF name, and the stage-then-swap update path.
 
@@ -336,6 +364,7 @@ class WeightStore:
         for name, buf in model.named_buffers(remove_duplicate=False):
             if buf.is_floating_point() and "rotary" not in name:
                 self.params.setdefault(name, buf)
+        self.params.update(expert_views(self.params))
         owners: dict[int, set[int]] = {}
         for t in self.params.values():
             owners.setdefault(t.untyped_storage().data_ptr(), set()).add(id(t))

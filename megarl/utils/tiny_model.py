@@ -31,7 +31,7 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
-ARCHS = ("qwen2", "llama", "qwen3")
+ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe")
 
 
 def _corpus(rng: random.Random, lines: int = 4000) -> list[str]:
@@ -67,7 +67,7 @@ def hf_config(arch: str, vocab_size: int, hidden_size: int, num_layers: int, num
               rope_theta: float, max_position_embeddings: int, eos_token_id: int,
               pad_token_id: int, head_dim: int | None = None,
               rope_scaling: dict | None = None):
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     common = dict(
         vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
@@ -87,6 +87,14 @@ def hf_config(arch: str, vocab_size: int, hidden_size: int, num_layers: int, num
     if arch == "qwen3":
         return Qwen3Config(attention_bias=False, head_dim=head_dim or hidden_size // num_heads,
                            **common)
+    if arch == "qwen3_moe":
+        # every layer a mixture: 8 experts of a quarter width, top-2, renormalised (as the
+        # released Qwen3-MoE configs: norm_topk_prob true, decoder_sparse_step 1)
+        return Qwen3MoeConfig(attention_bias=False,
+                              head_dim=head_dim or hidden_size // num_heads, num_experts=8,
+                              num_experts_per_tok=2, moe_intermediate_size=intermediate_size // 4,
+                              norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                              **common)
     raise ValueError(f"arch: unknown architecture {arch!r}; expected one of {ARCHS}")
 
 
@@ -100,7 +108,7 @@ def make_tiny_model(out_dir: str | os.PathLike, arch: str = "qwen2", *, vocab_si
     """Write config.json, model.safetensors, tokenizer.json (+ tokenizer_config.json).
 
     `vocab_size` is the tokenizer's; the model's embedding has the same size. Defaults tie the
-    embeddings for Qwen2 and Qwen3 and untie them for Llama, as the small public checkpoints
+    embeddings for Qwen2 and Qwen3 and untie them for Llama and Qwen3-MoE, as the public checkpoints
     do. `head_dim` (Llama, Qwen3) may differ from hidden_size / num_heads, as in Qwen3. The
     directory is written to a temp dir beside `out_dir` and renamed into place, so a crash never
     leaves a half-written model behind.

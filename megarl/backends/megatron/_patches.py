@@ -66,9 +66,21 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+def _moe_router_without_te() -> None:
+    """megatron-core 0.16's MoE router gemm tests `te_general_gemm is not None`, a name it
+    only defines when Transformer Engine imports: without TE every MoE forward raised
+    NameError. Defined as None, the router takes its own torch matmul path (CPU and GPU)."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
 def apply() -> None:
-    """Install the CPU accommodations (idempotent; no-op with CUDA)."""
+    """Install the CPU accommodations (idempotent; no-op with CUDA, except the MoE router's
+    missing name, which any process without Transformer Engine needs)."""
     global _applied
+    _moe_router_without_te()
     if _applied or cuda_available():
         return
     import megatron.core

@@ -1,4 +1,4 @@
-"""Megatron-core GPTModel from a Hugging Face `config.json` (Llama, Qwen2 and Qwen3 families).
+"""Megatron-core GPTModel from a Hugging Face `config.json` (Llama, Qwen2, Qwen3, Qwen3-MoE).
 
 Owns the mapping from HF hyper-parameters to Megatron's `TransformerConfig` and the layer
 spec. The spec is Megatron's local one with `SDPAttention` as core attention (see
@@ -18,13 +18,15 @@ import torch.nn.functional as F
 logger = logging.getLogger(__name__)
 
 SUPPORTED_ARCHS = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
-                   "Qwen3ForCausalLM": "qwen3",
+                   "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe",
                    # a critic in HF form (verl's too): the transformer + `score` (hidden -> 1)
                    "LlamaForTokenClassification": "llama",
                    "Qwen2ForTokenClassification": "qwen2",
-                   "Qwen3ForTokenClassification": "qwen3"}
+                   "Qwen3ForTokenClassification": "qwen3",
+                   "Qwen3MoeForTokenClassification": "qwen3_moe"}
 CRITIC_ARCHS = {"llama": "LlamaForTokenClassification", "qwen2": "Qwen2ForTokenClassification",
-                "qwen3": "Qwen3ForTokenClassification"}
+                "qwen3": "Qwen3ForTokenClassification",
+                "qwen3_moe": "Qwen3MoeForTokenClassification"}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -50,6 +52,15 @@ class ModelArgs:
     rope_scaling_factor: float | None = None
     """Llama 3.x (``rope_type: llama3``): low RoPE frequencies divided by this factor, the
     middle band interpolated; None: plain RoPE."""
+    num_experts: int = 0
+    """Qwen3-MoE: routed experts per layer (every layer's MLP is a mixture); 0: dense."""
+    moe_topk: int = 0
+    """Experts each token is routed to (``num_experts_per_tok``)."""
+    moe_ffn_hidden_size: int = 0
+    """One expert's SwiGLU width (``moe_intermediate_size``)."""
+    norm_topk_prob: bool = False
+    """The top-k routing probabilities renormalised to sum to 1 (softmax over the chosen
+    experts' logits); else the full softmax's values are used as they are."""
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> "ModelArgs":
@@ -70,6 +81,7 @@ class ModelArgs:
         hidden = hf["hidden_size"]
         if hf.get("use_sliding_window"):
             raise ValueError("config.json use_sliding_window=true: not supported")
+        moe = _moe_fields(hf) if arch == "qwen3_moe" else {}
         return cls(
             arch=arch, vocab_size=hf["vocab_size"], hidden_size=hidden,
             num_layers=hf["num_hidden_layers"], num_heads=heads,
@@ -81,9 +93,39 @@ class ModelArgs:
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             # Qwen2 always has QKV bias; Llama and Qwen3 have it only with attention_bias.
             qkv_bias=arch == "qwen2" or bool(hf.get("attention_bias", False)),
-            qk_norm=arch == "qwen3",
+            qk_norm=arch in ("qwen3", "qwen3_moe"),
             rope_scaling_factor=scaling,
+            **moe,
         )
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+
+def _moe_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """Qwen3-MoE's routing facts. Layouts with dense layers among the MoE ones
+    (decoder_sparse_step > 1, mlp_only_layers) are refused: no released Qwen3-MoE has them."""
+    # the released configs say num_experts; transformers 5 writes num_local_experts
+    experts = hf.get("num_experts", hf.get("num_local_experts"))
+    topk = hf.get("num_experts_per_tok")
+    for key, value in (("num_experts", experts),("num_experts_per_tok", topk),
+                       ("moe_intermediate_size", hf.get("moe_intermediate_size"))):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"config.json {key}={value!r}: a Qwen3-MoE needs a positive "
+                             f"integer")
+    if topk > experts:
+        raise ValueError(f"config.json num_experts_per_tok={topk} exceeds num_experts="
+                         f"{experts}")
+    if hf.get("decoder_sparse_step", 1) != 1:
+        raise ValueError(f"config.json decoder_sparse_step={hf['decoder_sparse_step']!r}: "
+                         f"only 1 (every layer a mixture of experts) is supported")
+    if hf.get("mlp_only_layers"):
+        raise ValueError(f"config.json mlp_only_layers={hf['mlp_only_layers']!r}: dense "
+                         f"layers among the MoE ones are not supported")
+    return dict(num_experts=experts, moe_topk=topk,
+                moe_ffn_hidden_size=hf["moe_intermediate_size"],
+                norm_topk_prob=bool(hf.get("norm_topk_prob", False)))
 
 
 # Megatron-core's llama3 RoPE takes the factor; these three it holds at Llama 3.1/3.2/3.3's
@@ -135,6 +177,20 @@ def transformer_config(args: ModelArgs, tp: int, pp: int, params_dtype: str = "f
         # exchange fixed-shape tensors.
         variable_seq_lengths=False, sequence_parallel=False,
     )
+    if args.is_moe:
+        kw.update(
+            num_moe_experts=args.num_experts, moe_router_topk=args.moe_topk,
+            moe_ffn_hidden_size=args.moe_ffn_hidden_size,
+            # Qwen3-MoE: softmax over all experts, top-k, renormalised (norm_topk_prob), which
+            # is a softmax over the top-k logits, Megatron's order without pre-softmax
+            moe_router_score_function="softmax", moe_router_pre_softmax=not args.norm_topk_prob,
+            moe_router_dtype="fp32",
+            # RL wants every token through its experts: no capacity, nothing dropped
+            moe_expert_capacity_factor=None, moe_router_load_balancing_type="none",
+            # alltoall (what GPUs run) opens a CUDA stream when built; allgather is the CPU's:
+            # with nothing dropped both send each token to the same experts
+            moe_token_dispatcher_type="alltoall" if on_gpu else "allgather",
+            moe_grouped_gemm=False)
     kw.update(overrides)
     return TransformerConfig(**kw)
 
@@ -149,7 +205,7 @@ def transformer_engine_usable() -> bool:
 _SPEC_LOGGED: set = set()
 
 
-def layer_spec(impl: str = "auto", qk_norm: bool = False):
+def layer_spec(impl: str = "auto", qk_norm: bool = False, num_experts: int = 0):
     """The transformer layer: Transformer Engine's (each pre-norm fused into the linear after
     it) for `transformer_engine`, or `auto` where TE is usable; else Megatron's local layers.
     Attention is torch's SDPA in both (on CUDA its flash / memory-efficient kernels), which
@@ -161,11 +217,13 @@ def layer_spec(impl: str = "auto", qk_norm: bool = False):
 
     use_te = impl == "transformer_engine" or (impl == "auto" and transformer_engine_usable())
     if use_te:
-        spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_norm)
+        spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=num_experts or None, moe_grouped_gemm=False, qk_layernorm=qk_norm)
         what = "Transformer Engine layers (fused norm + linear), torch SDPA attention"
     else:
-        spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm",
-                                                         qk_layernorm=qk_norm)
+        spec = gpt_layer_specs.get_gpt_layer_local_spec(
+            num_experts=num_experts or None, moe_grouped_gemm=False, normalization="RMSNorm",
+            qk_layernorm=qk_norm)
         why = {"local": "transformer_impl=local",
                "auto": "Transformer Engine not installed or no CUDA"}.get(impl, impl)
         what = f"Megatron local layers ({why}), torch SDPA attention"
@@ -212,7 +270,8 @@ def build_gpt_model(args: ModelArgs, config, make_vocab_size_divisible_by: int =
     _patches.apply()
     tp = ps.get_tensor_model_parallel_world_size()
     model = GPTModel(
-        config=config, transformer_layer_spec=layer_spec(transformer_impl, args.qk_norm),
+        config=config, transformer_layer_spec=layer_spec(transformer_impl, args.qk_norm,
+                                                             args.num_experts),
         vocab_size=padded_vocab_size(args.vocab_size, make_vocab_size_divisible_by, tp),
         max_sequence_length=args.max_position_embeddings,
         pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),

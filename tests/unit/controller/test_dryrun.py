@@ -117,8 +117,11 @@ print(real == planned, real, planned)
 
 @pytest.mark.parametrize("extra", [{"architectures": ["Qwen2ForCausalLM"]},
                                    # Qwen3: per-head q/k norms, head_dim apart from hidden
-                                   {"architectures": ["Qwen3ForCausalLM"], "head_dim": 24}],
-                         ids=["qwen2", "qwen3"])
+                                   {"architectures": ["Qwen3ForCausalLM"], "head_dim": 24},
+                                   {"architectures": ["Qwen3MoeForCausalLM"], "num_experts": 4,
+                                    "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                    "norm_topk_prob": True}],
+                         ids=["qwen2", "qwen3", "qwen3_moe"])
 def test_planned_tensors_are_what_megatron_exports(extra):
     """Names, order and dtypes of the planned specs are what the producer really sends (a
     one-rank Megatron model in a subprocess, so no process group leaks into this one)."""

@@ -20,7 +20,7 @@ def _tensors(model_dir):
         return {k: f.get_slice(k).get_shape() for k in f.keys()}
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["qwen2", "llama", "qwen3", "qwen3_moe"])
 def test_shapes_and_sizes_match_the_real_hf_files(request, tmp_path, arch):
     src = request.getfixturevalue(f"tiny_{arch}")
     args = ModelArgs.from_hf(json.loads((src / "config.json").read_text()))

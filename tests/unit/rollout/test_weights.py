@@ -179,3 +179,35 @@ def test_update_from_gloo_group_in_process(qwen_dir, qwen_dir_b, load_format, li
     finally:
         run(engine.close())
         groups["pg"].close()
+
+
+@pytest.fixture(scope="module")
+def moe_dirs(tmp_path_factory):
+    """Two tiny Qwen3-MoE models (8 experts, top-2), other weights each."""
+    from megarl.utils.tiny_model import make_tiny_model
+
+    root = tmp_path_factory.mktemp("moe")
+    return [make_tiny_model(root / f"m{seed}", "qwen3_moe", seed=seed) for seed in (0, 1)]
+
+
+def test_per_expert_updates_land_in_the_fused_experts(moe_dirs):
+    """transformers fuses a layer's experts into 3-D tensors; updates named per expert, as
+    trainers and checkpoints name them, must change exactly those tensors' slices."""
+    from megarl.rollout.engine import EmbeddedEngine
+
+    a, b = moe_dirs
+    eng = EmbeddedEngine(a, weight_version="0")
+    try:
+        assert run(eng.generate(GenerateRequest(PROMPT, greedy(12)))).output_ids == \
+            hf_greedy(a, 12)
+        named = new_weights(b)
+        assert sum(".mlp.experts." in n for n, _ in named) == 2 * 8 * 3
+        run(update(eng, named, "1"))
+        fused = eng.weights.params["model.layers.1.mlp.experts.gate_up_proj"]
+        want = dict(named)
+        assert torch.equal(fused[5, fused.shape[1] // 2:],
+                           want["model.layers.1.mlp.experts.5.up_proj.weight"])
+        assert run(eng.generate(GenerateRequest(PROMPT, greedy(12)))).output_ids == \
+            hf_greedy(b, 12) != hf_greedy(a, 12)
+    finally:
+        run(eng.close())

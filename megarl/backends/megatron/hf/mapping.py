@@ -27,7 +27,12 @@ _LAYER_1TO1 = {
     "mlp.linear_fc2.weight": "mlp.down_proj.weight",
     "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
     "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
+    # Qwen3-MoE's router: [experts, hidden], replicated over TP
+    "mlp.router.weight": "mlp.gate.weight",
 }
+# One routed expert's SwiGLU inside a layer (Megatron's SequentialMLP): sharded over TP like
+# the dense MLP's linear_fc1 / linear_fc2, with the expert index in the name.
+_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$")
 _GLOBAL_1TO1 = {
     "decoder.final_layernorm.weight": "model.norm.weight",
 }
@@ -71,8 +76,15 @@ def te_name(name: str) -> str:
     return _rename_in_layer(name, TE_FUSED_NORMS.items())
 
 
+def _dense_kind(suffix: str) -> str:
+    """A routed expert's suffix as the dense MLP's (same TP layout); others unchanged."""
+    m = _EXPERT.match(suffix)
+    return f"mlp.{m.group(2)}.weight" if m else suffix
+
+
 def partition_dim(name: str) -> int | None:
     _, suffix = split_layer_name(name)
+    suffix = _dense_kind(suffix)
     if suffix in _COLUMN or name in _COLUMN:
         return 0
     if suffix in _ROW:
@@ -85,7 +97,7 @@ def shard(name: str, full: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
     dim = partition_dim(name)
     if dim is None or tp == 1:
         return full
-    if name.endswith("mlp.linear_fc1.weight"):
+    if _dense_kind(split_layer_name(name)[1]) == "mlp.linear_fc1.weight":
         # Gated MLP: each rank holds [its gate slice; its up slice], not a slice of [gate; up].
         gate, up = full.chunk(2, dim=0)
         return torch.cat([gate.chunk(tp, 0)[rank], up.chunk(tp, 0)[rank]], dim=0)
@@ -97,7 +109,7 @@ def unshard(name: str, shards: list[torch.Tensor]) -> torch.Tensor:
     dim = partition_dim(name)
     if dim is None or len(shards) == 1:
         return shards[0]
-    if name.endswith("mlp.linear_fc1.weight"):
+    if _dense_kind(split_layer_name(name)[1]) == "mlp.linear_fc1.weight":
         pairs = [s.chunk(2, dim=0) for s in shards]
         return torch.cat([p[0] for p in pairs] + [p[1] for p in pairs], dim=0)
     return torch.cat(shards, dim=dim)
@@ -153,6 +165,13 @@ def mcore_from_hf(name: str, get_hf: Callable[[str], torch.Tensor], a: ModelArgs
     if suffix == "mlp.linear_fc1.weight":
         return torch.cat([get_hf(pre + "mlp.gate_proj.weight"),
                           get_hf(pre + "mlp.up_proj.weight")], dim=0)
+    expert = _EXPERT.match(suffix)
+    if expert:
+        e = f"{pre}mlp.experts.{int(expert.group(1))}."
+        if expert.group(2) == "linear_fc1":
+            return torch.cat([get_hf(e + "gate_proj.weight"), get_hf(e + "up_proj.weight")],
+                             dim=0)
+        return get_hf(e + "down_proj.weight")
     raise KeyError(f"{name}: no HF counterpart")
 
 
@@ -181,6 +200,13 @@ def hf_from_mcore(name: str, full: torch.Tensor, a: ModelArgs) -> list[tuple[str
     if suffix == "mlp.linear_fc1.weight":
         gate, up = full.chunk(2, dim=0)
         return [(pre + "mlp.gate_proj.weight", gate), (pre + "mlp.up_proj.weight", up)]
+    expert = _EXPERT.match(suffix)
+    if expert:
+        e = f"{pre}mlp.experts.{int(expert.group(1))}."
+        if expert.group(2) == "linear_fc1":
+            gate, up = full.chunk(2, dim=0)
+            return [(e + "gate_proj.weight", gate), (e + "up_proj.weight", up)]
+        return [(e + "down_proj.weight", full)]
     raise KeyError(f"{name}: no HF counterpart")
 
 
@@ -196,8 +222,14 @@ def hf_names(a: ModelArgs) -> list[str]:
                 names.append(f"{p}self_attn.{x}_proj.bias")
         if a.qk_norm:
             names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
-        names += [p + "self_attn.o_proj.weight", p + "post_attention_layernorm.weight",
-                  p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight", p + "mlp.down_proj.weight"]
+        names += [p + "self_attn.o_proj.weight", p + "post_attention_layernorm.weight"]
+        if a.is_moe:
+            names.append(p + "mlp.gate.weight")
+            for e in range(a.num_experts):
+                names += [f"{p}mlp.experts.{e}.{x}_proj.weight" for x in ("gate", "up", "down")]
+        else:
+            names += [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight",
+                      p + "mlp.down_proj.weight"]
     names.append("model.norm.weight")
     if not a.tie_word_embeddings:
         names.append("lm_head.weight")

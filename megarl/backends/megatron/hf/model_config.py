@@ -59,6 +59,11 @@ _FIELDS = {
     "rms_norm_eps": (False, "float"), "rope_theta": (False, "float"),
     "tie_word_embeddings": (False, "bool"), "attention_bias": (False, "bool"),
     "use_sliding_window": (False, "bool"),
+    # Qwen3-MoE (read by ModelArgs.from_hf for that architecture)
+    "num_experts": (False, "int"), "num_local_experts": (False, "int"),
+    "num_experts_per_tok": (False, "int"),
+    "moe_intermediate_size": (False, "int"), "norm_topk_prob": (False, "bool"),
+    "decoder_sparse_step": (False, "int"),
 }
 
 
@@ -131,7 +136,9 @@ def layout_error(a: ModelArgs, tp: int, pp: int) -> str | None:
     if qkv_rows % tp:
         return (f"the fused QKV projection ((num_attention_heads + 2 × num_key_value_heads) × "
                 f"head_dim = {qkv_rows} rows) is not divisible by TP={tp}")
-    if a.ffn_hidden_size % tp:
+    if a.is_moe and a.moe_ffn_hidden_size % tp:
+        return f"moe_intermediate_size={a.moe_ffn_hidden_size} is not divisible by TP={tp}"
+    if not a.is_moe and a.ffn_hidden_size % tp:
         return f"intermediate_size={a.ffn_hidden_size} is not divisible by TP={tp}"
     if a.num_layers % pp:
         return (f"num_hidden_layers={a.num_layers} is not divisible by PP={pp} (every pipeline "
