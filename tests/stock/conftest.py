@@ -28,9 +28,12 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if here in Path(str(item.fspath)).parents:
             item.add_marker(pytest.mark.stock_sglang)
-            # one xdist worker runs them all (`--dist loadgroup`), so the session server is
-            # started once, not once per worker
-            item.add_marker(pytest.mark.xdist_group("stock_server"))
+            # one xdist worker runs every test of the session server (`--dist loadgroup`), so
+            # it is started once, not once per worker; a module with a server of its own is a
+            # group of its own, free to run beside them on the other worker
+            uses_session = "stock_server" in getattr(item, "fixturenames", ())
+            group = "stock_server" if uses_session else f"stock:{Path(str(item.fspath)).stem}"
+            item.add_marker(pytest.mark.xdist_group(group))
 
 
 @pytest.fixture(scope="session")

@@ -31,6 +31,21 @@ def hf_greedy(model_dir, prompt, n=8):
     return ids[len(prompt):]
 
 
+def assert_serves_like_transformers(url, model_dir):
+    """The server's greedy tokens are transformers' (fp32) and its log-probs within 1e-4."""
+    import torch
+    import transformers
+
+    out = run(generate(url))
+    assert out.output_ids == hf_greedy(model_dir, PROMPT)
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir),
+                                                              dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(torch.tensor([PROMPT + out.output_ids])).logits[0, len(PROMPT) - 1:-1]
+    want = logits.log_softmax(-1).gather(1, torch.tensor(out.output_ids)[:, None])[:, 0]
+    torch.testing.assert_close(torch.tensor(out.output_logprobs), want, atol=1e-4, rtol=0)
+
+
 async def generate(url, prompt=PROMPT, sp=None, rid="g", **kw):
     from megarl.backends.sglang import SGLangEngine
     from megarl.rollout.protocol import GenerateRequest

@@ -13,7 +13,6 @@ import time
 
 import pytest
 import torch
-import transformers
 from safetensors.torch import load_file
 
 from megarl.backends.sglang import SGLangEngine
@@ -24,7 +23,8 @@ from megarl.weight_sync.producer import SyncStats, WeightProducer
 from megarl.weight_sync.protocol import SyncConfig, WeightSyncError
 from megarl.weight_sync.transports import EngineLink
 from megarl.weight_sync.verify import SentDigest
-from stock_helpers import PROMPT, generate, greedy, hf_greedy, run
+from stock_helpers import (PROMPT, assert_serves_like_transformers, generate, greedy,
+                           hf_greedy, run)
 
 KB = 1 / 1024  # MiB
 
@@ -60,14 +60,7 @@ def current_version(url) -> int:
 
 
 def test_greedy_tokens_and_logprobs_equal_transformers(stock_server, qwen_dir):
-    out = run(generate(stock_server.url))
-    assert out.output_ids == hf_greedy(qwen_dir, PROMPT)
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(qwen_dir),
-                                                              dtype=torch.float32)
-    with torch.no_grad():
-        logits = model(torch.tensor([PROMPT + out.output_ids])).logits[0, len(PROMPT) - 1:-1]
-    want = logits.log_softmax(-1).gather(1, torch.tensor(out.output_ids)[:, None])[:, 0]
-    torch.testing.assert_close(torch.tensor(out.output_logprobs), want, atol=1e-4, rtol=0)
+    assert_serves_like_transformers(stock_server.url, qwen_dir)
 
 
 def test_after_a_sync_a_prompt_seen_before_gives_the_new_weights_tokens(

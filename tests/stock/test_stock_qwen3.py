@@ -8,8 +8,6 @@ transformers does on those weights (stock fuses them on load). One server: each 
 to start. (The dense Qwen3's qwen3.py loads q/k norms by the same names; checked by hand,
 docs/megatron_backend.md.)"""
 import pytest
-import torch
-import transformers
 from safetensors.torch import load_file
 
 from launch_helpers import SCRIPTS, read_json, torchrun
@@ -17,7 +15,8 @@ from megarl.utils.tiny_model import make_tiny_model
 from megarl.weight_sync.producer import SyncStats, WeightProducer
 from megarl.weight_sync.protocol import SyncConfig
 from megarl.weight_sync.transports import EngineLink
-from stock_helpers import PROMPT, generate, hf_greedy, launched, run
+from stock_helpers import (PROMPT, assert_serves_like_transformers, generate, hf_greedy,
+                           launched, run)
 
 
 @pytest.fixture(scope="module")
@@ -35,14 +34,7 @@ def moe_server(stock_python, tiny_qwen3_moe, tmp_path_factory):
 
 
 def test_stock_qwen3_moe_generates_what_transformers_does(moe_server, tiny_qwen3_moe):
-    out = run(generate(moe_server.url))
-    assert out.output_ids == hf_greedy(tiny_qwen3_moe, PROMPT)
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(tiny_qwen3_moe),
-                                                              dtype=torch.float32)
-    with torch.no_grad():
-        logits = model(torch.tensor([PROMPT + out.output_ids])).logits[0, len(PROMPT) - 1:-1]
-    want = logits.log_softmax(-1).gather(1, torch.tensor(out.output_ids)[:, None])[:, 0]
-    torch.testing.assert_close(torch.tensor(out.output_logprobs), want, atol=1e-4, rtol=0)
+    assert_serves_like_transformers(moe_server.url, tiny_qwen3_moe)
 
 
 def test_a_tp2_megatron_qwen3_moe_syncs_into_stock_bit_exact(tmp_path, tiny_qwen3_moe,
