@@ -82,9 +82,9 @@ def fresh_loader(assets):
 
 
 MODES = {
-    "colocated-sync": ["trainer.separated_node_tasks=[[logp,actor-train,ref_logp,generate]]",
-                       "trainer.separated_node_ratios=[1.0]", "trainer.n_gpus_per_node=1",
-                       "trainer.generate_ahead_steps=1"],
+    # (colocated on-policy, every task on one device and one step ahead, was dropped for the
+    # suite's time: the agent e2e trains colocated, test_dual_buffer_synchronous_run_on_two_nodes
+    # synchronously)
     # (the quickstart's own layout, two groups one step off, trains in every other test here
     # that runs configs/quickstart.yaml, e.g. test_kill_after_checkpoint_then_resume)
     # three steps ahead, trained as a GPU trains: bf16 params, Megatron's optimizer keeping
@@ -110,7 +110,7 @@ def test_reward_rises(quickstart_assets, tmp_path, mode):
     last = sum(reward[s] for s in range(33, 41)) / 8
     assert last > first + 0.1, (mode, first, last)
     stale = scalars(tmp_path, "rollout/staleness_max")
-    ahead = {"colocated-sync": 1, "ahead-3-bf16-packed": 3}[mode]
+    ahead = {"ahead-3-bf16-packed": 3}[mode]
     if mode.endswith("packed"):  # several packed micro-batches per step, no padding computed
         assert set(scalars(tmp_path, "actor/padding_frac").values()) == {0.0}
         assert min(scalars(tmp_path, "actor/micro_batches").values()) >= 2
