@@ -109,7 +109,7 @@ def _moe_fields(hf: dict[str, Any]) -> dict[str, Any]:
     # the released configs say num_experts; transformers 5 writes num_local_experts
     experts = hf.get("num_experts", hf.get("num_local_experts"))
     topk = hf.get("num_experts_per_tok")
-    for key, value in (("num_experts", experts),("num_experts_per_tok", topk),
+    for key, value in (("num_experts", experts), ("num_experts_per_tok", topk),
                        ("moe_intermediate_size", hf.get("moe_intermediate_size"))):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"config.json {key}={value!r}: a Qwen3-MoE needs a positive "
