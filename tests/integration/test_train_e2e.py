@@ -399,7 +399,10 @@ def test_logp_on_a_group_of_its_own_matches_logp_beside_the_trainer(quickstart_a
     common = ["trainer.total_training_steps=4",
               "trainer.save_freq=-1", "trainer.test_freq=-1", "trainer.val_before_train=False",
               "+actor_rollout_ref.async_pipeline=True", "+trainer.generate_ahead_steps=2",
-              "actor_rollout_ref.rollout.verify_weight_sync=True"]
+              "actor_rollout_ref.rollout.verify_weight_sync=True",
+              # without it a SYNC may land mid-GENERATE (dual buffer), at a moment that
+              # depends on each layout's timing, and the two runs' samples would differ
+              "trainer.sync_between_generations=true"]
     layouts = {
         "own": ["+trainer.sperated_node_tasks=[logp,ref_logp,actor-train,generate]",
                 "+trainer.sperated_node_ratios=[0.4,0.2,0.2,0.2]", "trainer.n_gpus_per_node=5",
