@@ -75,6 +75,8 @@ class MegatronRank:
         self.sync = None
         self.spec = None
         self.replica = None  # the logp group's weight receiver (serve_replica)
+        # whether the live weights are still the last version synced (a refit may send them)
+        self.weights_published = False
 
     def rendezvous(self, single_node: bool) -> tuple[str, int]:
         """Rank 0's address and a free port on its node: the world's master. One machine
@@ -163,6 +165,7 @@ class MegatronRank:
         from megarl.algo.actor_loss import MAX_METRICS
         from megarl.algo.aggregate import global_denom, stats_mode
 
+        self.weights_published = False
         out = []
         loss = self.spec.actor_loss
         mode, scale = loss.loss_agg_mode, loss.loss_scale_factor
@@ -204,7 +207,16 @@ class MegatronRank:
         self.sync.connect()
 
     def sync_weights(self, version: int) -> dict:
-        return _sync_metrics(self.sync.sync(version))
+        out = _sync_metrics(self.sync.sync(version))
+        self.weights_published = True
+        return out
+
+    def refit_engine(self, index: int) -> dict:
+        """Engine slot `index` (a replacement) gets the newest version out of band
+        (`TrainerWeightSync.refit`); {} when it must wait for the next version instead."""
+        stats = self.sync.refit(index, self.weights_published)
+        return {} if stats is None else {"version": stats.version,
+                                         "seconds": stats.blocking_s, "bytes": stats.bytes}
 
     def replace_engine(self, index: int, engine: dict) -> None:
         """Rollout engine `index` was replaced by `engine` ({"url", "tp", "pause"})."""
@@ -221,6 +233,7 @@ class MegatronRank:
         self.worker.save(path, **meta)
 
     def load(self, path: str) -> dict:
+        self.weights_published = False
         return self.worker.load(path)
 
     def shutdown(self) -> None:

@@ -260,6 +260,12 @@ class MegatronGroup:
         await self._all("replace_engine",
                         self.t.broadcast(self.actors, "replace_engine", index, engine))
 
+    async def refit_engine(self, index: int) -> dict:
+        """The replacement in slot `index` gets the newest published version now, out of
+        band ({"version", "seconds", "bytes"}), or {} when it waits for the next one."""
+        return (await self._all("refit_engine",
+                                self.t.broadcast(self.actors, "refit_engine", index)))[0]
+
     async def save(self, path: str, **meta) -> None:
         await self._all("save", self.t.broadcast(self.actors, "save", path, **meta))
 
@@ -330,7 +336,16 @@ class RolloutGroup:
                                "restarted")
         await asyncio.to_thread(self.t.stop, self.actors[i], 30.0)
         self.actors[i] = self._start(i)
-        self.urls[i] = await self.t.awaitable(self.t.call(self.actors[i], "url"))
+        limit = float(self.cfg.actor_rollout_ref.rollout.server_start_timeout_s)
+        try:
+            # bounded: under Ray a replacement whose host is gone waits for placement for ever
+            self.urls[i] = await asyncio.wait_for(
+                self.t.awaitable(self.t.call(self.actors[i], "url")), limit)
+        except asyncio.TimeoutError:
+            await asyncio.to_thread(self.t.stop, self.actors[i], 10.0)
+            raise RuntimeError(f"rollout engine {i}: its replacement did not start within "
+                               f"actor_rollout_ref.rollout.server_start_timeout_s = {limit:g} s "
+                               "(is its host gone?)") from None
         self.engines[i] = engine_links(self.cfg, [self.urls[i]])[0]
         logger.info("rollout engine %d restarted at %s", i, self.urls[i])
         return self.urls[i]

@@ -463,7 +463,8 @@ class RolloutConfig:
     ``megatron.params_dtype``, the dtype the trainer sends, so rollouts sample from the
     weights as trained (SGLang's own ``auto`` serves a float32 checkpoint in float16)."""
     server_start_timeout_s: float = 900.0
-    """How long a launched server may take to answer /health before the run stops."""
+    """How long a launched server, or a replacement engine of either backend, may take to
+    answer before the run stops (a replacement: before its slot is given up)."""
     engine_health_interval_s: float = 2.0
     """While requests are in flight, each engine's /health is polled this often; an engine
     whose process died, whose connection broke or whose health check fails is replaced."""
@@ -471,7 +472,9 @@ class RolloutConfig:
     """A /health answer slower than this marks the engine dead (wedged)."""
     engine_max_restarts: int = 3
     """Replacements per engine slot (0: none); past them the run goes on with fewer engines
-    and stops with an error naming each engine once none is left."""
+    and stops with an error naming each engine once none is left. A replacement gets the
+    newest weights out of band at once, so a run whose every engine died goes on; with 0 a
+    weight sync that finds no engine left fails the run."""
     tensor_model_parallel_size: int = 1
     """TP of one engine; the generate group's device count must be a multiple of it."""
     temperature: float = 1.0

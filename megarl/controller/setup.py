@@ -86,14 +86,29 @@ def prepare_assets(cfg) -> None:
 
 
 def _replacer(rollout, actor):
-    """The manager's way to replace a dead engine: a new server on the same devices, which the
-    trainer's update group takes in at the next version."""
+    """The manager's way to replace a dead engine: a new server on the same devices, which
+    the trainer sends the newest version it published at once, out of band (it would
+    otherwise wait for the next version, which with no other engine live never comes), and
+    takes into its update group from the next version on."""
     async def replace(i: int):
         from megarl.backends.sglang.engine import SGLangEngine
+        from megarl.cluster.group import WorkerLost
 
         url = await rollout.restart(i)
         if actor is not None and actor.sync_initialised:
             await actor.replace_engine(i, rollout.engines[i])
+            try:
+                got = await actor.refit_engine(i)
+            except WorkerLost:
+                raise  # the trainer's loss, not the engine's: the run stops on it
+            except Exception as e:  # noqa: BLE001 - it still joins at the next version
+                logger.error("rollout engine %d: out-of-band weights failed (%s: %s); it "
+                             "joins at the next version", i, type(e).__name__, e)
+            else:
+                if got:
+                    logger.info("rollout engine %d has weights v%d (%.1f MB out of band, "
+                                "%.2f s)", i, got["version"], got["bytes"] / 1e6,
+                                got["seconds"])
         return SGLangEngine(url)
     return replace
 

@@ -164,17 +164,23 @@ class RolloutManager:
             logger.error("%s", self._none_left())
 
     async def _replace_engine(self, i: int) -> None:
-        self.restarts[i] += 1
         t0 = time.monotonic()
         old = self.engines[i]
-        try:
-            new = await self._replace(i)
-        except Exception as e:  # noqa: BLE001 - the run goes on with fewer engines
-            logger.error("%s could not be replaced (%s: %s); going on with %d engine(s)",
-                         self.label(i), type(e).__name__, e, len(self.live()))
-            self._replacing.pop(i, None)
-            self._event(i, "replace-failed")
-            return
+        while True:
+            self.restarts[i] += 1
+            try:
+                new = await self._replace(i)
+                break
+            except Exception as e:  # noqa: BLE001 - tried again, else fewer engines
+                left = self.max_restarts - self.restarts[i]
+                logger.error("%s could not be replaced (%s: %s); %s", self.label(i),
+                             type(e).__name__, e, f"trying again ({left} restart(s) left)"
+                             if left > 0 else f"going on with {len(self.live())} engine(s)")
+                if left <= 0:
+                    self._replacing.pop(i, None)
+                    self._event(i, "replace-failed")
+                    return
+                await asyncio.sleep(1.0)  # a replacement that died starting: not in a loop
         try:
             await old.close()
         except Exception:  # noqa: BLE001 - the old one is gone anyway

@@ -41,7 +41,8 @@ from megarl.rollout.weights import (bucket_layout, in_daemon_thread, new_update_
                                     unpack_bucket)
 
 from .buckets import Bucket, BucketPacker
-from .protocol import SyncConfig, WeightSyncError, copy_bytes, update_group_ranks
+from .protocol import (NoEngineToSend, SyncConfig, WeightSyncError, copy_bytes,
+                       update_group_ranks)
 from .transports import STALE_VERSION, EngineLink
 from .verify import SentDigest, check_engine, direct
 
@@ -146,6 +147,7 @@ class WeightProducer:
         self._version: int | str = "-"  # the version being opened, for errors
         self._io = _LoopThread()
         self._snap_bufs: dict[int, torch.Tensor] = {}
+        self.last_snapshot: Snapshot | None = None  # its buffers hold it until the next one
         self._pack_buf: torch.Tensor | None = None
         self._bg: concurrent.futures.Future | None = None
         self._bg_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="megarl-wsync")
@@ -158,7 +160,7 @@ class WeightProducer:
     def _none_left(self) -> WeightSyncError:
         why = "; ".join(f"engine {n}: {w}" for n, w in self.stale.items()
                         if n in {l.name for l in self.links})
-        return WeightSyncError(self._version, None, "no engine left to send weights to"
+        return NoEngineToSend(self._version, None, "no engine left to send weights to"
                                + (f" ({why})" if why else ""), stage=self.stage)
 
     def stale_now(self) -> list[str]:
@@ -244,15 +246,31 @@ class WeightProducer:
             logger.error("engine %s marked stale (stage %d): %s", n, self.stage, why)
         self.stale.update(new)
 
-    def replace_link(self, index: int, link: EngineLink) -> None:
-        """Engine slot `index` has a new engine (the old one died): from the next version on,
-        the group is rebuilt with it and it receives every bucket like the others."""
+    def replace_link(self, index: int, link: EngineLink, after: int = 0) -> None:
+        """Engine slot `index` has a new engine (the old one died): from the first version
+        whose sequence number is above `after` on, the group is rebuilt with it and it
+        receives every bucket like the others. A sequence number, not "the next one this
+        thread opens": a background delivery may be mid-version when this is called, and
+        every pipeline stage must take the engine in at the same version."""
         with self._swap_lock:
-            self._swaps[index] = link
+            self._swaps[index] = (link, after)
 
-    def _take_swaps(self) -> None:
+    def link_of(self, index: int) -> EngineLink:
+        """Engine slot `index`'s engine: its replacement when one is waiting to be taken in."""
         with self._swap_lock:
-            swaps, self._swaps = self._swaps, {}
+            return self._swaps[index][0] if index in self._swaps else self.links[index]
+
+    def leave(self) -> None:
+        """The engines drop this producer's group (a refit's, used once): a group an engine
+        holds is a store connection and, under NCCL, device memory."""
+        if self.group is not None:
+            self._each(self.live(), lambda l: l.destroy_group(self.group_name), timeout=10)
+
+    def _take_swaps(self, seq: int) -> None:
+        with self._swap_lock:
+            swaps = {i: link for i, (link, after) in self._swaps.items() if after < seq}
+            for i in swaps:
+                del self._swaps[i]
         for i, link in swaps.items():
             old = self.links[i]
             self.stale.setdefault(old.name, "replaced")  # never addressed again
@@ -264,10 +282,11 @@ class WeightProducer:
             logger.info("engine slot %d: %s replaces %s in %s", i, link.name, old.name,
                         self.group_name)
 
-    def exclude(self, engines: dict[str, str]) -> None:
-        """Leave out engines another stage found stale, take in replacements (a new group
-        when the members change)."""
-        self._take_swaps()
+    def exclude(self, engines: dict[str, str], seq: int | None = None) -> None:
+        """Leave out engines another stage found stale and, at the start of version number
+        `seq`, take in the replacements due by then (a new group when the members change)."""
+        if seq is not None:
+            self._take_swaps(seq)
         self.mark_stale(engines)
         if self._members != {l.name for l in self.live()}:
             self._rebuild()
@@ -370,6 +389,8 @@ class WeightProducer:
              stats: SyncStats) -> SyncStats:
         """Send buckets in order; the last one carries `version` when `set_version`."""
         self.exclude({})  # engines found stale since the group was built leave it first
+        if not self.live():
+            raise self._none_left()
         it = iter(buckets)
         cur = next(it, None)
         while cur is not None:
@@ -523,7 +544,8 @@ class WeightProducer:
                    for b in self.stream(named, version)]
         if self.device.type == "cuda":
             torch.cuda.current_stream().synchronize()
-        return Snapshot(version, buckets, time.perf_counter() - t0)
+        self.last_snapshot = Snapshot(version, buckets, time.perf_counter() - t0)
+        return self.last_snapshot
 
     def start(self, fn: Callable[[], SyncStats]) -> None:
         """Run a delivery on the background thread; `wait()` collects its outcome."""

@@ -103,6 +103,10 @@ class SyncConfig:
     timeout_s: float = 120.0  # per bucket, the floor: update call + broadcast + answers
     backend: str | None = None  # the update group's; None: nccl where CUDA is, else gloo
     min_bandwidth_mbps: float = 50.0
+    engines_replaced: bool = False
+    """megarl replaces dead engines (it launched them, `engine_max_restarts` > 0) and sends a
+    replacement the newest version out of band: a version that finds every engine gone is then
+    published all the same (the trainer keeps it), not a failed sync."""
     """MB/s a bucket's transfer may not fall below: a bucket of n bytes waits at most
     `bucket_timeout_s(n)`. Stock SGLang gives its side of the group torch's default (30
     minutes under NCCL) and no field to change it, so this bound is the trainer's: past it
@@ -134,6 +138,9 @@ class SyncConfig:
                    dual_buffer=rollout.enable_dual_buffer,
                    backend=None if rollout.get("update_group_backend") in (None, "auto")
                    else rollout.update_group_backend,
+                   engines_replaced=(rollout.engine_max_restarts > 0
+                                     and not (rollout.name == "sglang"
+                                              and rollout.get("server_urls"))),
                    **{"verify": rollout.verify_weight_sync,
                       "timeout_s": float(rollout.weight_sync_timeout_s),
                       "min_bandwidth_mbps": float(rollout.weight_sync_min_bandwidth_mbps),
@@ -159,6 +166,10 @@ class WeightSyncError(RuntimeError):
         # call __init__ with the message alone.
         return (_sync_error, (self.version, self.bucket, self.cause, self.stage, self.engine,
                               self.elsewhere))
+
+
+class NoEngineToSend(WeightSyncError):
+    """Every engine of the update group failed; nothing is left to send the version to."""
 
 
 def _sync_error(version, bucket, cause, stage, engine, elsewhere) -> WeightSyncError:

@@ -14,6 +14,11 @@ Engines a stage found stale are passed on with its turn, so later stages and the
 leave them out too. `sync(version)`: with dual buffer, returns once this stage is snapshotted
 (the delivery runs in the background; the next `sync` or `wait` collects it); without, once the
 engines serve the new version. Failures are agreed on by all ranks; all raise together.
+
+`refit(slot)`: out of band, the newest version this trainer published, again, to one engine
+only (the replacement of a dead one), over an update group of its own. A replacement otherwise
+waits for the next SYNC, and with no other engine live that SYNC never comes: it needs the very
+samples only an engine can make.
 """
 from __future__ import annotations
 
@@ -26,7 +31,8 @@ import torch
 import torch.distributed as dist
 
 from .producer import SyncStats, WeightProducer
-from .protocol import SyncConfig, WeightSyncError
+from .transports import EngineLink
+from .protocol import NoEngineToSend, SyncConfig, WeightSyncError
 from .verify import SentDigest
 
 logger = logging.getLogger(__name__)
@@ -73,6 +79,9 @@ class TrainerWeightSync:
         self.turns = None
         self._seq = 0
         self._pending = None  # version whose background delivery is not yet collected
+        self._collected = None  # a delivery's stats collected by a refit, for the next sync
+        self._published = None  # the newest version sent (sync), none before the first
+        self._group_name, self._backend = group_name, backend
         if self.sender:
             backend = backend or config.backend or \
                 ("nccl" if torch.cuda.is_available() else "gloo")
@@ -105,19 +114,35 @@ class TrainerWeightSync:
                 self.producer.connect(self.address)
             dist.barrier()
 
-    def _agree(self, err: Exception | None, version: int) -> None:
-        """Every rank learns whether any rank failed; all raise together."""
+    def _unless_replaced(self, e: Exception, version: int) -> Exception | None:
+        """`e`, or None where every engine is gone and megarl replaces engines: the version
+        is published all the same, and each replacement gets it out of band (`refit`)."""
+        if isinstance(e, NoEngineToSend) and self.config.engines_replaced:
+            logger.error("weights v%d stage %d reached no engine (%s); the trainer keeps "
+                         "it for the replacements", version, self.stage, e.cause)
+            return None
+        return e
+
+    @staticmethod
+    def _failed_anywhere(err: Exception | None) -> bool:
         flag = torch.tensor([0 if err is None else 1])
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def _agree(self, err: Exception | None, version: int) -> None:
+        """Every rank learns whether any rank failed; all raise together."""
+        failed = self._failed_anywhere(err)
         if err is not None:
             raise err
-        if flag.item():
+        if failed:
             raise WeightSyncError(version, None, "failed on another trainer rank",
                                  elsewhere=True)
 
-    def _deliver(self, buckets, version: int, seq: int, stats: SyncStats) -> SyncStats:
+    def _deliver(self, buckets, version: int, seq: int, stats: SyncStats,
+                 producer: WeightProducer | None = None, what: str = "delivered"
+                 ) -> SyncStats:
         """This stage's part of one version, in its turn; the coordinator opens and closes."""
-        p, last = self.producer, self.stage == self.num_stages - 1
+        p, last = producer or self.producer, self.stage == self.num_stages - 1
         t0 = time.perf_counter()
         p.sent_checksums = SentDigest()
         before = self.turns.wait(seq, self.stage - 1)
@@ -126,16 +151,21 @@ class TrainerWeightSync:
             if not before["ok"]:
                 raise WeightSyncError(version, None, f"stage {self.stage - 1} failed: "
                                       f"{before['error']}", stage=self.stage)
-            p.exclude(before["stale"])
+            p.exclude(before["stale"], seq)
             if self.coordinator:
                 p.open_version(version)
             p.send(buckets, version, set_version=last, stats=stats)
         except Exception as e:  # noqa: BLE001 - reported to the other stages, then raised
-            err = e
+            err = self._unless_replaced(e, version)
         self.turns.done(seq, self.stage, err is None, p.stale, str(err or ""))
         if self.coordinator:
             final = self.turns.wait(seq, self.num_stages - 1)
-            p.close_version(final["stale"])
+            try:
+                p.close_version(final["stale"])
+            except NoEngineToSend as e:  # already said, where the send found none
+                err = err or (None if self.config.engines_replaced else e)
+            except Exception as e:  # noqa: BLE001 - the other stages wait for the close
+                err = err or e
             stats.pause_s = time.perf_counter() - t0
             if err is None and not final["ok"]:
                 err = WeightSyncError(version, None, final["error"], stage=self.num_stages - 1)
@@ -148,8 +178,8 @@ class TrainerWeightSync:
         stats.stale = p.stale_now()
         if err is not None:
             raise err
-        logger.info("weights v%d stage %d delivered: %.1f MB in %d buckets, %.3f s "
-                    "(%.2f GB/s)%s", version, self.stage, stats.bytes / 1e6, stats.buckets,
+        logger.info("weights v%d stage %d %s: %.1f MB in %d buckets, %.3f s "
+                    "(%.2f GB/s)%s", version, self.stage, what, stats.bytes / 1e6, stats.buckets,
                     stats.transfer_s, stats.gbps,
                     f"; stale engines {stats.stale}" if stats.stale else "")
         return stats
@@ -157,7 +187,8 @@ class TrainerWeightSync:
     def wait(self) -> SyncStats | None:
         """Collect the background delivery of the previous version on every stage."""
         if self._pending is None:
-            return None
+            collected, self._collected = self._collected, None
+            return collected
         version, self._pending = self._pending, None
         err, stats = None, None
         try:
@@ -171,6 +202,7 @@ class TrainerWeightSync:
         version = int(version)
         t0 = time.perf_counter()
         prev = self.wait()
+        self._published = version
         self._seq += 1
         seq = self._seq
         named = self.worker.export_hf(self.export_dtype) if self.exporter else iter(())
@@ -203,10 +235,71 @@ class TrainerWeightSync:
         stats.blocking_s = time.perf_counter() - t0
         return stats if self.sender else None
 
+    def refit(self, slot: int, weights_current: bool) -> SyncStats | None:
+        """Send the newest published version to engine slot `slot` alone (its replacement,
+        already given to `replace_engine`), over a group of its own that is gone afterwards;
+        the slot joins the shared group at the next version as before. Every trainer rank
+        calls it; the decision below is the same on each (same config, same history).
+
+        The bytes: with the dual buffer, the snapshot, which holds that version until the next
+        sync; without it, the live weights, but only when no train step has changed them since
+        (`weights_current`). Otherwise None: that train step leads to a SYNC, which brings the
+        replacement in. None too before any sync: the replacement loaded the files every
+        engine started from."""
+        version = self._published
+        if version is None or not (self.config.dual_buffer or weights_current):
+            logger.info("engine slot %d: no out-of-band weights (%s); it joins at the next "
+                        "version", slot, "nothing published yet" if version is None
+                        else "trained since the last version, no dual buffer")
+            return None
+        t0 = time.perf_counter()
+        if self.config.dual_buffer:
+            # the snapshot's own delivery first: an engine holds one update session at a time
+            self._collected = self.wait() or self._collected
+        self._seq += 1
+        seq, stats, err, p = self._seq, SyncStats(version, self.stage), None, None
+        if self.sender:
+            link = self.producer.link_of(slot)
+            p = WeightProducer([EngineLink(link.name, link.tp_size, link.pause_for_update)],
+                               self.config, stage=self.stage,
+                               group_name=f"{self._group_name}-refit-pp{self.stage}",
+                               backend=self.producer.backend, device=self.producer.device)
+        named = (self.worker.export_hf(self.export_dtype)
+                 if self.exporter and not self.config.dual_buffer else iter(()))
+        for stage in range(self.num_stages):  # one stage's group after another (connect)
+            if p is not None and stage == self.stage:
+                try:
+                    p.connect(self.address)
+                except Exception as e:  # noqa: BLE001 - agreed on below, then re-raised
+                    err = e
+            dist.barrier()
+        # Every stage connected, or none sends: a stage that never sends would leave the
+        # next one waiting for its turn.
+        if not self._failed_anywhere(err) and p is not None:
+            try:
+                buckets = (self.producer.last_snapshot.buckets if self.config.dual_buffer
+                           else p.stream(named, version))
+                self._deliver(buckets, version, seq, stats, producer=p, what="refit")
+            except Exception as e:  # noqa: BLE001 - agreed on below, then re-raised
+                err = e
+        if p is not None:
+            p.leave()
+            p.close()
+        for _ in named:  # after a failure, keep up with the other TP ranks' gathers
+            pass
+        self._agree(err, version)
+        stats.blocking_s = time.perf_counter() - t0
+        if self.coordinator:
+            logger.info("engine slot %d refit to weights v%d out of band in %.2f s (%s)",
+                        slot, version, stats.blocking_s,
+                        "snapshot" if self.config.dual_buffer else "live weights")
+        return stats
+
     def replace_engine(self, index: int, link) -> None:
         """A new engine in slot `index`; it joins the update group at the next version."""
         if self.producer is not None:
-            self.producer.replace_link(index, link)
+            # due from the next sync on, whatever a background delivery is doing now
+            self.producer.replace_link(index, link, after=self._seq)
 
     def close(self) -> None:
         if self.producer is not None:

@@ -115,6 +115,38 @@ def test_a_killed_engine_is_replaced_and_its_requests_finish_elsewhere(servers):
     assert len(spare) == 1
 
 
+def test_a_replacement_that_dies_starting_is_tried_again(servers):
+    """The only engine is killed mid-request; its first replacement dies while starting (the
+    callback raises, as `RolloutGroup.restart` does for an actor killed before it answers),
+    the second comes up: the request finishes on it, two restarts counted."""
+    a, spare = servers(), servers()
+    tries = []
+
+    async def replace(i):
+        tries.append(i)
+        if len(tries) == 1:
+            raise RuntimeError("the actor died unexpectedly before finishing this task")
+        return SGLangEngine(spare.url)
+
+    async def go():
+        ref = await _reference(spare.url)
+        m = RolloutManager([SGLangEngine(a.url)], replace=replace, health_interval_s=0.2,
+                           health_timeout_s=30.0)
+        try:
+            await m.weight_versions()
+            killer = asyncio.ensure_future(_kill_when_busy(m, 0, signal.SIGKILL, a.proc))
+            outs = await asyncio.gather(*[m.generate(r) for r in _requests("ref")])
+            await killer
+            return ref, outs, list(m.restarts), [w for _, _, w in m.pop_events()]
+        finally:
+            await m.close()
+
+    ref, outs, restarts, events = asyncio.run(go())
+    assert {o.rid: o.output_ids for o in outs} == ref
+    assert tries == [0, 0] and restarts == [2]
+    assert events == ["dead", "replaced", "live"], events
+
+
 def test_a_wedged_engine_fails_its_health_check_and_loses_nothing(servers):
     a, b = servers(), servers()
 
@@ -185,10 +217,12 @@ def _engine_processes(root_pid, marker):
     return out
 
 
-def _check_recovered(run_dir, out, assets):
+def _check_recovered(run_dir, out, assets, engines):
     """The steps the run logged before it was stopped: contiguous from step 1, each trained
-    exactly the prompts an undisturbed run draws, and the last one served by both engines.
+    exactly the prompts an undisturbed run draws, and the last one served by every engine.
     Returns how many steps that was."""
+    import re
+
     from test_train_e2e import fresh_loader, scalars, trained
 
     logged = sorted(scalars(run_dir, "reward/mean"))
@@ -200,13 +234,20 @@ def _check_recovered(run_dir, out, assets):
     assert {k: v for k, v in trained(run_dir).items() if k < steps} == want
     alive = scalars(run_dir, "rollout/engines_alive")
     low = scalars(run_dir, "rollout/engines_alive_min")
-    assert min(low.values()) == 1, low  # the dip ...
-    assert alive[steps] == 2, alive  # ... and the recovery
+    assert min(low.values()) == engines - 1, low  # the dip ...
+    assert alive[steps] == engines, alive  # ... and the recovery
     assert sum(scalars(run_dir, "rollout/engines_replaced").values()) == 1
-    # the trainer counts the dead engine as stale until its slot has the replacement
+    # the trainer counts the dead engine as stale (if a sync found it dead) until its slot
+    # has the replacement
     stale = scalars(run_dir, "weight_sync/stale_engines")
-    assert max(stale.values()) == 1 and stale[steps] == 0, stale
-    # the replacement took part in a weight sync and serves the version the others serve
+    assert max(stale.values()) <= 1 and stale[steps] == 0, stale
+    # the replacement had the newest weights out of band, checksums equal to the trainer's,
+    # before any sync reached it (the next sync sends a newer version) ...
+    ((slot, url),) = re.findall(r"rollout engine (\d+) restarted at (\S+)", out)
+    refit = re.search(rf"engine slot {slot} refit to weights v(\d+) out of band", out)
+    assert refit, out[-3000:]
+    assert f"weights v{refit[1]} stage 0 on {url}: " in out, out[-3000:]
+    # ... then took part in the weight syncs and serves the version the others serve
     assert "replaces" in out and "is live again at weight version" in out, out[-3000:]
     # the state machine's record of it: the failure and the recovery, under GENERATE
     assert "generate: rollout engine" in out and "): dead" in out and "): live" in out
@@ -233,10 +274,9 @@ def _trained_count(run_dir):
     return len(f.read_text().splitlines()) if f.exists() else 0
 
 
-def _kill_one_and_finish(proc, run_dir, assets, marker):
-    """Once step 0 has trained, SIGKILL one of the run's two engines; wait for its
-    replacement to go live and AFTER more steps to train, stop the run, check (see
-    _check_recovered)."""
+def _kill_one_and_finish(proc, run_dir, assets, marker, engines):
+    """Once step 0 has trained, SIGKILL one of the run's engines; wait for its replacement
+    to go live and AFTER more steps to train, stop the run, check (see _check_recovered)."""
     import threading
     import time
 
@@ -251,7 +291,7 @@ def _kill_one_and_finish(proc, run_dir, assets, marker):
     try:
         _wait_trained(run_dir, 1, proc)
         victims = _engine_processes(proc.pid, marker)
-        assert len(victims) == 2, victims
+        assert len(victims) == engines, victims
         victims[0].kill()
         deadline = time.time() + 400
         while (time.time() < deadline and proc.poll() is None
@@ -270,29 +310,34 @@ def _kill_one_and_finish(proc, run_dir, assets, marker):
     if marker == "ray":  # `megarl train` itself: interrupted, said so in one line
         assert proc.returncode == 130 and "Traceback" not in out, out[-4000:]
         assert "interrupted; a later `megarl train`" in out
-    assert _check_recovered(run_dir, out, assets) > AFTER
+    assert _check_recovered(run_dir, out, assets, engines) > AFTER
 
 
 RUN = ("trainer.save_freq=-1", "trainer.test_freq=-1", "trainer.val_before_train=False",
-       f"trainer.total_training_steps={STEPS}", "trainer.n_gpus_per_node=4",
+       f"trainer.total_training_steps={STEPS}", "actor_rollout_ref.rollout.verify_weight_sync=True",
        "actor_rollout_ref.rollout.engine_health_interval_s=0.5", LONGER)
 
 
-def test_ray_run_replaces_a_killed_embedded_engine(quickstart_assets, tmp_path):
-    """Two embedded engines under Ray; one engine's process is SIGKILLed after step 1."""
+def test_ray_run_replaces_its_only_engine_killed(quickstart_assets, tmp_path):
+    """One embedded engine under Ray, on-policy (generate_ahead_steps=1: no SYNC comes until
+    the step's samples are made), SIGKILLed after step 1, whether mid-generation or while
+    the trainer works: its replacement gets the newest weights out of band and the run goes
+    on. Before that, the run waited out the manager's join timeout and stopped."""
     from test_train_e2e import _args, megarl
 
-    proc = megarl("train", _args(quickstart_assets, tmp_path, *RUN), start_new_session=True,
-                  preexec_fn=_sigint_default)
-    _kill_one_and_finish(proc, tmp_path, quickstart_assets, "ray")
+    proc = megarl("train", _args(quickstart_assets, tmp_path, *RUN, "trainer.n_gpus_per_node=2",
+                                 "trainer.generate_ahead_steps=1"),
+                  start_new_session=True, preexec_fn=_sigint_default)
+    _kill_one_and_finish(proc, tmp_path, quickstart_assets, "ray", engines=1)
 
 
 @pytest.mark.stock_sglang
 def test_torchrun_run_replaces_a_killed_stock_sglang_server(quickstart_assets, tmp_path,
                                                            stock_python):
     """`rollout.name=sglang` under torchrun (no Ray): two launched stock SGLang servers; one
-    server process is SIGKILLed after step 1, its rank starts a new one, and no prompt is
-    lost or trained twice."""
+    server process is SIGKILLed after step 1, its rank starts a new one, which gets the
+    newest weights out of band from the dual buffer's snapshot, and no prompt is lost or
+    trained twice."""
     import subprocess
     import sys
 
@@ -304,9 +349,10 @@ def test_torchrun_run_replaces_a_killed_stock_sglang_server(quickstart_assets, t
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
            "-m", "megarl.cli", "train", *_args(
                quickstart_assets, tmp_path, *RUN, "trainer.launcher=torchrun",
+               "trainer.n_gpus_per_node=4", "actor_rollout_ref.rollout.enable_dual_buffer=True",
                "trainer.logger=[console,tensorboard]",
                "actor_rollout_ref.rollout.name=sglang")]
     proc = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True,
                             preexec_fn=_sigint_default)
-    _kill_one_and_finish(proc, tmp_path, quickstart_assets, "server")
+    _kill_one_and_finish(proc, tmp_path, quickstart_assets, "server", engines=2)

@@ -224,7 +224,11 @@ def test_ray_on_two_hosts_places_groups_on_whole_hosts_and_reward_rises(quicksta
                               "--config", str(ROOT / "configs" / "quickstart.yaml"),
                               *_overrides(quickstart_assets, tmp_path, steps,
                                           "trainer.save_freq=-1", "trainer.nnodes=2",
-                                          "trainer.n_gpus_per_node=2")],
+                                          "trainer.n_gpus_per_node=2",
+                                          # a replacement would wait for the lost host's
+                                          # devices (server_start_timeout_s per attempt)
+                                          "actor_rollout_ref.rollout.engine_max_restarts="
+                                          f"{0 if lost == 'generate' else 3}")],
                           env=dict(env, RAY_ADDRESS=head), stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
         bound, lines, placed = {}, [], {}
@@ -381,7 +385,8 @@ def test_ray_host_killed_stops_the_run_naming_the_host(quickstart_assets, tmp_pa
     """Three hosts: the Ray head and the driver on host 0 (no devices, as a cluster's head
     node), two CPU devices on each of hosts 1 and 2, one task group per host. Mid-run every
     process on the host of the `lost` group is killed: the run ends within BOUND_S, and the
-    driver's error names that host and the task that failed on it."""
+    driver's error names that host and the task that failed on it. (With engine replacements
+    allowed, a lost generate host is waited for instead: Ray holds its devices' bundles.)"""
     env = _ray_env()
     worker = {"generate": "RolloutActor", "train": "MegatronActor"}[lost]
     with Hosts(3) as hs:
@@ -390,7 +395,11 @@ def test_ray_host_killed_stops_the_run_naming_the_host(quickstart_assets, tmp_pa
                               "--config", str(ROOT / "configs" / "quickstart.yaml"),
                               *_overrides(quickstart_assets, tmp_path, 1000,
                                           "trainer.save_freq=-1", "trainer.nnodes=2",
-                                          "trainer.n_gpus_per_node=2")],
+                                          "trainer.n_gpus_per_node=2",
+                                          # a replacement would wait for the lost host's
+                                          # devices (server_start_timeout_s per attempt)
+                                          "actor_rollout_ref.rollout.engine_max_restarts="
+                                          f"{0 if lost == 'generate' else 3}")],
                           env=dict(env, RAY_ADDRESS=head), stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
         lines, killed, host = [], None, None

@@ -1,6 +1,7 @@
 """Megatron trainer (TP=2, PP=2) → two engine servers over gloo, through stock SGLang's
 weight contract: bit-exact weights for buckets smaller than a tensor, equal to the largest,
-larger than the model, and with dual buffer while the trainer moves on. One engine stages and
+larger than the model, and with dual buffer while the trainer moves on; then refits (the
+newest version to one engine alone, out of band) from the snapshot and from live weights. One engine stages and
 swaps (the embedded default), the other loads live as stock SGLang does and holds two TP ranks
 in the update group (rank offsets count TP ranks)."""
 import socket
@@ -54,6 +55,7 @@ def test_engines_equal_trainer_export_bit_for_bit(tmp_path, tiny_qwen2, engines,
     torchrun(SCRIPTS / "ws_sync.py", tp * pp, out, tp, pp, tiny_qwen2, f"g-{tp}-{pp}",
              *engines)
     res = read_json(out)
+    refits = {k: res.pop(k) for k in ("refit-snapshot", "refit-trained", "refit-live")}
     assert list(res) == ["smaller", "equal", "larger", "dual"]
     for i, (case, r) in enumerate(res.items()):
         assert r["equal"] == [True, True], (case, r)
@@ -63,3 +65,11 @@ def test_engines_equal_trainer_export_bit_for_bit(tmp_path, tiny_qwen2, engines,
     assert res["larger"]["buckets"] == 1  # the whole stage in one bucket
     assert res["smaller"]["buckets"] > per_stage_total / res["smaller"]["biggest"]  # splits
     assert res["equal"]["bucket_bytes"] == res["equal"]["biggest"]
+    # A replacement (here the stock-like engine told it is at v0, as a fresh server is) gets
+    # the newest version out of band, alone, over a group of its own: from the dual buffer's
+    # snapshot (v4, though the trainer changed its weights since), then, without the dual
+    # buffer, from live weights that are still the published v5; none while they are not.
+    assert refits["refit-snapshot"]["state"] == [True, "4"], refits
+    assert refits["refit-trained"] is None
+    assert refits["refit-live"]["state"] == [True, "5"], refits
+    assert refits["refit-snapshot"]["version"] == 4 and refits["refit-live"]["version"] == 5

@@ -23,6 +23,59 @@ def perturb(worker, seed):
             p.add_(torch.randn(p.shape, generator=g) * 1e-2)
 
 
+def _engine_state(sync, slot, want):
+    """(engine `slot` holds exactly `want`'s tensors, its version), from rank 0."""
+    from megarl.weight_sync.verify import check_engine
+
+    link = sync.producer.link_of(slot)
+    got = sync.producer._io.submit(link.checksums()).result()
+    info = sync.producer._io.submit(link.client.model_info()).result()
+    compared, _, bad = check_engine(got, want, None, info.get("engine") == "megarl-embedded")
+    return compared > 0 and not bad, info["weight_version"]
+
+
+def refit_cases(sync, worker, cfg, engines, results):
+    """The stock-like engine (slot 1) as a replacement that reports v0 (a fresh server):
+    refit from the dual buffer's snapshot (v4; the trainer has moved on since), none without
+    the dual buffer once the trainer has changed its weights, then refit of live weights
+    published as v5."""
+    from megarl.weight_sync.protocol import SyncConfig  # noqa: F401 - cfg is one
+    from megarl.weight_sync.transports import EngineLink
+    from megarl.weight_sync.verify import SentDigest
+
+    def as_fresh():
+        if dist.get_rank() == 0:
+            link = sync.producer.link_of(1)
+            sync.producer._io.submit(link.client.update_weight_version("0")).result()
+        dist.barrier()
+        url, tp, live = engines[1]
+        sync.replace_engine(1, EngineLink(url, int(tp), pause_for_update=live == "1"))
+
+    def export():
+        want = SentDigest()
+        for n, t in worker.full_hf_state().items():
+            want.add(n, t)
+        return want
+
+    snap = results.pop("_snapshot_digest")
+    as_fresh()
+    stats = sync.refit(1, False)  # dual buffer: the snapshot, whatever the live weights are
+    if dist.get_rank() == 0:
+        results["refit-snapshot"] = {"state": _engine_state(sync, 1, snap),
+                                     "version": stats.version, "bytes": stats.bytes}
+    cfg.dual_buffer = False
+    results["refit-trained"] = sync.refit(1, False)  # None: the next sync brings it
+    perturb(worker, 7)
+    want = export()
+    sync.sync(5)
+    as_fresh()
+    stats = sync.refit(1, True)
+    if dist.get_rank() == 0:
+        results["refit-live"] = {"state": _engine_state(sync, 1, want),
+                                 "version": stats.version, "bytes": stats.bytes}
+    dist.barrier()
+
+
 def main():
     logging.basicConfig(level=logging.WARNING)
     out, tp, pp, model_dir, group = sys.argv[1:6]
@@ -56,6 +109,7 @@ def main():
             want.add(n, t)
         stats = sync.sync(i + 1)
         if dual:
+            results["_snapshot_digest"] = want
             perturb(worker, 99)  # the trainer moves on while the transfer runs
             stats = sync.wait() or stats
         if dist.get_rank() == 0:
@@ -73,6 +127,7 @@ def main():
                              "buckets": stats.buckets, "bucket_bytes": bucket,
                              "biggest": biggest, "total": total, "stale": stats.stale}
         dist.barrier()
+    refit_cases(sync, worker, cfg, engines, results)
     sync.close()
     if dist.get_rank() == 0:
         with open(out, "w") as f:
