@@ -334,10 +334,10 @@ def test_ray_run_replaces_its_only_engine_killed(quickstart_assets, tmp_path):
 @pytest.mark.stock_sglang
 def test_torchrun_run_replaces_a_killed_stock_sglang_server(quickstart_assets, tmp_path,
                                                            stock_python):
-    """`rollout.name=sglang` under torchrun (no Ray): two launched stock SGLang servers; one
-    server process is SIGKILLed after step 1, its rank starts a new one, which gets the
-    newest weights out of band from the dual buffer's snapshot, and no prompt is lost or
-    trained twice."""
+    """`rollout.name=sglang` under torchrun (no Ray), one-step-off with the dual buffer: the
+    run's only launched stock SGLang server is SIGKILLed after step 1; its rank starts a new
+    one, which gets the newest weights out of band from the trainer's snapshot, and no
+    prompt is lost or trained twice."""
     import subprocess
     import sys
 
@@ -346,13 +346,13 @@ def test_torchrun_run_replaces_a_killed_stock_sglang_server(quickstart_assets, t
     from launch_helpers import ROOT
 
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            "-m", "megarl.cli", "train", *_args(
                quickstart_assets, tmp_path, *RUN, "trainer.launcher=torchrun",
-               "trainer.n_gpus_per_node=4", "actor_rollout_ref.rollout.enable_dual_buffer=True",
+               "trainer.n_gpus_per_node=2", "actor_rollout_ref.rollout.enable_dual_buffer=True",
                "trainer.logger=[console,tensorboard]",
                "actor_rollout_ref.rollout.name=sglang")]
     proc = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True,
                             preexec_fn=_sigint_default)
-    _kill_one_and_finish(proc, tmp_path, quickstart_assets, "server", engines=2)
+    _kill_one_and_finish(proc, tmp_path, quickstart_assets, "server", engines=1)

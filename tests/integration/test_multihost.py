@@ -224,11 +224,7 @@ def test_ray_on_two_hosts_places_groups_on_whole_hosts_and_reward_rises(quicksta
                               "--config", str(ROOT / "configs" / "quickstart.yaml"),
                               *_overrides(quickstart_assets, tmp_path, steps,
                                           "trainer.save_freq=-1", "trainer.nnodes=2",
-                                          "trainer.n_gpus_per_node=2",
-                                          # a replacement would wait for the lost host's
-                                          # devices (server_start_timeout_s per attempt)
-                                          "actor_rollout_ref.rollout.engine_max_restarts="
-                                          f"{0 if lost == 'generate' else 3}")],
+                                          "trainer.n_gpus_per_node=2")],
                           env=dict(env, RAY_ADDRESS=head), stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
         bound, lines, placed = {}, [], {}

@@ -53,7 +53,7 @@ def engines(tiny_qwen2):
 def test_engines_equal_trainer_export_bit_for_bit(tmp_path, tiny_qwen2, engines, tp, pp):
     out = tmp_path / "ws.json"
     torchrun(SCRIPTS / "ws_sync.py", tp * pp, out, tp, pp, tiny_qwen2, f"g-{tp}-{pp}",
-             *engines)
+             *engines, "--refit")
     res = read_json(out)
     refits = {k: res.pop(k) for k in ("refit-snapshot", "refit-trained", "refit-live")}
     assert list(res) == ["smaller", "equal", "larger", "dual"]

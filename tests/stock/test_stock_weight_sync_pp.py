@@ -23,8 +23,15 @@ def test_pp2_trainer_joins_and_syncs_two_stock_engines(tmp_path, qwen_dir, stock
                                                        second_server):
     out = tmp_path / "ws.json"
     torchrun(SCRIPTS / "ws_sync.py", 2, out, 1, 2, qwen_dir, "pp2",
-             f"{stock_server.url},1,1", f"{second_server.url},1,1", timeout=600)
+             f"{stock_server.url},1,1", f"{second_server.url},1,1", "--refit", timeout=600)
     res = read_json(out)
+    # the second server as a replacement (told it is at v0): the newest version out of
+    # band, over a group of its own, stage by stage: from the snapshot (v4), none once the
+    # trainer has trained without the dual buffer, from live weights (v5)
+    refits = {k: res.pop(k) for k in ("refit-snapshot", "refit-trained", "refit-live")}
+    assert refits["refit-snapshot"]["state"] == [True, "4"], refits
+    assert refits["refit-trained"] is None
+    assert refits["refit-live"]["state"] == [True, "5"], refits
     assert list(res) == ["smaller", "equal", "larger", "dual"]
     for i, (case, r) in enumerate(res.items()):
         assert r["equal"] == [True, True], (case, r)

@@ -1,12 +1,13 @@
 """Rank program: sync a TP/PP Megatron trainer's weights to engine servers; check bit-exactness.
 
-argv: out.json tp pp model_dir group_name url,tp,live [...]. Rank 0 writes
+argv: out.json tp pp model_dir group_name url,tp,live [...] [--refit]. Rank 0 writes
 {case: {"equal": [bool per engine], "versions": [...], "buckets": n, ...}}; equality is
 checked with the engines' stock `/weights_checker` checksums (megarl.weight_sync.verify: HF
 names, or stock SGLang's fused ones).
 Cases: bucket smaller than one tensor, equal to the largest tensor, larger than the model
 (no dual buffer), then dual buffer with the trainer changing its weights right after the
-snapshot (the engines must get the snapshot, not the later weights).
+snapshot (the engines must get the snapshot, not the later weights); with --refit, then
+the refits of `refit_cases` to the second engine.
 """
 import json
 import logging
@@ -34,7 +35,7 @@ def _engine_state(sync, slot, want):
     return compared > 0 and not bad, info["weight_version"]
 
 
-def refit_cases(sync, worker, cfg, engines, results):
+def refit_cases(sync, worker, cfg, engines, results, snap):
     """The stock-like engine (slot 1) as a replacement that reports v0 (a fresh server):
     refit from the dual buffer's snapshot (v4; the trainer has moved on since), none without
     the dual buffer once the trainer has changed its weights, then refit of live weights
@@ -57,7 +58,6 @@ def refit_cases(sync, worker, cfg, engines, results):
             want.add(n, t)
         return want
 
-    snap = results.pop("_snapshot_digest")
     as_fresh()
     stats = sync.refit(1, False)  # dual buffer: the snapshot, whatever the live weights are
     if dist.get_rank() == 0:
@@ -80,7 +80,7 @@ def main():
     logging.basicConfig(level=logging.WARNING)
     out, tp, pp, model_dir, group = sys.argv[1:6]
     # url,tp,pause entries: engine URL, its TP size, whether it loads live (stock-like)
-    engines = [e.split(",") for e in sys.argv[6:]]
+    engines = [e.split(",") for e in sys.argv[6:] if e != "--refit"]
     from megarl.backends.megatron.worker import MegatronWorker
     from megarl.weight_sync.verify import SentDigest, check_engine
     from megarl.weight_sync.protocol import MiB, SyncConfig
@@ -127,7 +127,9 @@ def main():
                              "buckets": stats.buckets, "bucket_bytes": bucket,
                              "biggest": biggest, "total": total, "stale": stats.stale}
         dist.barrier()
-    refit_cases(sync, worker, cfg, engines, results)
+    snap = results.pop("_snapshot_digest")
+    if "--refit" in sys.argv:
+        refit_cases(sync, worker, cfg, engines, results, snap)
     sync.close()
     if dist.get_rank() == 0:
         with open(out, "w") as f:
