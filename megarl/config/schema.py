@@ -215,6 +215,8 @@ RANGES: Dict[str, Range] = {
     "trainer.save_freq": OFF_OR_POSITIVE,
     "trainer.timeline_freq": OFF_OR_POSITIVE,
     "trainer.max_actor_ckpt_to_keep": POSITIVE,
+    "trainer.max_restarts": NON_NEGATIVE,
+    "trainer.restart_backoff_s": NON_NEGATIVE,
     "trainer.seed": SEED,
 }
 
@@ -743,6 +745,13 @@ class TrainerConfig:
     """auto: resume from the latest checkpoint if any; disable; resume_path: resume_from_path."""
     resume_from_path: Optional[str] = None
     """Checkpoint to resume from when resume_mode is resume_path."""
+    max_restarts: int = 0
+    """How many times a run that loses a worker, an engine it cannot replace or a host
+    restarts itself from its newest checkpoint (Ray launcher); 0 stops at the first loss.
+    A restart resumes as `resume_mode=auto` does: every prompt is still trained once."""
+    restart_backoff_s: float = 10.0
+    """Wait before restart n: this × 2^(n-1), at most 300 s (a host that went away may come
+    back; Ray needs to see a dead node as dead)."""
     seed: int = 1
     """Global seed (sampling, init); below 2**31 so every RNG it reaches takes it."""
 

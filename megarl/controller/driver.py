@@ -141,14 +141,56 @@ class Driver:
 
 def run(cfg, val_only: bool = False) -> dict:
     """Entry point of `megarl train` / `megarl validate`; returns a small summary."""
-    return asyncio.run(_run(cfg, val_only or cfg.trainer.val_only))
+    return asyncio.run(_run_restarting(cfg, val_only or cfg.trainer.val_only))
 
 
-async def _run(cfg, val_only: bool) -> dict:
-    if not val_only and cfg.trainer.save_freq == -1:
+async def _run_restarting(cfg, val_only: bool) -> dict:
+    """The run, restarted from its newest checkpoint after each loss, up to
+    `trainer.max_restarts` times. A restart is a new set-up (workers, engines, weight sync)
+    resuming as `resume_mode=auto` does, into the same run directory and TensorBoard
+    history; an error of the first set-up (a config, a path) is never retried."""
+    t = cfg.trainer
+    limit = 0 if val_only else int(t.max_restarts)
+    losses: list[str] = []
+    while True:
+        started = []  # set once the first set-up is done: later errors are losses
+        try:
+            return await _run(cfg if not losses else _resuming(cfg), val_only, losses, started)
+        except Exception as err:
+            if not limit or not (started or losses):
+                raise
+            losses.append(_describe(err))
+            if len(losses) > limit:
+                raise RuntimeError(
+                    f"the run was lost {len(losses)} times, past trainer.max_restarts="
+                    f"{limit}: " + "; ".join(f"({i + 1}) {w}" for i, w in enumerate(losses))
+                ) from err
+            wait = min(float(t.restart_backoff_s) * 2 ** (len(losses) - 1), 300.0)
+            logger.error("run lost (%s); restart %d/%d from the newest checkpoint in %.0f s",
+                         losses[-1], len(losses), limit, wait)
+        await asyncio.sleep(wait)
+
+
+def _resuming(cfg):
+    """The config of a restart: the same, resuming from the run's newest checkpoint."""
+    import copy
+
+    from omegaconf import OmegaConf, open_dict
+
+    again = copy.deepcopy(cfg)
+    OmegaConf.set_readonly(again, False)
+    with open_dict(again):
+        again.trainer.resume_mode = "auto"
+    return again
+
+
+async def _run(cfg, val_only: bool, losses: list[str] = (), started: list = None) -> dict:
+    if not val_only and cfg.trainer.save_freq == -1 and not losses:
         logger.warning("trainer.save_freq=-1: this run saves no checkpoint; its weights are "
                        "lost when it ends (set trainer.save_freq to keep them)")
     r = await setup_run(cfg, val_only)
+    if started is not None:
+        started.append(True)
     failed = True
     try:
         pipeline = Pipeline(r.plan.ahead, r.plan.total_steps, cfg.trainer.test_freq,
@@ -157,6 +199,10 @@ async def _run(cfg, val_only: bool) -> dict:
                             critic=r.critic is not None, save_freq=cfg.trainer.save_freq,
                             sync_between_generations=cfg.trainer.sync_between_generations)
         d = Driver(r, pipeline)
+        if losses:
+            start = r.plan.start_step
+            pipeline.incident(start, "restart", f"restart {len(losses)} after: {losses[-1]}")
+            d.st.metrics.update(start, {"trainer/restarts": float(len(losses))})
         t0 = time.perf_counter()
         await d.main()
         await r.actor_wait()
@@ -165,7 +211,7 @@ async def _run(cfg, val_only: bool) -> dict:
             d.write_timeline(r.plan.total_steps - 1, cfg.trainer.timeline_freq)
         summary = {"steps": r.plan.total_steps, "start_step": r.plan.start_step,
                    "seconds": time.perf_counter() - t0, "validation": d.st.val_results,
-                   "incidents": len(pipeline.incidents)}
+                   "incidents": len(pipeline.incidents), "restarts": len(losses)}
         logger.info("run finished: %s", {k: v for k, v in summary.items() if k != "validation"})
         if len(d.st.val_results) > 1:
             logger.info("first vs last validation:\n%s", first_last_table(d.st.val_results))

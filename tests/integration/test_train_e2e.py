@@ -4,6 +4,7 @@ Each run is a subprocess (its own Ray instance) on a shared tiny model and synth
 """
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -306,20 +307,59 @@ def test_validation_only_mode(quickstart_assets, tmp_path):
     assert "actor model" not in out  # no trainer was started
 
 
-def test_partial_rollout_kill_resume_trains_every_prompt_once(quickstart_assets, tmp_path):
-    """Partial rollout caches unfinished groups; a run killed after a checkpoint and resumed
-    trains every prompt it drew exactly once (trained + still cached = drawn)."""
+def _kill_a_trainer_worker_after_a_checkpoint(proc, run_dir) -> tuple[str, int]:
+    """SIGKILL one actor/ref worker process of a Ray run once a checkpoint exists; wait for
+    the run to end by itself. (its output, exit status)"""
+    import threading
+
+    import psutil
+
+    lines = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    reader.start()
+    latest = run_dir / "megarl" / "t" / "latest_checkpointed_iteration.txt"
+    try:
+        deadline = time.time() + 300
+        while not latest.exists() and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.05)
+        workers = [p for p in psutil.Process(proc.pid).children(recursive=True)
+                   if "ray::MegatronActor" in " ".join(p.cmdline())]
+        assert workers and proc.poll() is None, "".join(lines)[-3000:]
+        workers[0].kill()
+        proc.wait(timeout=400)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        reader.join(timeout=30)
+    return "".join(lines), proc.returncode
+
+
+def test_a_lost_trainer_worker_restarts_the_run_which_trains_every_prompt_once(
+        quickstart_assets, tmp_path):
+    """`trainer.max_restarts=1`, with partial rollout (unfinished groups cached across steps
+    and checkpoints): a trainer worker SIGKILLed once a checkpoint exists. The same
+    `megarl train` restarts itself from its newest checkpoint and finishes: every prompt it
+    drew trained exactly once (trained + still cached = drawn), the restart a metric and an
+    incident. (A run killed as a whole and resumed by hand: test_kill_after_checkpoint_then_
+    resume.)"""
     extra = ["trainer.total_training_steps=8", "trainer.save_freq=2", "trainer.test_freq=-1",
              "trainer.val_before_train=False", "actor_rollout_ref.rollout.partial_rollout=True",
-             "actor_rollout_ref.rollout.over_sample_prompts=6"]
-    saved = kill_after_first_checkpoint(quickstart_assets, tmp_path, extra)
-    assert saved in (2, 4, 6), "the run should have been killed mid-way"
+             "actor_rollout_ref.rollout.over_sample_prompts=6", "trainer.max_restarts=1",
+             "trainer.restart_backoff_s=1"]
+    proc = megarl("train", _args(quickstart_assets, tmp_path, *extra), start_new_session=True)
+    out, code = _kill_a_trainer_worker_after_a_checkpoint(proc, tmp_path)
+    (tmp_path / "run.log").write_text(out)
+    assert code == 0, out[-4000:]
+    assert re.search(r"run lost \(.*\); restart 1/1 from the newest checkpoint in 1 s", out), \
+        out[-4000:]
+    saved = int(re.search(r"resuming after step (\d+) from", out)[1])
+    assert saved in (2, 4, 6), out[-4000:]
     state = json.loads((tmp_path / "megarl" / "t" / f"global_step_{saved}" /
                         "driver_state.json").read_text())
     assert state["partial"]["groups"], "the checkpoint should hold cached partial groups"
-    out = megarl("train", _args(quickstart_assets, tmp_path, *extra))
-    assert f"resuming after step {saved}" in out
     assert "cached prompt group(s) restored" in out
+    assert f"step {saved} restart: restart 1 after: " in out
+    assert scalars(tmp_path, "trainer/restarts") == {saved + 1: 1.0}
     steps = trained(tmp_path)
     assert sorted(steps) == list(range(8))
     uids = [u for k in range(8) for u in steps[k]]

@@ -1,0 +1,93 @@
+"""The restart policy of `megarl train` (trainer.max_restarts): which failures restart the run,
+how often, after how long, and what a run that keeps failing says. The run itself is replaced
+by a function that fails as a lost run does; the whole path (a Ray worker SIGKILLed, the run
+resuming from its checkpoint) is tests/integration/test_train_e2e.py::
+test_a_lost_trainer_worker_restarts_the_run_which_trains_every_prompt_once."""
+import asyncio
+
+import pytest
+
+from megarl.cluster.group import WorkerLost
+from megarl.config import ConfigError, load_config
+from megarl.controller import driver
+
+
+def _cfg(*overrides):
+    return load_config(None, ["trainer.restart_backoff_s=0.01", *overrides])
+
+
+def _fake_runs(monkeypatch, outcomes):
+    """`driver._run` stand-ins: each call takes the next outcome; an exception is raised
+    after (or, with "setup:", before) the set-up counts as done."""
+    calls = []
+
+    async def fake(cfg, val_only, losses=(), started=None):
+        calls.append({"resume_mode": cfg.trainer.resume_mode, "losses": list(losses)})
+        out = outcomes[len(calls) - 1]
+        if isinstance(out, tuple):  # ("setup", error): fails inside setup_run
+            raise out[1]
+        started.append(True)
+        if isinstance(out, BaseException):
+            raise out
+        return out
+
+    monkeypatch.setattr(driver, "_run", fake)
+    return calls
+
+
+def test_without_restarts_the_first_loss_is_the_error(monkeypatch):
+    lost = WorkerLost("actor rank 0 on host 10.0.0.2 (pid 7) was lost during train")
+    _fake_runs(monkeypatch, [lost])
+    with pytest.raises(WorkerLost) as e:
+        asyncio.run(driver._run_restarting(_cfg(), False))
+    assert e.value is lost
+
+
+def test_losses_restart_resuming_and_waits_grow(monkeypatch):
+    sleeps = []
+
+    async def sleep(s):
+        sleeps.append(s)
+    monkeypatch.setattr(driver.asyncio, "sleep", sleep)
+    calls = _fake_runs(monkeypatch, [WorkerLost("a"), RuntimeError("b"), {"steps": 8}])
+    cfg = _cfg("trainer.max_restarts=2", "trainer.resume_mode=disable",
+               "trainer.restart_backoff_s=3")
+    assert asyncio.run(driver._run_restarting(cfg, False)) == {"steps": 8}
+    # the first run as configured; restarts resume from the newest checkpoint
+    assert [c["resume_mode"] for c in calls] == ["disable", "auto", "auto"]
+    assert calls[2]["losses"] == ["WorkerLost: a", "RuntimeError: b"]
+    assert sleeps == [3.0, 6.0]
+    assert cfg.trainer.resume_mode == "disable"  # the user's config is left as it was
+
+
+def test_one_loss_past_the_limit_names_every_loss(monkeypatch):
+    _fake_runs(monkeypatch, [WorkerLost("first"), WorkerLost("second"),
+                             ("setup", TimeoutError("placement of 4 bundles"))])
+    with pytest.raises(RuntimeError) as e:
+        asyncio.run(driver._run_restarting(_cfg("trainer.max_restarts=2"), False))
+    msg = str(e.value)
+    assert msg.startswith("the run was lost 3 times, past trainer.max_restarts=2: ")
+    assert "(1) WorkerLost: first; (2) WorkerLost: second; (3) TimeoutError: placement" in msg
+
+
+def test_an_error_of_the_first_set_up_is_not_retried(monkeypatch):
+    calls = _fake_runs(monkeypatch, [("setup", ValueError("bad data.train_files")), {}])
+    with pytest.raises(ValueError):
+        asyncio.run(driver._run_restarting(_cfg("trainer.max_restarts=3"), False))
+    assert len(calls) == 1
+
+
+def test_validation_only_never_restarts(monkeypatch):
+    _fake_runs(monkeypatch, [WorkerLost("a"), {}])
+    with pytest.raises(WorkerLost):
+        asyncio.run(driver._run_restarting(_cfg("trainer.max_restarts=3"), True))
+
+
+def test_restarts_under_torchrun_are_refused_by_key():
+    with pytest.raises(ConfigError, match="trainer.max_restarts"):
+        _cfg("trainer.max_restarts=1", "trainer.launcher=torchrun")
+
+
+def test_a_negative_limit_is_refused_by_key():
+    with pytest.raises(ConfigError, match="trainer.max_restarts"):
+        _cfg("trainer.max_restarts=-1")
