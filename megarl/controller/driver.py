@@ -155,7 +155,8 @@ async def _run_restarting(cfg, val_only: bool) -> dict:
     while True:
         started = []  # set once the first set-up is done: later errors are losses
         try:
-            return await _run(cfg if not losses else _resuming(cfg), val_only, losses, started)
+            return await _run(cfg if not losses else _resuming(cfg), val_only, losses, started,
+                              keep_transport=len(losses) < limit)
         except Exception as err:
             if not limit or not (started or losses):
                 raise
@@ -184,7 +185,10 @@ def _resuming(cfg):
     return again
 
 
-async def _run(cfg, val_only: bool, losses: list[str] = (), started: list = None) -> dict:
+async def _run(cfg, val_only: bool, losses: list[str] = (), started: list = None,
+               keep_transport: bool = False) -> dict:
+    """One run. `keep_transport`: a failure is followed by a restart, which sets up again
+    over the same transport (under Ray, the same cluster connection: no second start-up)."""
     if not val_only and cfg.trainer.save_freq == -1 and not losses:
         logger.warning("trainer.save_freq=-1: this run saves no checkpoint; its weights are "
                        "lost when it ends (set trainer.save_freq to keep them)")
@@ -218,4 +222,4 @@ async def _run(cfg, val_only: bool, losses: list[str] = (), started: list = None
         failed = False
         return summary
     finally:
-        await r.close(failed=failed)
+        await r.close(failed=failed, keep_transport=failed and keep_transport)

@@ -48,9 +48,10 @@ class Run:
         if self.actor is not None and self.actor.sync_initialised:
             await self.actor.wait_weight_sync()
 
-    async def close(self, failed: bool = False) -> None:
-        """Release everything. After a failure the groups get little time each: a worker
-        still blocked on a host that is gone must not hold the run's exit."""
+    async def close(self, failed: bool = False, keep_transport: bool = False) -> None:
+        """Release everything (but the transport with `keep_transport`: a restart follows).
+        After a failure the groups get little time each: a worker still blocked on a host
+        that is gone must not hold the run's exit."""
         if self.manager is not None:
             await self.manager.close()
         for g in (self.actor, self.ref, self.critic, self.logp, self.rollout):
@@ -62,7 +63,7 @@ class Run:
         self.reward_pool.close()
         if self.agent is not None:
             self.agent.close()
-        if self.transport is not None:
+        if self.transport is not None and not keep_transport:
             self.transport.close()
 
 

@@ -290,12 +290,8 @@ def test_kill_after_checkpoint_then_resume(quickstart_assets, tmp_path):
         assert steps[k] == sorted(p.uid for p in loader.next_batch()), k
     assert len(scalars(tmp_path, "reward/mean")) >= 8 - saved - 1
     check_saves_overlap_generation(tmp_path, saved, 8, save_freq=2)
-    # validation-only on the run's latest checkpoint: the engines serve its weights (v8) and
-    # nothing is trained
-    trained_lines = len((run / "trained_prompts.jsonl").read_text().splitlines())
-    out = megarl("validate", _args(quickstart_assets, tmp_path, *extra))
-    assert "validation of weights v8: val/reward_mean=" in out
-    assert len((run / "trained_prompts.jsonl").read_text().splitlines()) == trained_lines
+    # (validation-only on a run's latest checkpoint, its weights served and nothing trained:
+    # test_slurm_launch.py::test_validate_job_serves_the_checkpoint_weights)
 
 
 def test_validation_only_mode(quickstart_assets, tmp_path):

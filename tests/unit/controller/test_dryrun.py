@@ -67,23 +67,51 @@ def test_qwen2_placement_servers_and_ranks(qwen2_out):
     assert out.count("megarl-weights-pp") == 1
 
 
-def test_qwen3_8b_plan_sends_every_tensor_transformers_has(capsys):
-    """configs/qwen3_8b_async.yaml: the dry run exits 0, and its plan names every parameter of
-    transformers' Qwen3-8B (q_norm / k_norm included) with its shape, and nothing else."""
+def _shipped_plan(capsys, config: str, model_json: str):
+    """Dry-run configs/`config` (it must exit 0): (its output, its ModelArgs, the planned
+    tensor shapes by name, transformers' parameters of configs/models/`model_json` on the
+    meta device)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = str(REPO / "configs" / "qwen3_8b_async.yaml")
-    assert main(["train", "--config", config, "--dry-run"]) == 0
+    path = str(REPO / "configs" / config)
+    assert main(["train", "--config", path, "--dry-run"]) == 0
     out = capsys.readouterr().out
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(
-            AutoConfig.from_pretrained(REPO / "configs" / "models" / "qwen3_8b.json"))
-    want = {n: tuple(p.shape) for n, p in model.named_parameters()}
-    a = ModelArgs.from_hf(dryrun.load_hf_config(load_config(config, []))[0])
+            AutoConfig.from_pretrained(REPO / "configs" / "models" / model_json))
+    a = ModelArgs.from_hf(dryrun.load_hf_config(load_config(path, []))[0])
+    planned = {s.name: s.shape for stage in dryrun.stage_specs(a, 1, "bfloat16")
+               for s in stage}
+    return out, a, planned, dict(model.named_parameters())
+
+
+def test_qwen3_8b_plan_sends_every_tensor_transformers_has(capsys):
+    """configs/qwen3_8b_async.yaml: the dry run exits 0, and its plan names every parameter of
+    transformers' Qwen3-8B (q_norm / k_norm included) with its shape, and nothing else."""
+    out, a, planned, params = _shipped_plan(capsys, "qwen3_8b_async.yaml", "qwen3_8b.json")
+    want = {n: tuple(p.shape) for n, p in params.items()}
     assert a.qk_norm and a.head_dim == 128 and not a.qkv_bias
-    specs = [s for stage in dryrun.stage_specs(a, 1, "bfloat16") for s in stage]
-    assert {s.name: s.shape for s in specs} == want
+    assert planned == want
     assert f"stage 0 (layers 0-35): {len(want)} tensors" in out
+    assert "trainer (logp+actor-train): TP4 × PP1 × DP4" in out
+
+
+def test_qwen3_30b_a3b_plan_sends_every_expert_stock_sglang_loads(capsys):
+    """configs/qwen3_30b_a3b_async.yaml (MoE, 128 experts): the dry run exits 0 and fits, and
+    its plan names every checkpoint tensor of transformers' Qwen3-30B-A3B with its shape:
+    the fused experts transformers holds, named per expert as checkpoints and stock SGLang
+    name them (megarl.rollout.weights.expert_views)."""
+    from megarl.rollout.weights import expert_views
+
+    out, a, planned, params = _shipped_plan(capsys, "qwen3_30b_a3b_async.yaml",
+                                            "qwen3_30b_a3b.json")
+    views = expert_views(params)
+    fused = {n for n, p in params.items() if p.dim() == 3}
+    want = {n: tuple(p.shape) for n, p in {**params, **views}.items() if n not in fused}
+    assert len(views) == 48 * 128 * 3 and len(fused) == 48 * 2
+    assert a.is_moe and a.num_experts == 128 and a.moe_topk == 8 and a.norm_topk_prob
+    assert planned == want
+    assert f"stage 0 (layers 0-47): {len(want)} tensors" in out
     assert "trainer (logp+actor-train): TP4 × PP1 × DP4" in out
 
 

@@ -21,7 +21,7 @@ def _fake_runs(monkeypatch, outcomes):
     after (or, with "setup:", before) the set-up counts as done."""
     calls = []
 
-    async def fake(cfg, val_only, losses=(), started=None):
+    async def fake(cfg, val_only, losses=(), started=None, keep_transport=False):
         calls.append({"resume_mode": cfg.trainer.resume_mode, "losses": list(losses)})
         out = outcomes[len(calls) - 1]
         if isinstance(out, tuple):  # ("setup", error): fails inside setup_run
