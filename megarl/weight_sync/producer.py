@@ -343,10 +343,15 @@ class WeightProducer:
         trainer, how many tensors were."""
         live = self.live()
         compared_with_trainer = {}
-        infos = self._all(live, lambda l: l.server_info(), "server_info")
-        got = self.engine_checksums()
+        infos = self._each(live, lambda l: l.server_info())
+        got = self._each(live, lambda l: l.checksums())
         others = []
         for link, info, sums in zip(live, infos, got):
+            failed = next((r for r in (info, sums) if isinstance(r, BaseException)), None)
+            if failed is not None:  # an engine that died since it took the version
+                self.mark_stale({link.name: f"weights_checker: "
+                                            f"{_why(failed, self.config.timeout_s)}"})
+                continue
             if not direct(info):
                 others.append((link, info, sums))
                 continue
@@ -381,7 +386,7 @@ class WeightProducer:
             logger.info("verify v%d: %d engines (%s, TP %s) hold equal weights", version,
                         len(members), device, tp)
         logger.info("weights v%d stage %d verified on %d engine(s)", version, self.stage,
-                    len(live))
+                    len(self.live()))
         return compared_with_trainer
 
     # -- sending ------------------------------------------------------------------------------

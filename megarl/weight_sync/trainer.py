@@ -80,6 +80,7 @@ class TrainerWeightSync:
         self._seq = 0
         self._pending = None  # version whose background delivery is not yet collected
         self._collected = None  # a delivery's stats collected by a refit, for the next sync
+        self._deferred = None  # ... or its failure
         self._published = None  # the newest version sent (sync), none before the first
         self._group_name, self._backend = group_name, backend
         if self.sender:
@@ -186,6 +187,9 @@ class TrainerWeightSync:
 
     def wait(self) -> SyncStats | None:
         """Collect the background delivery of the previous version on every stage."""
+        if self._deferred is not None:
+            err, self._deferred = self._deferred, None
+            raise err
         if self._pending is None:
             collected, self._collected = self._collected, None
             return collected
@@ -254,8 +258,13 @@ class TrainerWeightSync:
             return None
         t0 = time.perf_counter()
         if self.config.dual_buffer:
-            # the snapshot's own delivery first: an engine holds one update session at a time
-            self._collected = self.wait() or self._collected
+            # the snapshot's own delivery first: an engine holds one update session at a time.
+            # Its failure is the next sync's to raise, as without the refit.
+            try:
+                self._collected = self.wait() or self._collected
+            except Exception as e:  # noqa: BLE001 - raised again by the next sync / wait
+                self._deferred = e
+                raise
         self._seq += 1
         seq, stats, err, p = self._seq, SyncStats(version, self.stage), None, None
         if self.sender:
