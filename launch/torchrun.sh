@@ -13,6 +13,10 @@
 # the driver (docs/launch.md, "Multi-node torchrun"). The default rendezvous is `static`, which
 # honours NODE_RANK (node 0 hosts the driver and the store at MASTER_ADDR:MASTER_PORT);
 # `c10d` lets the rendezvous assign node ranks instead.
+#
+# Restarts: torchrun's `--max-restarts` is the config's `trainer.max_restarts` (read from
+# CONFIG and the overrides): when a process fails, every node's agent restarts its processes
+# and the run resumes from its newest checkpoint (docs/checkpoints.md).
 set -euo pipefail
 
 NNODES=${NNODES:-1}
@@ -23,7 +27,7 @@ NPROC_PER_NODE=${NPROC_PER_NODE:-1}
 RDZV_BACKEND=${RDZV_BACKEND:-static}
 PYTHON=${PYTHON:-python}
 
-usage() { sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+usage() { sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 
 while [[ $# -gt 0 ]]; do
   case "$1" in
@@ -52,11 +56,17 @@ HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 export PYTHONPATH="$HERE${PYTHONPATH:+:$PYTHONPATH}"
 export TOKENIZERS_PARALLELISM=${TOKENIZERS_PARALLELISM:-false}
 
+# One source for the restart limit: the config (a bad config fails here, before torchrun).
+MAX_RESTARTS=$("$PYTHON" -m megarl.cli config --config "$CONFIG" --get trainer.max_restarts \
+  trainer.launcher=torchrun trainer.nnodes="$NNODES" trainer.n_gpus_per_node="$NPROC_PER_NODE" \
+  "$@") \
+  || { echo "launch/torchrun.sh: the config does not load (above)" >&2; exit 2; }
+
 # The config overrides come last so the command line can still change anything.
 exec "$PYTHON" -m torch.distributed.run \
   --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node "$NPROC_PER_NODE" \
   --rdzv-backend "$RDZV_BACKEND" --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" \
-  --max-restarts 0 \
+  --max-restarts "$MAX_RESTARTS" \
   -m megarl.cli train --config "$CONFIG" \
   trainer.launcher=torchrun trainer.nnodes="$NNODES" trainer.n_gpus_per_node="$NPROC_PER_NODE" \
   "$@"

@@ -39,9 +39,22 @@ def subcommand(name: str, help: str, config: bool = True,
     return register
 
 
-@subcommand("config", "print the resolved, validated config as YAML")
+def _config_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--get", metavar="KEY",
+                        help="print only this dotted key's value (as launch scripts read one)")
+
+
+@subcommand("config", "print the resolved, validated config as YAML", flags=_config_flags)
 def _config(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
+    if args.get:
+        from omegaconf import OmegaConf
+
+        value = OmegaConf.select(cfg, args.get, default=_Abort)
+        if value is _Abort:
+            raise _Abort(f"megarl config --get: {args.get} is not a config key")
+        print(to_yaml(value).strip() if OmegaConf.is_config(value) else value)
+        return 0
     print(to_yaml(cfg), end="")
     return 0
 
@@ -67,7 +80,7 @@ def _train(args: argparse.Namespace) -> int:
         # Every process of the torchrun world lands here; rank 0 drives, the others serve it.
         from megarl.cluster import torchrun
 
-        return torchrun.main(cfg, lambda: _driver("train").run(cfg))
+        return torchrun.main(cfg, lambda life: _driver("train").run(cfg, life=life))
     _driver("train").run(cfg)
     return 0
 
@@ -80,7 +93,8 @@ def _validate(args: argparse.Namespace) -> int:
     if cfg.trainer.launcher == "torchrun":
         from megarl.cluster import torchrun
 
-        return torchrun.main(cfg, lambda: _driver("validate").run(cfg, val_only=True))
+        return torchrun.main(cfg, lambda life: _driver("validate").run(cfg, val_only=True,
+                                                                        life=life))
     _driver("validate").run(cfg, val_only=True)
     return 0
 

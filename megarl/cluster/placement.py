@@ -44,7 +44,7 @@ def init_ray(cfg) -> None:
 class DeviceGroup:
     """The devices of one task group, reserved as a Ray placement group."""
 
-    def __init__(self, plan: GroupPlan, device: str):
+    def __init__(self, plan: GroupPlan, device: str, timeout_s: float = 600.0):
         self.plan = plan
         self.device = device
         bundle = {"GPU": 1, "CPU": 1} if device == "cuda" else {"CPU": 1}
@@ -52,7 +52,14 @@ class DeviceGroup:
         # whole nodes of its own (the validated ratios make the counts whole).
         self.pg = placement_group([dict(bundle) for _ in range(plan.num_devices)],
                                   strategy="PACK", name=f"megarl-{plan.name}")
-        ray.get(self.pg.ready(), timeout=600)
+        try:
+            ray.get(self.pg.ready(), timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            remove_placement_group(self.pg)
+            raise TimeoutError(
+                f"group {plan.name}: {plan.num_devices} {device} device(s) not free within "
+                f"trainer.placement_timeout_s = {timeout_s:g} s (Ray's cluster: "
+                f"{ray.available_resources()})") from None
         logger.info("group %s: %d %s device(s) reserved", plan.name, plan.num_devices, device)
 
     @property
@@ -102,9 +109,10 @@ class RayTransport(Transport):
 
     def __init__(self, cfg):
         init_ray(cfg)
+        self.placement_timeout_s = float(cfg.trainer.placement_timeout_s)
 
     def devices(self, plan: GroupPlan, device: str) -> DeviceGroup:
-        return DeviceGroup(plan, device)
+        return DeviceGroup(plan, device, self.placement_timeout_s)
 
     def spawn(self, kind, devices, index, share, tag, *args, **kwargs):
         return _SHELLS[kind].options(**devices.options(index, share)).remote(*args, **kwargs)

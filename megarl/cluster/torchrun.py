@@ -15,10 +15,22 @@ run concurrently. Nothing here touches the default process group of the torchrun
 actor rank's default group must be its *model's* world (Megatron's parallel_state assumes so),
 which `MegatronRank.setup` creates on its own address and port, exactly as under Ray.
 
+Restarts (`trainer.max_restarts`, torchrun's `--max-restarts`): torchrun's agent restarts a
+node's processes when one of them fails; each try is a *life* (TORCHELASTIC_RESTART_COUNT). A
+life's keys live under its own prefix, so nothing of a dead life is read by the next, except
+its records (`megarl/<run id>/life/<n>/`, in the agents' store, which outlives the workers):
+which ranks checked in (host, pid), whether the set-up finished, rank 0's account of the
+failure and each rank's last word. Every rank of a failed life exits non-zero, so every node's
+agent restarts its ranks and the nodes stay in the same life; a rank that sees a newer life
+begin leaves at once. Rank 0 of the next life waits until every rank has checked in (a host
+that was cut off may come back), reads the records into the losses the driver reports, and
+resumes from the newest checkpoint.
+
 Deliberately left out: fractional device shares (all models placed on a device live in one
 process; an actor and a reference model on the same ranks share its parallel state and so need
-the same TP×PP), restarting failed ranks, and Ray's placement groups. Batches travel through
-the store, which suits control-sized data; weights travel on the weight-sync group as usual.
+the same TP×PP), elastic membership (a restart needs every node back: the placement is static),
+and Ray's placement groups. Batches travel through the store, which suits control-sized data;
+weights travel on the weight-sync group as usual.
 """
 from __future__ import annotations
 
@@ -28,12 +40,13 @@ import datetime
 import logging
 import os
 import pickle
+import signal
 import sys
 import threading
 import time
 import traceback
 
-from megarl.utils.errors import ConfigError
+from megarl.utils.errors import ConfigError, lost_too_often
 from megarl.utils.net import route_address
 
 from .actors import MegatronRank, RolloutRank, ServerRank, on_torchrun_node
@@ -46,6 +59,8 @@ _CONTROL: "Control | None" = None   # this process's link to the others, set by 
 # A rank whose heartbeat has not moved for this long is taken for dead: rank 0 fails the calls
 # waiting on it, and the other ranks leave when rank 0 goes quiet (no rank hangs for ever).
 HEARTBEAT_ENV = "MEGARL_TORCHRUN_HEARTBEAT_S"
+# A rank's last word when its agent stops it because another rank of its node failed.
+STOPPED = "stopped by its torchrun agent (SIGTERM)"
 
 
 class RemoteError(RuntimeError):
@@ -98,16 +113,29 @@ class Control:
         if local is not None and int(local) != t.n_gpus_per_node:
             raise ConfigError(f"trainer.n_gpus_per_node={t.n_gpus_per_node} but torchrun "
                               f"started {local} processes on this node (--nproc-per-node)")
+        agent_max = os.environ.get("TORCHELASTIC_MAX_RESTARTS")
+        if agent_max is not None and int(agent_max) != t.max_restarts:
+            raise ConfigError(
+                f"trainer.max_restarts={t.max_restarts} but torchrun was started with "
+                f"--max-restarts {agent_max}: the agent restarts the processes, so the two must "
+                "agree (launch/torchrun.sh passes the key's value)")
+        self.max_restarts, self.placement_timeout_s = t.max_restarts, t.placement_timeout_s
+        self.life = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         self.master = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
         # With the agent's store, torchrun would make *every* env:// init_process_group a
         # client of that store; the model worlds host their own stores, so turn it off here.
         agent_store = os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None) == "True"
         self._host_store = not agent_store and self.rank == 0
-        self._prefix = "megarl/{}/{}/".format(os.environ.get("TORCHELASTIC_RUN_ID", "run"),
-                                              os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        run_id = os.environ.get("TORCHELASTIC_RUN_ID", "run")
+        self._prefix = f"megarl/{run_id}/{self.life}/"
+        self._records = f"megarl/{run_id}/life/"
         self.store = self._connect(self._host_store)
+        self.records = self._connect(prefix=self._records)
         self.node_ip = route_address(self.master[0])
         self.store.set(f"node/{self.rank}", self.node_ip)  # for messages that name a host
+        self._say(f"rank/{self.rank}", f"host {self.node_ip}, pid {os.getpid()}")
+        self.records.add(f"{self.life}/joined", 1)
+        self.losses: list[str] = []  # rank 0: what ended each earlier life (`join`)
         self._hosts: dict[int, str] = {}
         self.objects: dict = {}
         # rank 0 only: its own share of every call runs on one thread, in call order.
@@ -126,14 +154,90 @@ class Control:
         self._dead: set[int] = set()
         threading.Thread(target=self._beat, daemon=True, name="megarl-heartbeat").start()
 
-    def _connect(self, host: bool = False):
+    def _connect(self, host: bool = False, prefix: str | None = None):
         """A store client. Every blocking user gets its own: a TCPStore client serialises its
         operations, so a waiter would otherwise hold up every other caller."""
         import torch.distributed as dist
 
         store = dist.TCPStore(self.master[0], self.master[1], is_master=host,
                               timeout=datetime.timedelta(seconds=600))
-        return dist.PrefixStore(self._prefix, store)
+        return dist.PrefixStore(prefix or self._prefix, store)
+
+    # ---------------------------------------------------------------- lives and their records
+    def _say(self, what: str, text: str, life: int | None = None) -> None:
+        """Record `what` (rank/<r>, started, loss, end/<r>) of this life; best effort, for
+        the next life's account of this one (the store may be unreachable already)."""
+        try:
+            self.records.set(f"{self.life if life is None else life}/{what}", text)
+        except Exception as err:  # noqa: BLE001 - a record, not the run
+            logger.debug("rank %d: could not record %s: %s", self.rank, what, err)
+
+    def _record(self, life: int, what: str) -> str | None:
+        key = f"{life}/{what}"
+        return self.records.get(key).decode() if self.records.check([key]) else None
+
+    def what_ended(self, life: int) -> str:
+        """An earlier life's loss as its records tell it: rank 0's account of the failure,
+        and every rank that left no last word (a SIGKILL, a crash, a host lost)."""
+        words, loss = [], self._record(life, "loss")
+        if loss:
+            words.append(loss)
+        joined = {r: self._record(life, f"rank/{r}") for r in range(self.world)}
+        silent = [r for r, who in joined.items()
+                  if who and self._record(life, f"end/{r}") is None]
+        if silent:
+            who = "; ".join(f"rank {r} ({joined[r]})" for r in silent)
+            words.append(f"no word from {who}: killed, or its host lost")
+        never = [r for r, who in joined.items() if not who]
+        if not words and never:  # stopped while starting, if nothing else explains the loss
+            words.append(f"rank(s) {never} never checked in (did not start, or died starting)")
+        if not words:
+            ends = [(r, self._record(life, f"end/{r}")) for r in range(self.world)]
+            words = [f"rank {r}: {e}" for r, e in ends if e != STOPPED] or [f"every rank {STOPPED}"]
+        return "; ".join(words)
+
+    def newer_life(self) -> list[int]:
+        """Ranks that checked in to the next life: their node's agent restarted them, so this
+        life is over."""
+        if self.records.add(f"{self.life + 1}/joined", 0) == 0:
+            return []
+        return [r for r in range(self.world) if self._record(self.life + 1, f"rank/{r}")]
+
+    def join(self) -> None:
+        """Rank 0, before the driver: wait until every rank of this life has checked in (after
+        a restart, a host that was cut off may be coming back), then read what ended the
+        earlier lives."""
+        deadline = time.monotonic() + self.placement_timeout_s
+        while (n := self.records.add(f"{self.life}/joined", 0)) < self.world:
+            if time.monotonic() > deadline:
+                missing = [r for r in range(self.world)
+                           if not self._record(self.life, f"rank/{r}")]
+                raise TimeoutError(
+                    f"torchrun life {self.life}: {n} of {self.world} ranks checked in within "
+                    f"trainer.placement_timeout_s = {self.placement_timeout_s:g} s; missing: "
+                    f"ranks {missing} (their nodes' torchrun did not start them again)")
+            time.sleep(0.1)
+        self.losses = [self.what_ended(k) for k in range(self.life)]
+        if self.life and self._record(0, "started") is None:
+            # as under Ray: a run whose first set-up failed (a config, a path) is not retried
+            raise RuntimeError(f"the run's first set-up failed; not retried: {self.losses[0]}")
+
+    def started(self) -> None:
+        """The driver's set-up is done: a failure from here on is a loss to restart from."""
+        self._say("started", "1")
+
+    def _stopped(self, signum, frame) -> None:
+        """SIGTERM: the agent stops this node's ranks (another failed) or the job is
+        cancelled. Say so, and, on the last life, name every loss: nothing runs after it."""
+        self._say(f"end/{self.rank}", STOPPED)
+        if self.rank == 0 and self.max_restarts and self.life >= self.max_restarts:
+            time.sleep(1.0)  # the others' last words, sent at the same moment
+            try:
+                logger.error("%s", lost_too_often([*self.losses, self.what_ended(self.life)],
+                                                  self.max_restarts))
+            except Exception:  # noqa: BLE001 - the store may be gone with the failure
+                logger.error("%s", lost_too_often([*self.losses, STOPPED], self.max_restarts))
+        _leave(128 + signum)
 
     def _beat(self) -> None:
         try:
@@ -155,13 +259,15 @@ class Control:
         return self._hosts[rank]
 
     def _silent(self, store, rank: int) -> bool:
-        """Whether `rank`'s heartbeat has stood still for `heartbeat_s` (on this clock)."""
+        """Whether `rank`'s heartbeat has stood still for `heartbeat_s` (on this clock); one
+        that never beat yet (its process is still starting: a restarted node's ranks come up
+        when their agent restarts them) gets `placement_timeout_s`."""
         count, now = store.add(f"beat/{rank}", 0), time.monotonic()
         seen = self._seen.get(rank)
         if seen is None or seen[0] != count:
             self._seen[rank] = (count, now)
             return False
-        return now - seen[1] > self.heartbeat_s
+        return now - seen[1] > (self.heartbeat_s if count else self.placement_timeout_s)
 
     # ---------------------------------------------------------------- rank 0: calling
     def call(self, rank: int, name: str, method: str, *args, **kwargs) -> cf.Future:
@@ -214,6 +320,12 @@ class Control:
             time.sleep(nap)
 
     def _fail_silent(self, store, keys: list[str]) -> None:
+        restarted = self.newer_life()
+        if restarted and not self.lost.done():
+            hosts = sorted({self.host_of(r) for r in restarted})
+            self.lost.set_exception(RankLost(
+                f"rank(s) {restarted} on host(s) {', '.join(hosts)} were restarted by their "
+                "node's torchrun (a rank there failed)"))
         for rank in set(range(self.world)) - {self.rank} - self._dead:
             if not self._silent(store, rank):
                 continue
@@ -230,9 +342,12 @@ class Control:
             if not self.lost.done():
                 self.lost.set_exception(RankLost(f"{gone} (host down, cut off or killed)"))
 
-    def release(self, timeout_s: float = 120.0) -> None:
-        """Tell every other rank to leave its loop, and wait until each has."""
-        acks = [self.call(r, "", "__exit__") for r in range(self.world) if r != self.rank]
+    def release(self, timeout_s: float = 120.0, failed: bool = False) -> None:
+        """Tell every other rank to leave its loop, and wait until each has. After a failure
+        they exit non-zero, so that every node's agent restarts its ranks (a node whose
+        ranks all succeeded would leave the run)."""
+        acks = [self.call(r, "", "__exit__", failed) for r in range(self.world)
+                if r != self.rank]
         done, late = cf.wait(acks, timeout=timeout_s)
         if late:
             logger.warning("%d rank(s) did not acknowledge the end of the run", len(late))
@@ -240,10 +355,13 @@ class Control:
         self._local.shutdown(wait=False)
 
     # ---------------------------------------------------------------- other ranks: serving
-    def serve(self) -> None:
-        """Execute rank 0's commands in order until it says the run is over."""
-        seq = 0
-        logger.info("rank %d/%d serving (node %s)", self.rank, self.world, self.node_ip)
+    def serve(self) -> bool:
+        """Execute rank 0's commands in order until it says the run is over; whether the run
+        failed. Commands run on a thread of their own, so this (main) thread keeps watching
+        rank 0 and takes SIGTERM while a long command runs."""
+        seq, work = 0, cf.ThreadPoolExecutor(1, thread_name_prefix=f"megarl-rank{self.rank}")
+        logger.info("rank %d/%d serving (node %s, life %d)", self.rank, self.world,
+                    self.node_ip, self.life)
         while True:
             key = f"cmd/{self.rank}/{seq}"
             # Poll rather than block in `wait`, so a rank 0 that vanished is noticed (and
@@ -254,23 +372,37 @@ class Control:
                 nap = min(0.05, nap * 1.5)
                 if time.monotonic() - checked > 1.0:
                     checked = time.monotonic()
-                    if self._silent(self.store, 0):
-                        raise RuntimeError(f"rank {self.rank}: rank 0 (the driver) has had no "
-                                           f"heartbeat for {self.heartbeat_s:.0f} s; leaving")
+                    self._check_driver()
             msg = pickle.loads(self.store.get(key))
             self.store.delete_key(key)
             if msg[1] == "__exit__":
                 self.store.set(f"res/{self.rank}/{seq}", pickle.dumps(("ok", None)))
+                failed = bool(msg[2] and msg[2][0])
                 break
+            fut = work.submit(_execute, self.objects, msg)
+            while not cf.wait([fut], timeout=1.0).done:
+                self._check_driver()
             try:
-                out = ("ok", _execute(self.objects, msg))
+                out = ("ok", fut.result())
             except Exception:  # noqa: BLE001 - the failure belongs to rank 0's caller
                 logger.exception("rank %d: %s.%s failed", self.rank, msg[0], msg[1])
                 out = ("error", traceback.format_exc())
             self.store.set(f"res/{self.rank}/{seq}", pickle.dumps(out, pickle.HIGHEST_PROTOCOL))
             seq += 1
         self._stop.set()
-        logger.info("rank %d: run over", self.rank)
+        work.shutdown(wait=False)
+        logger.info("rank %d: run over%s", self.rank, " (it failed)" if failed else "")
+        return failed
+
+    def _check_driver(self) -> None:
+        """Raise when this rank should leave: rank 0 silent, or a newer life begun."""
+        if self._silent(self.store, 0):
+            raise RuntimeError(f"rank {self.rank}: rank 0 (the driver) has had no heartbeat for "
+                               f"{self.heartbeat_s:.0f} s; leaving")
+        restarted = self.newer_life()
+        if restarted:
+            raise RuntimeError(f"rank {self.rank}: rank(s) {restarted} began life "
+                               f"{self.life + 1} of the run (their node restarted them); leaving")
 
 
 def _control() -> Control:
@@ -288,34 +420,55 @@ def _leave(code: int) -> None:
     os._exit(code)
 
 
+def _brief(err: BaseException) -> str:
+    """`Type: message` on one line (a remote failure's message carries a whole traceback:
+    its first and last lines say what failed and why)."""
+    lines = f"{type(err).__name__}: {err}".strip().splitlines()
+    return lines[0] if len(lines) < 3 else f"{lines[0]} ... {lines[-1].strip()}"
+
+
 def main(cfg, run_driver) -> int:
-    """`megarl train` under torchrun: rank 0 runs `run_driver()`, the others serve it."""
+    """`megarl train` under torchrun: rank 0 runs `run_driver(life)`, the others serve it.
+    `life` (this Control) tells the driver the earlier lives' losses and hears when the
+    set-up is done."""
     global _CONTROL
     _CONTROL = ctl = Control(cfg)
+    signal.signal(signal.SIGTERM, ctl._stopped)
     on_torchrun_node(ctl.node_ip)  # the per-rank objects bind and name this node's address
     if ctl.rank != 0:
         try:
-            ctl.serve()
-        except Exception:
+            failed = ctl.serve()
+        except Exception as err:
             # rank 0 is gone or cannot be reached: nothing will ever call this rank again, and
             # its servers' threads must not keep it alive
             logger.exception("rank %d on host %s: lost the driver (rank 0 at %s:%d); leaving",
                              ctl.rank, ctl.node_ip, *ctl.master)
+            ctl._say(f"end/{ctl.rank}", _brief(err))
+            _leave(1)
+        ctl._say(f"end/{ctl.rank}", "failed with the run" if failed else "done")
+        if failed:
             _leave(1)
         return 0
     try:
-        run_driver()
-    except ConfigError:  # said in one line by the command line; nothing is stuck yet
-        ctl.release()
+        ctl.join()
+        run_driver(ctl)
+    except ConfigError as err:  # said in one line by the command line; nothing is stuck yet
+        ctl._say("loss", _brief(err))
+        ctl._say("end/0", "failed")
+        ctl.release(failed=True)
         raise
-    except Exception:
+    except Exception as err:
         # The run failed. Threads still blocked on a host that is gone (a weight delivery,
         # an engine call) would hold this process's exit for their whole timeouts: report,
         # let the other ranks go, and leave now. The servers this rank started die with it
-        # (PR_SET_PDEATHSIG); torchrun sees the failure in the exit status.
+        # (PR_SET_PDEATHSIG); torchrun sees the failure in the exit status and, with
+        # restarts left, starts the next life.
         logger.exception("rank 0: the run failed")
-        ctl.release(timeout_s=10.0)
+        ctl._say("loss", _brief(err))
+        ctl._say("end/0", "failed")
+        ctl.release(timeout_s=10.0, failed=True)
         _leave(1)
+    ctl._say("end/0", "done")
     ctl.release()
     return 0
 

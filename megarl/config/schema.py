@@ -217,6 +217,7 @@ RANGES: Dict[str, Range] = {
     "trainer.max_actor_ckpt_to_keep": POSITIVE,
     "trainer.max_restarts": NON_NEGATIVE,
     "trainer.restart_backoff_s": NON_NEGATIVE,
+    "trainer.placement_timeout_s": POSITIVE,
     "trainer.seed": SEED,
 }
 
@@ -747,11 +748,16 @@ class TrainerConfig:
     """Checkpoint to resume from when resume_mode is resume_path."""
     max_restarts: int = 0
     """How many times a run that loses a worker, an engine it cannot replace or a host
-    restarts itself from its newest checkpoint (Ray launcher); 0 stops at the first loss.
-    A restart resumes as `resume_mode=auto` does: every prompt is still trained once."""
+    restarts itself from its newest checkpoint; 0 stops at the first loss. A restart
+    resumes as `resume_mode=auto` does: every prompt is still trained once. Under Ray the
+    run restarts in its own process; under torchrun the agent restarts the processes
+    (`launch/torchrun.sh` passes this as `--max-restarts`)."""
     restart_backoff_s: float = 10.0
     """Wait before restart n: this × 2^(n-1), at most 300 s (a host that went away may come
     back; Ray needs to see a dead node as dead)."""
+    placement_timeout_s: float = 600.0
+    """How long a run waits for its devices: Ray's placement groups, or under torchrun every
+    rank of the launch checking in (after a restart: the ranks of a host coming back)."""
     seed: int = 1
     """Global seed (sampling, init); below 2**31 so every RNG it reaches takes it."""
 

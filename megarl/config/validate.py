@@ -200,10 +200,6 @@ def _check_actor(cfg: DictConfig, actor: DictConfig) -> None:
 def _check_trainer(t: DictConfig, data: DictConfig) -> None:
     if t.val_only and not data.val_files:
         raise ConfigError("trainer.val_only: nothing to validate, data.val_files is not set")
-    if t.max_restarts > 0 and t.launcher == "torchrun":
-        raise ConfigError("trainer.max_restarts: a run restarts itself under "
-                          "trainer.launcher=ray only; under torchrun a lost rank ends the run "
-                          "(resume it with the same command)")
     if t.resume_mode == "resume_path" and not t.resume_from_path:
         raise ConfigError("trainer.resume_from_path: required when trainer.resume_mode="
                           "resume_path")

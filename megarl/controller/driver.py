@@ -15,6 +15,7 @@ import logging
 import time
 
 from megarl.config import plan_task_groups
+from megarl.utils.errors import lost_too_often
 from megarl.observability.metrics import pipeline_step_metrics
 from megarl.observability.timeline import render_png, write_chrome_trace
 
@@ -27,7 +28,7 @@ from .validation import first_last_table
 logger = logging.getLogger(__name__)
 
 
-def _describe(err: BaseException) -> str:
+def describe(err: BaseException) -> str:
     """`Type: message` of a failed state's error; for an error a Ray worker raised, of the
     worker's own exception (Ray's wrapper adds a banner and the remote traceback)."""
     cause = getattr(err, "cause", None)
@@ -60,13 +61,13 @@ class Driver:
                 if lost is not None and lost in finished:
                     doing = ", ".join(str(a) for a in running.values())
                     logger.error("a rank was lost while %s ran: %s", doing,
-                                 _describe(lost.exception()))
+                                 describe(lost.exception()))
                     raise RuntimeError(f"{lost.exception()}; in flight: {doing}")
                 for t in finished:
                     action = running.pop(t)
                     err = None if t.cancelled() else t.exception()
                     if err is not None:  # a failed state fails the run
-                        logger.error("%s failed: %s", action, _describe(err))
+                        logger.error("%s failed: %s", action, describe(err))
                     t.result()  # ... with its own traceback
                     pipeline.finish(action)
                     self.after(action)
@@ -139,9 +140,21 @@ class Driver:
         logger.debug("timeline written: %s, %s", trace, png)
 
 
-def run(cfg, val_only: bool = False) -> dict:
-    """Entry point of `megarl train` / `megarl validate`; returns a small summary."""
-    return asyncio.run(_run_restarting(cfg, val_only or cfg.trainer.val_only))
+def run(cfg, val_only: bool = False, life=None) -> dict:
+    """Entry point of `megarl train` / `megarl validate`; returns a small summary.
+
+    `life`: under torchrun, this life of the launch (`cluster/torchrun.py`: `.losses`, what
+    ended each earlier one, and `.started()`): torchrun's agent restarts the processes. None
+    where megarl restarts the run itself, in this process (Ray)."""
+    val_only = val_only or cfg.trainer.val_only
+    if life is None:
+        return asyncio.run(_run_restarting(cfg, val_only))
+    return asyncio.run(_run_restarted(cfg, val_only, life))
+
+
+def restart_wait_s(cfg, n: int) -> float:
+    """The wait before restart n (1-based): `restart_backoff_s` doubling, at most 300 s."""
+    return min(float(cfg.trainer.restart_backoff_s) * 2 ** (n - 1), 300.0)
 
 
 async def _run_restarting(cfg, val_only: bool) -> dict:
@@ -149,27 +162,42 @@ async def _run_restarting(cfg, val_only: bool) -> dict:
     `trainer.max_restarts` times. A restart is a new set-up (workers, engines, weight sync)
     resuming as `resume_mode=auto` does, into the same run directory and TensorBoard
     history; an error of the first set-up (a config, a path) is never retried."""
-    t = cfg.trainer
-    limit = 0 if val_only else int(t.max_restarts)
+    limit = 0 if val_only else int(cfg.trainer.max_restarts)
     losses: list[str] = []
     while True:
         started = []  # set once the first set-up is done: later errors are losses
         try:
-            return await _run(cfg if not losses else _resuming(cfg), val_only, losses, started,
-                              keep_transport=len(losses) < limit)
+            return await _run(cfg if not losses else _resuming(cfg), val_only, losses,
+                              lambda: started.append(True), keep_transport=len(losses) < limit)
         except Exception as err:
             if not limit or not (started or losses):
                 raise
-            losses.append(_describe(err))
+            losses.append(describe(err))
             if len(losses) > limit:
-                raise RuntimeError(
-                    f"the run was lost {len(losses)} times, past trainer.max_restarts="
-                    f"{limit}: " + "; ".join(f"({i + 1}) {w}" for i, w in enumerate(losses))
-                ) from err
-            wait = min(float(t.restart_backoff_s) * 2 ** (len(losses) - 1), 300.0)
+                raise RuntimeError(lost_too_often(losses, limit)) from err
+            wait = restart_wait_s(cfg, len(losses))
             logger.error("run lost (%s); restart %d/%d from the newest checkpoint in %.0f s",
                          losses[-1], len(losses), limit, wait)
         await asyncio.sleep(wait)
+
+
+async def _run_restarted(cfg, val_only: bool, life) -> dict:
+    """One life of a run whose processes torchrun's agent restarts (`--max-restarts`, set
+    from `trainer.max_restarts`): after `losses`, it waits as a restart in this process
+    would, then resumes from the newest checkpoint. The life after the last allowed one is
+    never started by the agent, so the last life names every loss when it fails."""
+    limit, losses = (0 if val_only else int(cfg.trainer.max_restarts)), list(life.losses)
+    if losses:
+        wait = restart_wait_s(cfg, len(losses))
+        logger.error("run lost (%s); restart %d/%d from the newest checkpoint in %.0f s",
+                     losses[-1], len(losses), limit, wait)
+        await asyncio.sleep(wait)
+    try:
+        return await _run(cfg if not losses else _resuming(cfg), val_only, losses, life.started)
+    except Exception as err:
+        if limit and len(losses) >= limit:
+            raise RuntimeError(lost_too_often([*losses, describe(err)], limit)) from err
+        raise
 
 
 def _resuming(cfg):
@@ -185,16 +213,17 @@ def _resuming(cfg):
     return again
 
 
-async def _run(cfg, val_only: bool, losses: list[str] = (), started: list = None,
+async def _run(cfg, val_only: bool, losses: list[str] = (), on_started=None,
                keep_transport: bool = False) -> dict:
-    """One run. `keep_transport`: a failure is followed by a restart, which sets up again
-    over the same transport (under Ray, the same cluster connection: no second start-up)."""
+    """One run; `on_started()` once its set-up is done. `keep_transport`: a failure is
+    followed by a restart, which sets up again over the same transport (under Ray, the same
+    cluster connection: no second start-up)."""
     if not val_only and cfg.trainer.save_freq == -1 and not losses:
         logger.warning("trainer.save_freq=-1: this run saves no checkpoint; its weights are "
                        "lost when it ends (set trainer.save_freq to keep them)")
     r = await setup_run(cfg, val_only)
-    if started is not None:
-        started.append(True)
+    if on_started is not None:
+        on_started()
     failed = True
     try:
         pipeline = Pipeline(r.plan.ahead, r.plan.total_steps, cfg.trainer.test_freq,

@@ -232,3 +232,97 @@ def test_sglang_backend_under_torchrun(quickstart_assets, tmp_path):
     assert "(sglang)" in out and "world 3, rank offsets [1]" in out
     assert _trained_steps(tmp_path) == [0, 1, 2]
     assert (tmp_path / "megarl" / "t" / "logs" / "rollout-0.log").exists()
+
+
+# ------------------------------------------------------------------ restarts (one node)
+def _restarting(assets, run_dir, steps, port, max_restarts):
+    """`launch/torchrun.sh` on one node, three ranks: the driver and DP rank 0 of the
+    trainer (rank 0), the trainer's DP rank 1 (rank 1), the engine (rank 2); a checkpoint
+    every two steps; `trainer.max_restarts` as given (the script hands it to torchrun)."""
+    env = dict(os.environ, NNODES="1", NODE_RANK="0", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(port), NPROC_PER_NODE="3", OMP_NUM_THREADS="1",
+               PYTHON=sys.executable, **NO_RAY)
+    overrides = _overrides(assets, run_dir, steps)[:-2] + [
+        "trainer.save_freq=2", f"trainer.max_restarts={max_restarts}",
+        "trainer.restart_backoff_s=1",
+        "trainer.separated_node_tasks=[[logp,actor-train,ref_logp],[generate]]",
+        "trainer.separated_node_ratios=[0.6666666666666666,0.3333333333333333]"]
+    log = open(run_dir / "node0.log", "w")
+    proc = subprocess.Popen(["bash", str(SCRIPT), str(ROOT / "configs" / "quickstart.yaml"),
+                             *overrides], env=env, stdout=log, stderr=subprocess.STDOUT,
+                            cwd=run_dir, start_new_session=True)
+    log.close()
+    return proc
+
+
+def _kill_rank(proc, rank: int, life: int, when, timeout=240) -> int:
+    """SIGKILL torchrun's rank `rank` of life `life` once `when()` holds; its pid."""
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None:
+        if when():
+            for q in _tree(proc):
+                try:
+                    env = q.environ()
+                except (psutil.NoSuchProcess, psutil.AccessDenied):
+                    continue
+                if env.get("RANK") == str(rank) and \
+                        env.get("TORCHELASTIC_RESTART_COUNT") == str(life):
+                    q.kill()
+                    return q.pid
+        time.sleep(0.05)
+    raise AssertionError(f"rank {rank} of life {life} was never there to kill "
+                         f"(exit {proc.poll()})")
+
+
+def test_a_trainer_rank_killed_twice_restarts_the_run_which_trains_exactly(quickstart_assets,
+                                                                           tmp_path):
+    """trainer.max_restarts=2 under torchrun: a trainer rank (not the driver's) SIGKILLed
+    after the checkpoint of step 2 and again after that of step 4. Each time torchrun's agent
+    restarts the node's processes and the run resumes from its newest checkpoint; it finishes
+    by itself, each step's batch the one an uninterrupted run draws, and each restart says
+    which rank was lost (its host and pid)."""
+    from megarl.utils.launch import free_port
+
+    from test_train_e2e import fresh_loader, trained
+
+    proc = _restarting(quickstart_assets, tmp_path, 8, free_port(), 2)
+    latest = tmp_path / "megarl" / "t" / "latest_checkpointed_iteration.txt"
+    pids = [_kill_rank(proc, 1, life, lambda: latest.exists() and
+                       int(latest.read_text()) >= 2 * (life + 1)) for life in (0, 1)]
+    code = proc.wait(timeout=300)
+    log = (tmp_path / "node0.log").read_text()
+    assert code == 0, log[-5000:]
+    for n, pid in enumerate(pids, 1):
+        assert re.search(rf"run lost \(no word from rank 1 \(host 127\.0\.0\.1, pid {pid}\): "
+                         rf"killed, or its host lost\); restart {n}/2 from the newest "
+                         rf"checkpoint in {n} s", log), log[-5000:]
+        assert f"rank 1/3 serving (node 127.0.0.1, life {n})" in log
+    assert re.findall(r"resuming after step (\d+) from", log) == ["2", "4"], log[-5000:]
+    assert _scalars(tmp_path, "trainer/restarts") == {3: 1.0, 5: 2.0}
+    steps = trained(tmp_path)
+    loader = fresh_loader(quickstart_assets)
+    assert sorted(steps) == list(range(8))
+    for k in range(8):  # the last record of each step: what the final weights trained on
+        assert steps[k] == sorted(p.uid for p in loader.next_batch()), k
+
+
+def test_a_third_loss_past_max_restarts_2_stops_naming_all_three(quickstart_assets, tmp_path):
+    """The same rank SIGKILLed three times with trainer.max_restarts=2 (the first time once a
+    step has trained, then each restart during its set-up): the agent gives up and the last
+    life's driver names every loss, in order."""
+    from megarl.utils.launch import free_port
+
+    proc = _restarting(quickstart_assets, tmp_path, 40, free_port(), 2)
+    log = tmp_path / "node0.log"
+    pids = [_kill_rank(proc, 1, 0, lambda: "step 1/40" in log.read_text())]
+    for life in (1, 2):
+        pids.append(_kill_rank(proc, 1, life, lambda: f"rank 1/3 serving (node 127.0.0.1, "
+                                                      f"life {life})" in log.read_text()))
+    code = proc.wait(timeout=120)
+    text = log.read_text()
+    assert code not in (None, 0), text[-4000:]
+    lost = [f"({n}) no word from rank 1 (host 127.0.0.1, pid {pid}): killed, or its host lost"
+            for n, pid in enumerate(pids, 1)]
+    assert "the run was lost 3 times, past trainer.max_restarts=2: " + "; ".join(lost) in text, \
+        text[-4000:]
+    assert "step 40/40" not in text

@@ -303,9 +303,10 @@ def test_validation_only_mode(quickstart_assets, tmp_path):
     assert "actor model" not in out  # no trainer was started
 
 
-def _kill_a_trainer_worker_after_a_checkpoint(proc, run_dir) -> tuple[str, int]:
-    """SIGKILL one actor/ref worker process of a Ray run once a checkpoint exists; wait for
-    the run to end by itself. (its output, exit status)"""
+def _kill_a_trainer_worker_after_checkpoints(proc, run_dir, after: list[int]) -> tuple[str, int]:
+    """SIGKILL one actor/ref worker process of a Ray run once the checkpoint of each step in
+    `after` exists (a new worker each time: the run restarted); wait for the run to end by
+    itself. (its output, exit status)"""
     import threading
 
     import psutil
@@ -314,14 +315,21 @@ def _kill_a_trainer_worker_after_a_checkpoint(proc, run_dir) -> tuple[str, int]:
     reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
     reader.start()
     latest = run_dir / "megarl" / "t" / "latest_checkpointed_iteration.txt"
+    killed = set()
     try:
-        deadline = time.time() + 300
-        while not latest.exists() and proc.poll() is None and time.time() < deadline:
-            time.sleep(0.05)
-        workers = [p for p in psutil.Process(proc.pid).children(recursive=True)
-                   if "ray::MegatronActor" in " ".join(p.cmdline())]
-        assert workers and proc.poll() is None, "".join(lines)[-3000:]
-        workers[0].kill()
+        for step in after:
+            deadline = time.time() + 300
+            while proc.poll() is None and time.time() < deadline and not (
+                    latest.exists() and int(latest.read_text() or 0) >= step):
+                time.sleep(0.05)
+            workers = []
+            while proc.poll() is None and not workers and time.time() < deadline:
+                workers = [p for p in psutil.Process(proc.pid).children(recursive=True)
+                           if "ray::MegatronActor" in " ".join(p.cmdline())
+                           and p.pid not in killed]
+            assert workers and proc.poll() is None, "".join(lines)[-3000:]
+            workers[0].kill()
+            killed.add(workers[0].pid)
         proc.wait(timeout=400)
     finally:
         if proc.poll() is None:
@@ -332,30 +340,33 @@ def _kill_a_trainer_worker_after_a_checkpoint(proc, run_dir) -> tuple[str, int]:
 
 def test_a_lost_trainer_worker_restarts_the_run_which_trains_every_prompt_once(
         quickstart_assets, tmp_path):
-    """`trainer.max_restarts=1`, with partial rollout (unfinished groups cached across steps
-    and checkpoints): a trainer worker SIGKILLed once a checkpoint exists. The same
-    `megarl train` restarts itself from its newest checkpoint and finishes: every prompt it
-    drew trained exactly once (trained + still cached = drawn), the restart a metric and an
-    incident. (A run killed as a whole and resumed by hand: test_kill_after_checkpoint_then_
-    resume.)"""
+    """`trainer.max_restarts=2`, with partial rollout (unfinished groups cached across steps
+    and checkpoints): a trainer worker SIGKILLed once the checkpoint of step 2 exists, and
+    another (of the restarted run) once that of step 4 does. The same `megarl train` restarts
+    itself from its newest checkpoint each time and finishes: every prompt it drew trained
+    exactly once (trained + still cached = drawn), each restart a metric and an incident.
+    (A run killed as a whole and resumed by hand: test_kill_after_checkpoint_then_resume;
+    the same losses under torchrun: test_torchrun_launch.py.)"""
     extra = ["trainer.total_training_steps=8", "trainer.save_freq=2", "trainer.test_freq=-1",
              "trainer.val_before_train=False", "actor_rollout_ref.rollout.partial_rollout=True",
-             "actor_rollout_ref.rollout.over_sample_prompts=6", "trainer.max_restarts=1",
+             "actor_rollout_ref.rollout.over_sample_prompts=6", "trainer.max_restarts=2",
              "trainer.restart_backoff_s=1"]
     proc = megarl("train", _args(quickstart_assets, tmp_path, *extra), start_new_session=True)
-    out, code = _kill_a_trainer_worker_after_a_checkpoint(proc, tmp_path)
+    out, code = _kill_a_trainer_worker_after_checkpoints(proc, tmp_path, [2, 4])
     (tmp_path / "run.log").write_text(out)
     assert code == 0, out[-4000:]
-    assert re.search(r"run lost \(.*\); restart 1/1 from the newest checkpoint in 1 s", out), \
-        out[-4000:]
-    saved = int(re.search(r"resuming after step (\d+) from", out)[1])
-    assert saved in (2, 4, 6), out[-4000:]
-    state = json.loads((tmp_path / "megarl" / "t" / f"global_step_{saved}" /
+    for n in (1, 2):
+        assert re.search(rf"run lost \(.*\); restart {n}/2 from the newest checkpoint in {n} s",
+                         out), out[-4000:]
+    saved = [int(s) for s in re.findall(r"resuming after step (\d+) from", out)]
+    assert len(saved) == 2 and saved[0] in (2, 4) and saved[1] in (4, 6), out[-4000:]
+    state = json.loads((tmp_path / "megarl" / "t" / f"global_step_{saved[0]}" /
                         "driver_state.json").read_text())
     assert state["partial"]["groups"], "the checkpoint should hold cached partial groups"
     assert "cached prompt group(s) restored" in out
-    assert f"step {saved} restart: restart 1 after: " in out
-    assert scalars(tmp_path, "trainer/restarts") == {saved + 1: 1.0}
+    for n, k in enumerate(saved, 1):
+        assert f"step {k} restart: restart {n} after: " in out
+    assert scalars(tmp_path, "trainer/restarts") == {saved[0] + 1: 1.0, saved[1] + 1: 2.0}
     steps = trained(tmp_path)
     assert sorted(steps) == list(range(8))
     uids = [u for k in range(8) for u in steps[k]]

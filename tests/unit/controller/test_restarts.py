@@ -21,12 +21,12 @@ def _fake_runs(monkeypatch, outcomes):
     after (or, with "setup:", before) the set-up counts as done."""
     calls = []
 
-    async def fake(cfg, val_only, losses=(), started=None, keep_transport=False):
+    async def fake(cfg, val_only, losses=(), on_started=None, keep_transport=False):
         calls.append({"resume_mode": cfg.trainer.resume_mode, "losses": list(losses)})
         out = outcomes[len(calls) - 1]
         if isinstance(out, tuple):  # ("setup", error): fails inside setup_run
             raise out[1]
-        started.append(True)
+        on_started()
         if isinstance(out, BaseException):
             raise out
         return out
@@ -83,9 +83,36 @@ def test_validation_only_never_restarts(monkeypatch):
         asyncio.run(driver._run_restarting(_cfg("trainer.max_restarts=3"), True))
 
 
-def test_restarts_under_torchrun_are_refused_by_key():
-    with pytest.raises(ConfigError, match="trainer.max_restarts"):
-        _cfg("trainer.max_restarts=1", "trainer.launcher=torchrun")
+def test_under_torchrun_a_life_waits_resumes_and_the_last_one_names_every_loss(monkeypatch):
+    """torchrun's agent restarts the processes: each life is one `driver.run(..., life=)`,
+    told the earlier lives' losses; a restart waits and resumes, the last allowed life names
+    them all when it fails, an earlier one fails with its own error (for the agent)."""
+    sleeps = []
+
+    async def sleep(s):
+        sleeps.append(s)
+    monkeypatch.setattr(driver.asyncio, "sleep", sleep)
+
+    class Life:
+        def __init__(self, losses):
+            self.losses, self.began = losses, 0
+
+        def started(self):
+            self.began += 1
+
+    cfg = _cfg("trainer.max_restarts=2", "trainer.launcher=torchrun",
+               "trainer.resume_mode=disable", "trainer.restart_backoff_s=3")
+    calls = _fake_runs(monkeypatch, [{"steps": 8}, WorkerLost("c"), WorkerLost("c")])
+    life = Life(["rank 1 lost", "rank 2 lost"])
+    assert driver.run(cfg, life=life) == {"steps": 8}
+    assert life.began == 1 and sleeps == [6.0]
+    assert calls[0] == {"resume_mode": "auto", "losses": ["rank 1 lost", "rank 2 lost"]}
+    with pytest.raises(WorkerLost):  # life 1 of 3: the agent restarts it
+        driver.run(cfg, life=Life(["rank 1 lost"]))
+    with pytest.raises(RuntimeError, match=r"lost 3 times, past trainer.max_restarts=2: "
+                                           r"\(1\) a; \(2\) b; \(3\) WorkerLost: c"):
+        driver.run(cfg, life=Life(["a", "b"]))
+    assert calls[1]["resume_mode"] == "auto" and calls[0]["losses"] != calls[1]["losses"]
 
 
 def test_a_negative_limit_is_refused_by_key():
