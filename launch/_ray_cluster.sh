@@ -65,15 +65,30 @@ try:
 except ConfigError as err:
     print(f"config {sys.argv[1]}: {err}", file=sys.stderr)
     sys.exit(2)
-print(cfg.trainer.device, cfg.trainer.n_gpus_per_node)
+print(cfg.trainer.device, cfg.trainer.n_gpus_per_node, cfg.trainer.max_restarts)
 EOF
     ) || _megarl_die 2 "the config or its overrides are invalid (see above)"
-    read -r MEGARL_DEVICE MEGARL_DEVICES_PER_NODE <<<"$out"
+    read -r MEGARL_DEVICE MEGARL_DEVICES_PER_NODE MEGARL_MAX_RESTARTS <<<"$out"
     if [ "$MEGARL_DEVICE" = cuda ] && [ -n "${SLURM_GPUS_ON_NODE:-}" ] \
         && [ "$SLURM_GPUS_ON_NODE" -lt "$MEGARL_DEVICES_PER_NODE" ]; then
         _megarl_die 2 "trainer.n_gpus_per_node=$MEGARL_DEVICES_PER_NODE but the job has" \
             "$SLURM_GPUS_ON_NODE GPU(s) per node: submit with --gpus-per-node=$MEGARL_DEVICES_PER_NODE"
     fi
+}
+
+# A job Slurm requeued (SLURM_RESTART_COUNT > 0: a node failed, preemption, `scontrol
+# requeue`) is a restart of the run: megarl resumes from its newest checkpoint and counts the
+# requeues against trainer.max_restarts (MEGARL_RESTARTS_BEFORE, MEGARL_RESTART_REASON).
+megarl_requeued() {
+    local n=${SLURM_RESTART_COUNT:-0}
+    [ "$n" -gt 0 ] || return 0
+    if [ "$n" -gt "${MEGARL_MAX_RESTARTS:-0}" ]; then
+        _megarl_die 1 "job $SLURM_JOB_ID was requeued $n time(s), past" \
+            "trainer.max_restarts=${MEGARL_MAX_RESTARTS:-0}: not starting again"
+    fi
+    export MEGARL_RESTARTS_BEFORE=$n
+    export MEGARL_RESTART_REASON="Slurm requeued job $SLURM_JOB_ID (a node failed, it was preempted or requeued by hand)"
+    _megarl_log "requeued job: restart $n/${MEGARL_MAX_RESTARTS} of the run, from its newest checkpoint"
 }
 
 # One srun step on one node that overlaps the others (the Ray daemons hold the node's CPUs for

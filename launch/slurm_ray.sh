@@ -16,12 +16,20 @@
 # RAY_NUM_CPUS, RAY_NUM_GPUS, RAY_TMPDIR, RAY_START_TIMEOUT, RAY_STOP_ON_NODES.
 # Exit status: megarl's (2 for a bad config, before Ray starts); 143/130 when cancelled.
 #
+# Restarts: a lost worker or host restarts the run inside this job (trainer.max_restarts).
+# When Slurm itself ends the job for a node that failed (or preempts it, or an admin runs
+# `scontrol requeue`), --requeue puts it back in the queue: the script runs again, megarl
+# resumes from the newest checkpoint, and every requeue counts against trainer.max_restarts;
+# the log goes on in the same output file (--open-mode=append).
+#
 #SBATCH --job-name=megarl-train
 #SBATCH --nodes=1
 #SBATCH --ntasks-per-node=1
 #SBATCH --cpus-per-task=2
 #SBATCH --time=04:00:00
 #SBATCH --output=megarl-%x-%j.out
+#SBATCH --requeue
+#SBATCH --open-mode=append
 set -euo pipefail
 
 MEGARL_LAUNCHER=slurm_ray
@@ -42,5 +50,6 @@ OVERRIDES=("$@" "trainer.nnodes=$SLURM_NNODES")
 
 megarl_setup_env
 megarl_read_config "$CONFIG" "${OVERRIDES[@]}"
+megarl_requeued
 megarl_ray_start
 megarl_run python -m megarl.cli train --config "$CONFIG" "${OVERRIDES[@]}"

@@ -280,10 +280,10 @@ class Control:
             fut.set_exception(RankLost(f"rank {rank}: {name}.{method}: the rank (host "
                                        f"{self.host_of(rank)}) is gone"))
             return fut
-        seq = self._seq[rank]
-        self._seq[rank] += 1
         fut: cf.Future = cf.Future()
-        with self._lock:
+        with self._lock:  # callers on several threads (the driver, teardown, weight senders)
+            seq = self._seq[rank]
+            self._seq[rank] += 1
             self._pending[f"res/{rank}/{seq}"] = (fut, f"rank {rank}: {name}.{method}")
         self.store.set(f"cmd/{rank}/{seq}", pickle.dumps(msg, pickle.HIGHEST_PROTOCOL))
         if self._collector is None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 import time
 
 from megarl.config import plan_task_groups
@@ -163,7 +164,7 @@ async def _run_restarting(cfg, val_only: bool) -> dict:
     resuming as `resume_mode=auto` does, into the same run directory and TensorBoard
     history; an error of the first set-up (a config, a path) is never retried."""
     limit = 0 if val_only else int(cfg.trainer.max_restarts)
-    losses: list[str] = []
+    losses = [] if val_only else _requeues()
     while True:
         started = []  # set once the first set-up is done: later errors are losses
         try:
@@ -198,6 +199,14 @@ async def _run_restarted(cfg, val_only: bool, life) -> dict:
         if limit and len(losses) >= limit:
             raise RuntimeError(lost_too_often([*losses, describe(err)], limit)) from err
         raise
+
+
+def _requeues() -> list[str]:
+    """Restarts a batch system made before this process began (launch/slurm_ray.sh: a job
+    Slurm requeued sets MEGARL_RESTARTS_BEFORE and MEGARL_RESTART_REASON): the run resumes
+    as a restart, and they count against `trainer.max_restarts`."""
+    n = int(os.environ.get("MEGARL_RESTARTS_BEFORE", "0") or 0)
+    return [os.environ.get("MEGARL_RESTART_REASON", "the job was restarted")] * n
 
 
 def _resuming(cfg):

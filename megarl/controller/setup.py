@@ -7,6 +7,7 @@ Bad configuration fails here, before any worker starts.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 from pathlib import Path
@@ -54,9 +55,12 @@ class Run:
         that is gone must not hold the run's exit."""
         if self.manager is not None:
             await self.manager.close()
-        for g in (self.actor, self.ref, self.critic, self.logp, self.rollout):
-            if g is not None:
-                g.shutdown(timeout_s=10.0 if failed else 60.0)
+        groups = [g for g in (self.actor, self.ref, self.critic, self.logp, self.rollout)
+                  if g is not None]
+        # All at once: groups sharing a worker thread that is still blocked on a lost peer
+        # would otherwise each wait their whole timeout, one after another.
+        with concurrent.futures.ThreadPoolExecutor(max(1, len(groups))) as pool:
+            list(pool.map(lambda g: g.shutdown(timeout_s=10.0 if failed else 60.0), groups))
         for dg in self.device_groups:
             dg.remove()
         self.loggers.close()

@@ -197,25 +197,57 @@ CONFIG = "configs/quickstart.yaml"
 
 @pytest.fixture(scope="module")
 def train_job(slurm, assets):
-    job = slurm.submit("slurm_ray.sh", CONFIG, *_paths(assets), "trainer.total_training_steps=2",
-                       "trainer.save_freq=2", "trainer.test_freq=2",
+    """The quickstart as a job: 4 steps, a checkpoint every 2, `trainer.max_restarts=1`;
+    requeued once the checkpoint of step 2 exists (`scontrol requeue`: what Slurm does to a
+    `--requeue` job when one of its nodes fails), so the job runs twice."""
+    run = assets / "runs" / "megarl" / "t"
+    job = slurm.submit("slurm_ray.sh", CONFIG, *_paths(assets), "trainer.total_training_steps=4",
+                       "trainer.save_freq=2", "trainer.test_freq=4", "trainer.max_restarts=1",
                        "trainer.val_before_train=False")
+    latest, deadline = run / "latest_checkpointed_iteration.txt", time.time() + 300
+    while not (latest.exists() and latest.read_text().strip() == "2"):
+        info = slurm.run("scontrol", "show", "job", "-o", job).stdout
+        assert time.time() < deadline and not any(f"JobState={t} " in info for t in TERMINAL), \
+            slurm.output(job)[-4000:]
+        time.sleep(0.2)
+    slurm.run("scontrol", "requeue", job)
+    # Slurm holds a requeued job back (its begin time two minutes on): make it eligible now
+    while "JobState=PENDING" not in slurm.run("scontrol", "show", "job", "-o", job).stdout:
+        assert time.time() < deadline, slurm.output(job)[-4000:]
+        time.sleep(0.2)
+    while (u := slurm.run("scontrol", "update", f"JobId={job}", "StartTime=now",
+                          check=False)).returncode:
+        assert time.time() < deadline, u.stdout + u.stderr  # refused while it still cleans up
+        time.sleep(0.5)
     state, code, out = slurm.wait(job)
-    return {"state": state, "code": code, "out": out, "run": assets / "runs" / "megarl" / "t",
+    return {"state": state, "code": code, "out": out, "run": run,
             "leftovers": slurm.ray_leftovers()}
 
 
-def test_train_job_trains_checkpoints_and_tears_ray_down(train_job):
+def test_train_job_requeued_resumes_checkpoints_and_tears_ray_down(train_job, assets):
+    from test_train_e2e import fresh_loader, scalars, trained
+
     out = train_job["out"]
     assert (train_job["state"], train_job["code"]) == ("COMPLETED", 0), out[-6000:]
-    assert "Ray: 1 of 1 node(s) up" in out
-    assert re.search(r"step 2/2 .*reward/mean=", out), out[-4000:]
+    assert out.count("Ray: 1 of 1 node(s) up") == 2, out[-6000:]  # the job ran twice
+    # the requeued job is restart 1 of the run: it resumes after step 2 and says why
+    assert "requeued job: restart 1/1 of the run, from its newest checkpoint" in out
+    assert "resuming after step 2 from" in out, out[-4000:]
+    assert re.search(r"step 2 restart: restart 1 after: Slurm requeued job \d+", out), out[-4000:]
+    assert re.search(r"step 4/4 .*reward/mean=", out), out[-4000:]
     assert "megarl exited with status 0" in out
     run = train_job["run"]
-    # named by completed steps (as verl): after the second (last) step, global_step_2
-    assert (run / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
-    assert (run / "global_step_2" / "driver_state.json").is_file()
-    assert (run / "global_step_2" / "actor").is_dir()
+    assert scalars(run.parents[1], "trainer/restarts") == {3: 1.0}
+    # every step's batch is the one an uninterrupted run draws
+    loader = fresh_loader(assets)
+    steps = trained(run.parents[1])
+    assert sorted(steps) == [0, 1, 2, 3]
+    for k in range(4):
+        assert steps[k] == sorted(p.uid for p in loader.next_batch()), k
+    # named by completed steps (as verl): after the fourth (last) step, global_step_4
+    assert (run / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
+    assert (run / "global_step_4" / "driver_state.json").is_file()
+    assert (run / "global_step_4" / "actor").is_dir()
     assert "stopping Ray on 1 node(s)" in out
     assert train_job["leftovers"] == [], "Ray processes outlived the job"
 
@@ -223,15 +255,15 @@ def test_train_job_trains_checkpoints_and_tears_ray_down(train_job):
 def test_validate_job_serves_the_checkpoint_weights(slurm, assets, train_job):
     assert train_job["code"] == 0, "needs the train job's checkpoint"
     trained = (train_job["run"] / "trained_prompts.jsonl").read_text()
-    # the run directory: the script follows latest_checkpointed_iteration.txt to global_step_2
+    # the run directory: the script follows latest_checkpointed_iteration.txt to global_step_4
     job = slurm.submit("slurm_validate.sh", CONFIG, train_job["run"], *_paths(assets))
     state, code, out = slurm.wait(job)
     assert (state, code) == ("COMPLETED", 0), out[-6000:]
-    ckpt = train_job["run"] / "global_step_2"
+    ckpt = train_job["run"] / "global_step_4"
     assert f"validating checkpoint {ckpt}" in out
     assert f"loaded Megatron checkpoint {ckpt / 'actor'}" in out
-    # the engines validated the checkpoint's weights (v2, after two steps), not the HF init
-    assert re.search(r"validation of weights v2: val/reward_mean=", out), out[-4000:]
+    # the engines validated the checkpoint's weights (v4, after four steps), not the HF init
+    assert re.search(r"validation of weights v4: val/reward_mean=", out), out[-4000:]
     assert (train_job["run"] / "trained_prompts.jsonl").read_text() == trained  # no training
     assert slurm.ray_leftovers() == []
 

@@ -115,6 +115,23 @@ def test_under_torchrun_a_life_waits_resumes_and_the_last_one_names_every_loss(m
     assert calls[1]["resume_mode"] == "auto" and calls[0]["losses"] != calls[1]["losses"]
 
 
+def test_a_requeued_batch_job_resumes_as_a_restart_and_counts_it(monkeypatch):
+    """launch/slurm_ray.sh in a job Slurm requeued: the run starts as restart n, resuming,
+    and the requeues count against trainer.max_restarts."""
+    monkeypatch.setenv("MEGARL_RESTARTS_BEFORE", "1")
+    monkeypatch.setenv("MEGARL_RESTART_REASON", "Slurm requeued job 7")
+    calls = _fake_runs(monkeypatch, [WorkerLost("a"), {"steps": 8}])
+    cfg = _cfg("trainer.max_restarts=2", "trainer.resume_mode=disable")
+    assert asyncio.run(driver._run_restarting(cfg, False)) == {"steps": 8}
+    assert calls == [{"resume_mode": "auto", "losses": ["Slurm requeued job 7"]},
+                     {"resume_mode": "auto",
+                      "losses": ["Slurm requeued job 7", "WorkerLost: a"]}]
+    _fake_runs(monkeypatch, [WorkerLost("b")])
+    with pytest.raises(RuntimeError, match=r"lost 2 times, past trainer.max_restarts=1: "
+                                           r"\(1\) Slurm requeued job 7; \(2\) WorkerLost: b"):
+        asyncio.run(driver._run_restarting(_cfg("trainer.max_restarts=1"), False))
+
+
 def test_a_negative_limit_is_refused_by_key():
     with pytest.raises(ConfigError, match="trainer.max_restarts"):
         _cfg("trainer.max_restarts=-1")
