@@ -164,11 +164,11 @@ class Control:
         return dist.PrefixStore(prefix or self._prefix, store)
 
     # ---------------------------------------------------------------- lives and their records
-    def _say(self, what: str, text: str, life: int | None = None) -> None:
+    def _say(self, what: str, text: str) -> None:
         """Record `what` (rank/<r>, started, loss, end/<r>) of this life; best effort, for
         the next life's account of this one (the store may be unreachable already)."""
         try:
-            self.records.set(f"{self.life if life is None else life}/{what}", text)
+            self.records.set(f"{self.life}/{what}", text)
         except Exception as err:  # noqa: BLE001 - a record, not the run
             logger.debug("rank %d: could not record %s: %s", self.rank, what, err)
 

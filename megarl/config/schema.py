@@ -218,6 +218,8 @@ RANGES: Dict[str, Range] = {
     "trainer.max_restarts": NON_NEGATIVE,
     "trainer.restart_backoff_s": NON_NEGATIVE,
     "trainer.placement_timeout_s": POSITIVE,
+    "trainer.state_timeout_s": POSITIVE,
+    "trainer.state_min_tokens_per_s": POSITIVE,
     "trainer.seed": SEED,
 }
 
@@ -755,6 +757,14 @@ class TrainerConfig:
     restart_backoff_s: float = 10.0
     """Wait before restart n: this × 2^(n-1), at most 300 s (a host that went away may come
     back; Ray needs to see a dead node as dead)."""
+    state_timeout_s: float = 1800.0
+    """Floor of every state's deadline: a state (GENERATE, TRAIN, SYNC, ...) still running
+    after this plus its step's work at ``state_min_tokens_per_s`` is wedged (a peer that
+    stopped answering without dying) and fails the run by name, which a restart then picks
+    up (docs/launch.md, "Bounded waits")."""
+    state_min_tokens_per_s: float = 100.0
+    """The slowest rate a state may be said to make progress at: a step's deadline grows by
+    its tokens (prompts × samples × longest prompt + response × passes) over this."""
     placement_timeout_s: float = 600.0
     """How long a run waits for its devices: Ray's placement groups, or under torchrun every
     rank of the launch checking in (after a restart: the ranks of a host coming back)."""

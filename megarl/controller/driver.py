@@ -20,6 +20,7 @@ from megarl.utils.errors import lost_too_often
 from megarl.observability.metrics import pipeline_step_metrics
 from megarl.observability.timeline import render_png, write_chrome_trace
 
+from . import deadlines
 from .batch import StepRecord
 from .machine import Pipeline
 from .setup import Run, setup_run
@@ -42,6 +43,7 @@ class Driver:
     def __init__(self, run: Run, pipeline: Pipeline):
         self.r, self.p, self.cfg = run, pipeline, run.cfg
         self.st = RunState.start(run, pipeline)
+        self.step_tokens = deadlines.step_tokens(self.cfg)
 
     # ---------------------------------------------------------------- the loop
     async def main(self) -> None:
@@ -81,9 +83,16 @@ class Driver:
     async def execute(self, a) -> None:
         t0 = time.perf_counter()
         if a.task in VALIDATION_WORK:
-            await VALIDATION_WORK[a.task](self.st, a.version)
+            work = VALIDATION_WORK[a.task](self.st, a.version)
+            tokens = deadlines.validation_tokens(self.cfg, len(self.r.val_dataset or ()))
         else:
-            await STEP_WORK[a.task](self.st, self._record(a))
+            work = STEP_WORK[a.task](self.st, self._record(a))
+            tokens = self.step_tokens
+        limit = deadlines.deadline_s(self.cfg, tokens)
+        try:
+            await asyncio.wait_for(work, limit)
+        except asyncio.TimeoutError:
+            raise deadlines.StateTimeout(deadlines.explain(self.cfg, a, limit, tokens)) from None
         logger.debug("%s took %.3f s", a, time.perf_counter() - t0)
 
     def _record(self, a) -> StepRecord:

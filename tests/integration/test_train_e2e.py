@@ -303,10 +303,12 @@ def test_validation_only_mode(quickstart_assets, tmp_path):
     assert "actor model" not in out  # no trainer was started
 
 
-def _kill_a_trainer_worker_after_checkpoints(proc, run_dir, after: list[int]) -> tuple[str, int]:
-    """SIGKILL one actor/ref worker process of a Ray run once the checkpoint of each step in
-    `after` exists (a new worker each time: the run restarted); wait for the run to end by
-    itself. (its output, exit status)"""
+def _kill_a_trainer_worker_after_checkpoints(proc, run_dir, after: list[int],
+                                             signals: list[int]) -> tuple[str, int]:
+    """Send `signals[i]` (SIGKILL: lost; SIGSTOP: wedged, alive but answering nothing) to one
+    actor/ref worker process of a Ray run once the checkpoint of step `after[i]` exists (a
+    new worker each time: the run restarted); wait for the run to end by itself. (its
+    output, exit status)"""
     import threading
 
     import psutil
@@ -317,7 +319,7 @@ def _kill_a_trainer_worker_after_checkpoints(proc, run_dir, after: list[int]) ->
     latest = run_dir / "megarl" / "t" / "latest_checkpointed_iteration.txt"
     killed = set()
     try:
-        for step in after:
+        for step, sig in zip(after, signals):
             deadline = time.time() + 300
             while proc.poll() is None and time.time() < deadline and not (
                     latest.exists() and int(latest.read_text() or 0) >= step):
@@ -328,7 +330,7 @@ def _kill_a_trainer_worker_after_checkpoints(proc, run_dir, after: list[int]) ->
                            if "ray::MegatronActor" in " ".join(p.cmdline())
                            and p.pid not in killed]
             assert workers and proc.poll() is None, "".join(lines)[-3000:]
-            workers[0].kill()
+            workers[0].send_signal(sig)
             killed.add(workers[0].pid)
         proc.wait(timeout=400)
     finally:
@@ -342,22 +344,29 @@ def test_a_lost_trainer_worker_restarts_the_run_which_trains_every_prompt_once(
         quickstart_assets, tmp_path):
     """`trainer.max_restarts=2`, with partial rollout (unfinished groups cached across steps
     and checkpoints): a trainer worker SIGKILLed once the checkpoint of step 2 exists, and
-    another (of the restarted run) once that of step 4 does. The same `megarl train` restarts
-    itself from its newest checkpoint each time and finishes: every prompt it drew trained
-    exactly once (trained + still cached = drawn), each restart a metric and an incident.
-    (A run killed as a whole and resumed by hand: test_kill_after_checkpoint_then_resume;
-    the same losses under torchrun: test_torchrun_launch.py.)"""
+    another (of the restarted run) wedged by SIGSTOP once that of step 4 does: alive, so
+    nothing reports it lost, its state runs past `trainer.state_timeout_s` and fails by name.
+    The same `megarl train` restarts itself from its newest checkpoint each time and
+    finishes: every prompt it drew trained exactly once (trained + still cached = drawn),
+    each restart a metric and an incident. (A run killed as a whole and resumed by hand:
+    test_kill_after_checkpoint_then_resume; the same losses under torchrun:
+    test_torchrun_launch.py.)"""
     extra = ["trainer.total_training_steps=8", "trainer.save_freq=2", "trainer.test_freq=-1",
              "trainer.val_before_train=False", "actor_rollout_ref.rollout.partial_rollout=True",
              "actor_rollout_ref.rollout.over_sample_prompts=6", "trainer.max_restarts=2",
-             "trainer.restart_backoff_s=1"]
+             "trainer.restart_backoff_s=1", "trainer.state_timeout_s=20",
+             "trainer.state_min_tokens_per_s=1e9"]
     proc = megarl("train", _args(quickstart_assets, tmp_path, *extra), start_new_session=True)
-    out, code = _kill_a_trainer_worker_after_checkpoints(proc, tmp_path, [2, 4])
+    out, code = _kill_a_trainer_worker_after_checkpoints(proc, tmp_path, [2, 4],
+                                                          [signal.SIGKILL, signal.SIGSTOP])
     (tmp_path / "run.log").write_text(out)
     assert code == 0, out[-4000:]
-    for n in (1, 2):
-        assert re.search(rf"run lost \(.*\); restart {n}/2 from the newest checkpoint in {n} s",
-                         out), out[-4000:]
+    assert re.search(r"run lost \(WorkerLost: .*\); restart 1/2 from the newest checkpoint in 1 s",
+                     out), out[-4000:]
+    assert re.search(r"run lost \(StateTimeout: [A-Z_]+\(\d+\)@\S+ did not finish within 20 s "
+                     r"\(trainer.state_timeout_s = 20 s \+ \d+ tokens at trainer.state_min_tokens"
+                     r"_per_s = 1e\+09\): something it waits on is wedged\); restart 2/2 from the "
+                     r"newest checkpoint in 2 s", out), out[-4000:]
     saved = [int(s) for s in re.findall(r"resuming after step (\d+) from", out)]
     assert len(saved) == 2 and saved[0] in (2, 4) and saved[1] in (4, 6), out[-4000:]
     state = json.loads((tmp_path / "megarl" / "t" / f"global_step_{saved[0]}" /
