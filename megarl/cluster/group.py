@@ -65,6 +65,8 @@ class MegatronGroup:
                        for i in range(n)]
         self.single_node = cfg.trainer.nnodes == 1
         self._spec, self._devices = spec, devices
+        # set-up has no step's work to scale with: the floor of every state's deadline
+        self.setup_timeout_s = float(cfg.trainer.state_timeout_s)
 
     @staticmethod
     def ready_all(groups: list["MegatronGroup"]) -> None:
@@ -75,21 +77,33 @@ class MegatronGroup:
         may host several groups, which it serves strictly in turn."""
         if not groups:
             return
-        t = groups[0].t
+        t, first = groups[0].t, groups[0]
         if t.name != "ray":
             for g in groups:
                 where = g._each("rendezvous", [g.actors[0]], g.single_node)[0]
                 g._built(g._each("setup", g.actors, g._spec, *where))
             return
-        where = t.wait([t.call(g.actors[0], "rendezvous", g.single_node) for g in groups])
+        where = first._wait([t.call(g.actors[0], "rendezvous", g.single_node) for g in groups],
+                            "rendezvous")
         # Each rendezvous is a free port, not yet bound: two asked at once may be told the
         # same one, which the later group is then asked again to avoid.
         for i, g in enumerate(groups):
             while tuple(where[i]) in {tuple(w) for w in where[:i]}:
-                where[i] = t.wait([t.call(g.actors[0], "rendezvous", g.single_node)])[0]
+                where[i] = g._wait([t.call(g.actors[0], "rendezvous", g.single_node)],
+                                   "rendezvous")[0]
         calls = [t.broadcast(g.actors, "setup", g._spec, *w) for g, w in zip(groups, where)]
         for g, c in zip(groups, calls):
-            g._built(t.wait(c))
+            g._built(g._wait(c, "setup"))
+
+    def _wait(self, calls: list, what: str) -> list:
+        """Set-up calls, waited for at most `trainer.state_timeout_s`: a worker that never
+        answers (wedged while starting) fails the set-up by name instead of holding it."""
+        try:
+            return self.t.wait(calls, self.setup_timeout_s)
+        except TimeoutError:
+            raise TimeoutError(f"{self.role} {what} on group {self._devices.name} did not finish "
+                               f"within trainer.state_timeout_s = {self.setup_timeout_s:g} s: "
+                               "a worker is wedged") from None
 
     def _built(self, ranks: list[dict]) -> None:
         self.ranks = ranks
@@ -101,7 +115,7 @@ class MegatronGroup:
 
     def _each(self, method: str, workers: list, *args) -> list:
         """One call on each worker, waited for (set-up, before the run's loop starts)."""
-        return self.t.wait(self.t.broadcast(workers, method, *args))
+        return self._wait(self.t.broadcast(workers, method, *args), method)
 
     async def _all(self, what: str, calls) -> list:
         """Await one call per rank. On failure raise the error that says why: a lost rank

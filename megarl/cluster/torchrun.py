@@ -232,8 +232,9 @@ class Control:
         self._say(f"end/{self.rank}", STOPPED)
         if self.rank == 0 and self.max_restarts and self.life >= self.max_restarts:
             time.sleep(1.0)  # the others' last words, sent at the same moment
-            try:
-                logger.error("%s", lost_too_often([*self.losses, self.what_ended(self.life)],
+            try:  # every life's account (this rank may have been stopped before `join`)
+                logger.error("%s", lost_too_often([self.what_ended(k)
+                                                   for k in range(self.life + 1)],
                                                   self.max_restarts))
             except Exception:  # noqa: BLE001 - the store may be gone with the failure
                 logger.error("%s", lost_too_often([*self.losses, STOPPED], self.max_restarts))

@@ -5,7 +5,7 @@ it left off.
 
 The finished run is conftest.py's `undamaged` (shared with test_checkpoint_fallback.py), so
 this module adds one resumed run. The kill -9 / resume case with the new names is
-test_train_e2e.py::test_kill_after_checkpoint_then_resume.
+test_torchrun_launch.py::test_a_trainer_rank_killed_twice_restarts_the_run_which_trains_exactly.
 """
 import json
 import os

@@ -278,12 +278,13 @@ def test_a_trainer_rank_killed_twice_restarts_the_run_which_trains_exactly(quick
                                                                            tmp_path):
     """trainer.max_restarts=2 under torchrun: a trainer rank (not the driver's) SIGKILLed
     after the checkpoint of step 2 and again after that of step 4. Each time torchrun's agent
-    restarts the node's processes and the run resumes from its newest checkpoint; it finishes
-    by itself, each step's batch the one an uninterrupted run draws, and each restart says
-    which rank was lost (its host and pid)."""
+    restarts the node's processes (new processes resuming, as a run killed as a whole and
+    started again by hand does) and the run resumes from its newest checkpoint; it finishes
+    by itself, each step's batch the one an uninterrupted run draws, each restart saying
+    which rank was lost (its host and pid), the saves overlapping generation."""
     from megarl.utils.launch import free_port
 
-    from test_train_e2e import fresh_loader, trained
+    from test_train_e2e import check_saves_overlap_generation, fresh_loader, trained
 
     proc = _restarting(quickstart_assets, tmp_path, 8, free_port(), 2)
     latest = tmp_path / "megarl" / "t" / "latest_checkpointed_iteration.txt"
@@ -304,20 +305,26 @@ def test_a_trainer_rank_killed_twice_restarts_the_run_which_trains_exactly(quick
     assert sorted(steps) == list(range(8))
     for k in range(8):  # the last record of each step: what the final weights trained on
         assert steps[k] == sorted(p.uid for p in loader.next_batch()), k
+    run = tmp_path / "megarl" / "t"
+    # named by completed steps, as verl: global_step_2, _4, _6, _8; the last life from _4 on
+    assert sorted(int(p.name.split("_")[-1]) for p in run.glob("global_step_*")) == [2, 4, 6, 8]
+    assert (run / "latest_checkpointed_iteration.txt").read_text() == "8"
+    check_saves_overlap_generation(tmp_path, 4, 8, save_freq=2)
 
 
 def test_a_third_loss_past_max_restarts_2_stops_naming_all_three(quickstart_assets, tmp_path):
     """The same rank SIGKILLed three times with trainer.max_restarts=2 (the first time once a
-    step has trained, then each restart during its set-up): the agent gives up and the last
-    life's driver names every loss, in order."""
+    step has trained, then each restart as its driver begins to set up again): the agent
+    gives up and the last life's driver names every loss, in order."""
     from megarl.utils.launch import free_port
 
     proc = _restarting(quickstart_assets, tmp_path, 40, free_port(), 2)
     log = tmp_path / "node0.log"
     pids = [_kill_rank(proc, 1, 0, lambda: "step 1/40" in log.read_text())]
     for life in (1, 2):
-        pids.append(_kill_rank(proc, 1, life, lambda: f"rank 1/3 serving (node 127.0.0.1, "
-                                                      f"life {life})" in log.read_text()))
+        # once the life's driver has taken up the restart (every rank checked in)
+        pids.append(_kill_rank(proc, 1, life, lambda: f"restart {life}/2 from the newest "
+                                                      "checkpoint" in log.read_text()))
     code = proc.wait(timeout=120)
     text = log.read_text()
     assert code not in (None, 0), text[-4000:]

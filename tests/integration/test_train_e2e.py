@@ -56,18 +56,6 @@ def trained(run_dir):
     return out
 
 
-def kill_after_first_checkpoint(assets, run_dir, extra) -> int:
-    """Start a training run, SIGKILL it once a checkpoint exists; the step it saved."""
-    proc = megarl("train", _args(assets, run_dir, *extra), start_new_session=True)
-    latest = run_dir / "megarl" / "t" / "latest_checkpointed_iteration.txt"
-    deadline = time.time() + 300
-    while not latest.exists() and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.05)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    return int(latest.read_text())
-
-
 def fresh_loader(assets):
     """The quickstart's prompt loader as a new run builds it: the seeded order of draws."""
     from megarl.config import load_config
@@ -87,7 +75,7 @@ MODES = {
     # suite's time: the agent e2e trains colocated, test_dual_buffer_synchronous_run_on_two_nodes
     # synchronously)
     # (the quickstart's own layout, two groups one step off, trains in every other test here
-    # that runs configs/quickstart.yaml, e.g. test_kill_after_checkpoint_then_resume)
+    # that runs configs/quickstart.yaml, e.g. test_a_lost_trainer_worker_restarts_...)
     # three steps ahead, trained as a GPU trains: bf16 params, Megatron's optimizer keeping
     # fp32 main params, the weight sync casting into the fp32 engine; and every pass in
     # packed micro-batches of at most 96 tokens (verl's use_dynamic_bsz)
@@ -266,32 +254,13 @@ def check_saves_overlap_generation(run_dir, saved: int, steps: int, save_freq: i
     assert scalars(run_dir, "timing/checkpoint")
 
 
-def test_kill_after_checkpoint_then_resume(quickstart_assets, tmp_path):
-    extra = ["trainer.total_training_steps=8", "trainer.save_freq=2", "trainer.test_freq=-1",
-             "trainer.val_before_train=False"]
-    saved = kill_after_first_checkpoint(quickstart_assets, tmp_path, extra)
-    # named by completed steps, as verl: global_step_2, _4, _6 (_8 is the end)
-    assert saved in (2, 4, 6), "the run should have been killed mid-way"
-    run = tmp_path / "megarl" / "t"
-    before = len((run / "trained_prompts.jsonl").read_text().splitlines())
-    out = megarl("train", _args(quickstart_assets, tmp_path, *extra))
-    assert f"resuming after step {saved} from {run / f'global_step_{saved}'}" in out
-    assert f"training continues at step {saved + 1}/8" in out
-    # the resumed run trained 0-based steps saved..7 (1-based saved+1..8), each once
-    records = (run / "trained_prompts.jsonl").read_text().splitlines()
-    assert [json.loads(r)["step"] for r in records[before:]] == list(range(saved, 8))
-    assert sorted(int(p.name.split("_")[-1]) for p in run.glob("global_step_*")) == [2, 4, 6, 8]
-    assert (run / "latest_checkpointed_iteration.txt").read_text() == "8"
-    steps = trained(tmp_path)
-    assert sorted(steps) == list(range(8))
-    # every step trained exactly the batch a never-interrupted run would have drawn
-    loader = fresh_loader(quickstart_assets)
-    for k in range(8):
-        assert steps[k] == sorted(p.uid for p in loader.next_batch()), k
-    assert len(scalars(tmp_path, "reward/mean")) >= 8 - saved - 1
-    check_saves_overlap_generation(tmp_path, saved, 8, save_freq=2)
-    # (validation-only on a run's latest checkpoint, its weights served and nothing trained:
-    # test_slurm_launch.py::test_validate_job_serves_the_checkpoint_weights)
+# (A run killed as a whole and started again, resuming from its newest checkpoint with each
+# step's batch an uninterrupted run's, the saves overlapping generation: torchrun's restarts,
+# test_torchrun_launch.py::test_a_trainer_rank_killed_twice_restarts_the_run_which_trains_
+# exactly, where each life is new processes resuming as a run started by hand would; and the
+# Slurm job requeued, test_slurm_launch.py. Validation-only on a run's latest checkpoint, its
+# weights served and nothing trained: test_slurm_launch.py::test_validate_job_serves_the_
+# checkpoint_weights.)
 
 
 def test_validation_only_mode(quickstart_assets, tmp_path):
@@ -316,19 +285,21 @@ def _kill_a_trainer_worker_after_checkpoints(proc, run_dir, after: list[int],
     lines = []
     reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
     reader.start()
-    latest = run_dir / "megarl" / "t" / "latest_checkpointed_iteration.txt"
     killed = set()
     try:
-        for step, sig in zip(after, signals):
+        for i, (step, sig) in enumerate(zip(after, signals)):
+            # a checkpoint of at least `step` saved by the run as restarted i times (not one
+            # the previous try saved, nor one its set-up is still loading)
             deadline = time.time() + 300
-            while proc.poll() is None and time.time() < deadline and not (
-                    latest.exists() and int(latest.read_text() or 0) >= step):
+            while proc.poll() is None and time.time() < deadline:
+                text = "".join(lines)
+                since = text.split(f"restart {i}/", 1)[-1] if i else text
+                if any(int(k) >= step for k in re.findall(r"checkpoint after step (\d+) saved",
+                                                          since)):
+                    break
                 time.sleep(0.05)
-            workers = []
-            while proc.poll() is None and not workers and time.time() < deadline:
-                workers = [p for p in psutil.Process(proc.pid).children(recursive=True)
-                           if "ray::MegatronActor" in " ".join(p.cmdline())
-                           and p.pid not in killed]
+            workers = [p for p in psutil.Process(proc.pid).children(recursive=True)
+                       if "ray::MegatronActor" in " ".join(p.cmdline()) and p.pid not in killed]
             assert workers and proc.poll() is None, "".join(lines)[-3000:]
             workers[0].send_signal(sig)
             killed.add(workers[0].pid)
@@ -348,13 +319,12 @@ def test_a_lost_trainer_worker_restarts_the_run_which_trains_every_prompt_once(
     nothing reports it lost, its state runs past `trainer.state_timeout_s` and fails by name.
     The same `megarl train` restarts itself from its newest checkpoint each time and
     finishes: every prompt it drew trained exactly once (trained + still cached = drawn),
-    each restart a metric and an incident. (A run killed as a whole and resumed by hand:
-    test_kill_after_checkpoint_then_resume; the same losses under torchrun:
-    test_torchrun_launch.py.)"""
+    each restart a metric and an incident. (The same losses under torchrun, each life new
+    processes resuming as a run started again by hand: test_torchrun_launch.py.)"""
     extra = ["trainer.total_training_steps=8", "trainer.save_freq=2", "trainer.test_freq=-1",
              "trainer.val_before_train=False", "actor_rollout_ref.rollout.partial_rollout=True",
              "actor_rollout_ref.rollout.over_sample_prompts=6", "trainer.max_restarts=2",
-             "trainer.restart_backoff_s=1", "trainer.state_timeout_s=20",
+             "trainer.restart_backoff_s=1", "trainer.state_timeout_s=15",
              "trainer.state_min_tokens_per_s=1e9"]
     proc = megarl("train", _args(quickstart_assets, tmp_path, *extra), start_new_session=True)
     out, code = _kill_a_trainer_worker_after_checkpoints(proc, tmp_path, [2, 4],
@@ -363,8 +333,8 @@ def test_a_lost_trainer_worker_restarts_the_run_which_trains_every_prompt_once(
     assert code == 0, out[-4000:]
     assert re.search(r"run lost \(WorkerLost: .*\); restart 1/2 from the newest checkpoint in 1 s",
                      out), out[-4000:]
-    assert re.search(r"run lost \(StateTimeout: [A-Z_]+\(\d+\)@\S+ did not finish within 20 s "
-                     r"\(trainer.state_timeout_s = 20 s \+ \d+ tokens at trainer.state_min_tokens"
+    assert re.search(r"run lost \(StateTimeout: [A-Z_]+\(\d+\)@\S+ did not finish within 15 s "
+                     r"\(trainer.state_timeout_s = 15 s \+ \d+ tokens at trainer.state_min_tokens"
                      r"_per_s = 1e\+09\): something it waits on is wedged\); restart 2/2 from the "
                      r"newest checkpoint in 2 s", out), out[-4000:]
     saved = [int(s) for s in re.findall(r"resuming after step (\d+) from", out)]
