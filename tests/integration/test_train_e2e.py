@@ -152,16 +152,19 @@ def check_timeline(run_dir, steps: int, every: int = 10) -> None:
 
 @pytest.mark.stock_sglang
 def test_sglang_backend_trains_on_stock_servers(quickstart_assets, tmp_path, stock_python):
-    """`rollout.name=sglang` as users run it on a CPU: megarl launches two stock
-    `sglang.launch_server` processes of TP 2 from their own environment (found without any
-    key; each TP rank holds its own rank of the trainer's update group: world 1 + 2 + 2), each
-    version goes begin -> flattened buckets -> end -> flush -> continue, and the run learns as
-    the embedded one does, with partial rollout aborting the tail and continuing it across
-    syncs (its tokens' versions come from the servers' spans)."""
+    """`rollout.name=sglang` as users run it on a CPU: megarl launches a stock
+    `sglang.launch_server` of TP 2 from its own environment (found without any key; each TP
+    rank holds its own rank of the trainer's update group: world 1 + 2), each version goes
+    begin -> flattened buckets -> end -> flush -> continue, and the run learns as the
+    embedded one does, with partial rollout aborting the tail and continuing it across syncs
+    (its tokens' versions come from the server's spans). (Two stock servers beside one
+    trainer: tests/stock/test_stock_weight_sync_pp.py; one server was enough here, and two
+    of TP 2 on two cores made this the suite's slowest test.)"""
     out = megarl("train", _args(
         quickstart_assets, tmp_path, "trainer.save_freq=-1", "trainer.test_freq=-1",
-        "trainer.val_before_train=False", "trainer.n_gpus_per_node=5",
-        "trainer.separated_node_ratios=[0.2,0.8]",  # 1 trainer process, 2 engines of TP 2
+        "trainer.val_before_train=False", "trainer.n_gpus_per_node=3",
+        "trainer.separated_node_ratios=[0.3333333333333333,0.6666666666666666]",
+        # 1 trainer process, 1 engine of TP 2
         "actor_rollout_ref.rollout.name=sglang",
         "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
         "actor_rollout_ref.rollout.partial_rollout=True",
@@ -178,15 +181,13 @@ def test_sglang_backend_trains_on_stock_servers(quickstart_assets, tmp_path, sto
     assert max(scalars(tmp_path, "rollout/partial/versions_spanned_max").values()) >= 2
     paused = scalars(tmp_path, "weight_sync/engine_pause_s")
     assert paused and all(v > 0 for v in paused.values())
-    assert "rank offsets [1, 3]" in out and "sglang.launch_server" in out
+    assert "rank offsets [1]" in out and "sglang.launch_server" in out
     assert "--tp-size 2" in out
-    assert stock_python in out  # the servers ran from the stock environment
-    # each TP rank of each server joined the trainer's update group as its own rank
-    logs = tmp_path / "megarl" / "t" / "logs"
-    for i, ranks in ((0, (1, 2)), (1, (3, 4))):
-        log = (logs / f"rollout-{i}.log").read_text()
-        for rank in ranks:
-            assert f"rank={rank}, world_size=5" in log, log[-2000:]
+    assert stock_python in out  # the server ran from the stock environment
+    # each TP rank of the server joined the trainer's update group as its own rank
+    log = (tmp_path / "megarl" / "t" / "logs" / "rollout-0.log").read_text()
+    for rank in (1, 2):
+        assert f"rank={rank}, world_size=3" in log, log[-2000:]
 
 
 def test_given_servers_and_an_engine_failing_mid_version_is_dropped(quickstart_assets,
