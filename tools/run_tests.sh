@@ -10,4 +10,4 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} TOKENIZERS_PARALLELISM=false
 workers=${MEGARL_TEST_WORKERS:-2}
 xdist=()
 [ "$workers" -gt 1 ] && xdist=(-n "$workers" --dist loadgroup)
-python -m pytest tests -q -p no:cacheprovider --timeout=900 --durations=25 "${xdist[@]}" "$@"
+python -m pytest tests -q -p no:cacheprovider --timeout=900 --durations=40 "${xdist[@]}" "$@"

@@ -35,6 +35,7 @@ class ModelSpec:
     optim: OptimConfig | None  # None: frozen (ref, logp replica)
     value_model: bool = False  # the critic: a value head instead of the LM head
     transformer_impl: str = "auto"  # auto | local | transformer_engine
+    collective_timeout_s: float = 1800.0  # its process groups' (trainer.state_timeout_s)
 
 
 @dataclass(frozen=True)
@@ -95,7 +96,8 @@ def megatron_spec(cfg, role: str, schedule_steps: int | None = None) -> Megatron
                           m.pipeline_model_parallel_size, m.params_dtype,
                           m.make_vocab_size_divisible_by, m.seed,
                           _optim(cfg, "critic", schedule_steps), value_model=True,
-                          transformer_impl=m.transformer_impl)
+                          transformer_impl=m.transformer_impl,
+                          collective_timeout_s=float(cfg.trainer.state_timeout_s))
         loss = CriticLossSpec(float(c.cliprange_value),
                               c.loss_agg_mode or arr.actor.loss_agg_mode,
                               int(cfg.data.max_response_length))
@@ -107,7 +109,8 @@ def megatron_spec(cfg, role: str, schedule_steps: int | None = None) -> Megatron
     trains = role == "actor"
     optim = _optim(cfg, "actor_rollout_ref.actor", schedule_steps) if trains else None
     model = ModelSpec(arr.model.path, tp, pp, m.params_dtype, m.make_vocab_size_divisible_by,
-                      m.seed, optim, transformer_impl=m.transformer_impl)
+                      m.seed, optim, transformer_impl=m.transformer_impl,
+                      collective_timeout_s=float(cfg.trainer.state_timeout_s))
     if not trains:
         return MegatronSpec(role, model, arr.model.path)
     loss = ActorLossSettings.from_config(arr.actor, cfg.data.max_response_length)

@@ -40,10 +40,16 @@ def describe(err: BaseException) -> str:
 
 
 class Driver:
-    def __init__(self, run: Run, pipeline: Pipeline):
+    def __init__(self, run: Run, pipeline: Pipeline, keep_timeline: bool = False):
+        """`keep_timeline`: the run restarts or resumes; its timeline goes on from the one
+        in the run directory."""
         self.r, self.p, self.cfg = run, pipeline, run.cfg
         self.st = RunState.start(run, pipeline)
         self.step_tokens = deadlines.step_tokens(self.cfg)
+        # the wall-clock time of the pipeline's start: where this timeline joins the earlier
+        self.started_unix = time.time() - (pipeline.clock() - pipeline.t0)
+        self.earlier_timeline = _read_trace(run.plan.ckpt_root / "timeline.json") \
+            if keep_timeline else None
 
     # ---------------------------------------------------------------- the loop
     async def main(self) -> None:
@@ -82,6 +88,9 @@ class Driver:
 
     async def execute(self, a) -> None:
         t0 = time.perf_counter()
+        if a.task == "checkpoint" and self.cfg.trainer.timeline_freq > 0:
+            # before the checkpoint can be found: a restart from it finds this run's work
+            self.write_trace()
         if a.task in VALIDATION_WORK:
             work = VALIDATION_WORK[a.task](self.st, a.version)
             tokens = deadlines.validation_tokens(self.cfg, len(self.r.val_dataset or ()))
@@ -135,8 +144,7 @@ class Driver:
         """`timeline.json` (the whole run so far) and `timeline.png` (steps k-last_steps+1..k,
         with the validations among them), the picture also to TensorBoard at step k+1."""
         tl = self.p.timeline
-        devices = {g.name: g.num_devices for g in plan_task_groups(self.cfg)}
-        trace = write_chrome_trace(tl, self.r.plan.ckpt_root / "timeline.json", devices)
+        trace = self.write_trace()
         first = k - last_steps + 1
         # From the first interval of step `first` on, everything each group did (the end of
         # step first-1's work, step k+1's generation), so a busy group is not drawn waiting.
@@ -148,6 +156,29 @@ class Driver:
                                "bar; grey: the group waits)")
         self.r.loggers.log_image(k + 1, "timeline", png)
         logger.debug("timeline written: %s, %s", trace, png)
+
+
+    def write_trace(self):
+        """`timeline.json` alone: the whole run so far, after what the runs before a restart
+        or resume did. Also written as each checkpoint begins and when the run fails, so a
+        restart finds the work up to its checkpoint."""
+        devices = {g.name: g.num_devices for g in plan_task_groups(self.cfg)}
+        return write_chrome_trace(self.p.timeline, self.r.plan.ckpt_root / "timeline.json",
+                                  devices, incidents=self.p.incidents, t0=self.p.t0,
+                                  started_unix=self.started_unix,
+                                  earlier=self.earlier_timeline,
+                                  first_step=self.r.plan.start_step)
+
+
+def _read_trace(path) -> dict | None:
+    """The timeline a run before this one wrote, if it is one (else it is started anew)."""
+    import json
+
+    try:
+        trace = json.loads(path.read_text())
+        return trace if isinstance(trace.get("traceEvents"), list) else None
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def run(cfg, val_only: bool = False, life=None) -> dict:
@@ -242,14 +273,14 @@ async def _run(cfg, val_only: bool, losses: list[str] = (), on_started=None,
     r = await setup_run(cfg, val_only)
     if on_started is not None:
         on_started()
-    failed = True
+    failed, d = True, None
     try:
         pipeline = Pipeline(r.plan.ahead, r.plan.total_steps, cfg.trainer.test_freq,
                             cfg.trainer.val_before_train, groups=r.plan.groups,
                             val_only=val_only, start_step=r.plan.start_step,
                             critic=r.critic is not None, save_freq=cfg.trainer.save_freq,
                             sync_between_generations=cfg.trainer.sync_between_generations)
-        d = Driver(r, pipeline)
+        d = Driver(r, pipeline, keep_timeline=bool(losses) or r.plan.start_step > 0)
         if losses:
             start = r.plan.start_step
             pipeline.incident(start, "restart", f"restart {len(losses)} after: {losses[-1]}")
@@ -269,4 +300,9 @@ async def _run(cfg, val_only: bool, losses: list[str] = (), on_started=None,
         failed = False
         return summary
     finally:
+        if failed and d is not None and cfg.trainer.timeline_freq > 0 and not val_only:
+            try:  # what this run did, for the restart's timeline (best effort)
+                d.write_trace()
+            except Exception as err:  # noqa: BLE001 - the failure is what gets reported
+                logger.debug("timeline not written: %s", err)
         await r.close(failed=failed, keep_transport=failed and keep_transport)

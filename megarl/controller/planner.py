@@ -76,7 +76,8 @@ def measure(trace: str | Path) -> Measured:
                 devices[name] = int(e["args"]["devices"])
     per = defaultdict(float)  # (task, step) -> seconds
     task_group = {}
-    for e in (e for e in events if e.get("ph") == "X"):
+    # this run's own work: not what a run before a restart did
+    for e in (e for e in events if e.get("ph") == "X" and not e["args"].get("earlier")):
         if e["cat"].startswith("val-") or e["cat"] == "checkpoint":
             continue  # planned layouts are compared without validations and saves
         per[(e["cat"], int(e["args"]["step"]))] += float(e["dur"]) / 1e6

@@ -2,7 +2,9 @@
 and a PNG picture (also shown in TensorBoard).
 
 Trace: one process row per group, one complete event ("X") per interval, named
-`<task>(<step>)`. Picture: `render_png`. Nothing else reads these files.
+`<task>(<step>)`, an instant event ("i") per incident (a restart, an engine replaced); a run
+that restarts or resumes keeps the trace written before it, on the wall clock, its redone
+work marked `lost`. Picture: `render_png`. `megarl plan` reads the trace's own work.
 """
 from __future__ import annotations
 
@@ -11,34 +13,61 @@ from pathlib import Path
 from typing import Iterable, Mapping
 
 
-def chrome_trace(intervals: Iterable, devices: Mapping[str, int] | None = None) -> dict:
+def chrome_trace(intervals: Iterable, devices: Mapping[str, int] | None = None, *,
+                 incidents: Iterable = (), t0: float | None = None,
+                 started_unix: float | None = None, earlier: dict | None = None,
+                 first_step: int = 0) -> dict:
     """{"traceEvents": [...]}; intervals have .group, .task, .step, .start, .end (seconds).
     `devices`: group -> its device count, recorded with the group's name (`megarl plan`
-    scales measured times by it)."""
+    scales measured times by it). `incidents` (.step, .task, .what, .at: seconds after
+    `t0`) are instant events. `earlier`: the trace a run before a restart (or a resume)
+    wrote, kept ahead of this one on the wall clock (`started_unix`, the time of `t0`); its
+    work on steps from `first_step` on, done again after the restart, is marked lost."""
     intervals = sorted(intervals, key=lambda i: i.start)
-    t0 = intervals[0].start if intervals else 0.0
+    if t0 is None:
+        t0 = intervals[0].start if intervals else 0.0
     pids: dict[str, int] = {}
     events = []
+    if earlier and started_unix is not None and "started_unix" in earlier.get("otherData", {}):
+        shift = (earlier["otherData"]["started_unix"] - started_unix) * 1e6
+        names = {e["pid"]: e["args"]["name"] for e in earlier["traceEvents"]
+                 if e.get("ph") == "M" and e.get("name") == "process_name"}
+        for e in earlier["traceEvents"]:
+            if e.get("ph") not in ("X", "i"):
+                continue
+            e = {**e, "ts": e["ts"] + shift, "args": {**e.get("args", {}), "earlier": True}}
+            e["pid"] = pids.setdefault(names.get(e["pid"], "?"), len(pids))
+            if e["ph"] == "X" and int(e["args"].get("step", -1)) >= first_step:
+                e["args"]["lost"] = True  # trained again after the restart
+            events.append(e)
     for iv in intervals:
         pid = pids.setdefault(iv.group, len(pids))
         events.append({"name": f"{iv.task}({iv.step})", "cat": iv.task, "ph": "X",
                        "pid": pid, "tid": 0, "ts": (iv.start - t0) * 1e6,
                        "dur": (iv.end - iv.start) * 1e6, "args": {"step": iv.step}})
+    for inc in incidents:  # global instant events: a restart, an engine replaced, ...
+        events.append({"name": f"{inc.task}({inc.step}): {inc.what}"[:300], "cat": "incident",
+                       "ph": "i", "s": "g", "pid": 0, "tid": 0, "ts": inc.at * 1e6,
+                       "args": {"step": inc.step, "task": inc.task, "what": inc.what}})
     devices = devices or {}
     meta = [{"name": "process_name", "ph": "M", "pid": pid,
              "args": {"name": group, **({"devices": devices[group]} if group in devices
                                          else {})}}
             for group, pid in pids.items()]
-    return {"traceEvents": meta + events, "displayTimeUnit": "ms"}
+    out = {"traceEvents": meta + events, "displayTimeUnit": "ms"}
+    if started_unix is not None:
+        out["otherData"] = {"started_unix": started_unix}
+    return out
 
 
 def write_chrome_trace(intervals: Iterable, path: str | Path,
-                       devices: Mapping[str, int] | None = None) -> Path:
-    """Written atomically: a reader (or a crash) never sees half a trace."""
+                       devices: Mapping[str, int] | None = None, **kw) -> Path:
+    """Written atomically: a reader (or a crash) never sees half a trace. `kw`: as
+    `chrome_trace`."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(chrome_trace(intervals, devices)))
+    tmp.write_text(json.dumps(chrome_trace(intervals, devices, **kw)))
     tmp.replace(path)
     return path
 

@@ -310,6 +310,16 @@ def test_a_trainer_rank_killed_twice_restarts_the_run_which_trains_exactly(quick
     assert sorted(int(p.name.split("_")[-1]) for p in run.glob("global_step_*")) == [2, 4, 6, 8]
     assert (run / "latest_checkpointed_iteration.txt").read_text() == "8"
     check_saves_overlap_generation(tmp_path, 4, 8, save_freq=2)
+    # one timeline across the lives: the earlier lives' work kept ahead on the wall clock
+    # (what was trained again marked lost), each restart an incident on it
+    events = json.loads((run / "timeline.json").read_text())["traceEvents"]
+    earlier = [e for e in events if e["ph"] == "X" and e["args"].get("earlier")]
+    trained_before = {e["args"]["step"] for e in earlier if e["cat"] == "actor-train"}
+    assert {0, 1, 2, 3} <= trained_before, sorted(trained_before)
+    assert max(e["ts"] for e in earlier) < 0 < max(e["ts"] for e in events if e["ph"] == "X")
+    assert all(e["args"].get("lost") for e in earlier if e["args"]["step"] >= 4)
+    restarts = [e["args"]["what"] for e in events if e["ph"] == "i"]
+    assert len(restarts) == 2 and all(w.startswith("restart ") for w in restarts), restarts
 
 
 def test_a_third_loss_past_max_restarts_2_stops_naming_all_three(quickstart_assets, tmp_path):

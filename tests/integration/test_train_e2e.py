@@ -237,7 +237,8 @@ def check_saves_overlap_generation(run_dir, saved: int, steps: int, save_freq: i
     TRAIN, and generation one step off goes on while a step is saved (GENERATE(k+2) overlaps
     CHECKPOINT(k); a save that blocked the driver would have kept it from starting)."""
     events = [e for e in json.loads((Path(run_dir) / "megarl" / "t" / "timeline.json")
-                                    .read_text())["traceEvents"] if e["ph"] == "X"]
+                                    .read_text())["traceEvents"]
+              if e["ph"] == "X" and not e["args"].get("earlier")]  # the resumed run's own
     span = {(e["cat"], e["args"]["step"]): (e["ts"], e["ts"] + e["dur"]) for e in events}
     saves = sorted(k for task, k in span if task == "checkpoint")
     # 0-based step k completes k+1 steps: the resumed run (from global_step_<saved>) ran

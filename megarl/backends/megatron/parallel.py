@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import math
 import os
 
 import torch
@@ -21,7 +22,8 @@ def init_distributed(tp: int = 1, pp: int = 1, *, rank: int | None = None,
                      world_size: int | None = None, master_addr: str | None = None,
                      master_port: int | None = None, timeout_s: float = 600.0,
                      seed: int = 1234) -> None:
-    """Initialise torch.distributed (if not yet) and Megatron's TP/PP/DP groups."""
+    """Initialise torch.distributed (if not yet) and Megatron's TP/PP/DP groups; every group
+    times a collective out after `timeout_s` (gloo raises; NCCL's watchdog aborts)."""
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
@@ -54,7 +56,8 @@ def init_distributed(tp: int = 1, pp: int = 1, *, rank: int | None = None,
             raise RuntimeError("Megatron parallel_state already initialised with another TP/PP")
         return
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                 create_gloo_process_groups=not torch.cuda.is_available())
+                                 create_gloo_process_groups=not torch.cuda.is_available(),
+                                 distributed_timeout_minutes=max(1, math.ceil(timeout_s / 60)))
     tensor_parallel.model_parallel_cuda_manual_seed(seed) if torch.cuda.is_available() else \
         torch.manual_seed(seed)
     logger.info("rank %d/%d: TP=%d PP=%d DP=%d (%s)", dist.get_rank(), world, tp, pp,

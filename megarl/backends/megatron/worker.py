@@ -73,12 +73,13 @@ class MegatronWorker:
     def __init__(self, model_dir: str, tp: int = 1, pp: int = 1, *, params_dtype="float32",
                  optim: OptimConfig | None = None, make_vocab_size_divisible_by: int = 128,
                  seed: int = 1234, load_hf: bool = True, trainable: bool = True,
-                 value_model: bool = False, transformer_impl: str = "auto"):
+                 value_model: bool = False, transformer_impl: str = "auto",
+                 collective_timeout_s: float = 600.0):
         # The converter's checks and layout rules, before any collective: a model that cannot
         # split over TP×PP fails here with the converter's message, not a Megatron assertion.
         self.args = read_model_args(model_dir)
         check_layout(self.args, tp, pp, os.path.join(model_dir, "config.json"))
-        init_distributed(tp, pp, seed=seed)
+        init_distributed(tp, pp, seed=seed, timeout_s=collective_timeout_s)
         from megatron.core import parallel_state as ps
 
         self.ps = ps
@@ -113,7 +114,8 @@ class MegatronWorker:
         return cls(spec.path, spec.tp, spec.pp, params_dtype=spec.params_dtype,
                    optim=spec.optim, make_vocab_size_divisible_by=spec.make_vocab_size_divisible_by,
                    seed=spec.seed, trainable=spec.optim is not None,
-                   value_model=spec.value_model, transformer_impl=spec.transformer_impl)
+                   value_model=spec.value_model, transformer_impl=spec.transformer_impl,
+                   collective_timeout_s=spec.collective_timeout_s)
 
     # ---------------------------------------------------------------- forward plumbing
     def _device(self):

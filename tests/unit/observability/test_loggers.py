@@ -74,6 +74,43 @@ def test_chrome_trace(tmp_path):
     assert max(e["ts"] + e["dur"] for e in events) == pytest.approx(3.0e6)
 
 
+def test_a_restarted_run_keeps_the_timeline_before_it_on_the_wall_clock(tmp_path):
+    """The trace written before a restart stays ahead of the new one, shifted by the wall
+    time between their starts; its work on steps trained again is marked lost; incidents
+    (the restart) are instant events; `megarl plan` measures only the new run's work."""
+    from megarl.controller.machine import Incident, Interval
+    from megarl.controller.planner import measure
+
+    first = [Interval("train", "actor-train", k, 10.0 + k, 10.5 + k) for k in range(4)]
+    before = json.loads(write_chrome_trace(first, tmp_path / "t.json", {"train": 1}, t0=10.0,
+                                           started_unix=1000.0).read_text())
+    # the restart began 100 s later (wall clock), resuming after step 2: steps 2.. again
+    again = [Interval("train", "actor-train", k, 50.0 + k - 2, 50.5 + k - 2)
+             for k in range(2, 6)]
+    trace = json.loads(write_chrome_trace(
+        again, tmp_path / "timeline.json", {"train": 1}, t0=50.0, started_unix=1100.0,
+        earlier=before, first_step=2,
+        incidents=[Incident(2, "restart", "restart 1 after: WorkerLost: x", 0.0)]).read_text())
+    x = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    old = {e["args"]["step"]: e for e in x if e["args"].get("earlier")}
+    assert sorted(old) == [0, 1, 2, 3]
+    assert old[0]["ts"] == pytest.approx(-100e6) and old[3]["ts"] == pytest.approx(-97e6)
+    assert [k for k, e in sorted(old.items()) if e["args"].get("lost")] == [2, 3]
+    new = [e for e in x if not e["args"].get("earlier")]
+    assert [e["args"]["step"] for e in new] == [2, 3, 4, 5] and new[0]["ts"] == 0.0
+    (inc,) = [e for e in trace["traceEvents"] if e["ph"] == "i"]
+    assert inc["args"] == {"step": 2, "task": "restart", "what": "restart 1 after: WorkerLost: x"}
+    assert len({e["pid"] for e in x}) == 1  # one group, one row, before and after
+    # a second restart keeps both earlier runs, on the same clock
+    third = json.loads(write_chrome_trace([], tmp_path / "t3.json", {"train": 1}, t0=0.0,
+                                          started_unix=1200.0, earlier=trace,
+                                          first_step=6).read_text())
+    ts = sorted(e["ts"] for e in third["traceEvents"] if e["ph"] == "X")
+    assert ts[0] == pytest.approx(-200e6) and ts[-1] == pytest.approx(-97e6)
+    m = measure(tmp_path / "timeline.json")
+    assert m.steps == 2 and m.seconds["actor-train"] == pytest.approx(0.5)  # 4, 2 warm-up
+
+
 def test_timeline_picture_shows_each_interval_and_the_waits(tmp_path):
     """Bars sit where their intervals are, in their task's colour; the gaps stay grey; the
     picture reaches TensorBoard as an image."""
