@@ -198,14 +198,27 @@ def _split_override(text: str) -> tuple[str, Any]:
     return key, safe_load(raw, f"override {key}")
 
 
+# text -> what it parsed to (a copy is handed out). The same files and overrides are parsed
+# again and again: `megarl plan` loads a config for every layout it weighs (hundreds), and
+# PyYAML's pure-Python parser was a third of that time.
+_PARSED: dict[str, Any] = {}
+_PARSED_MAX = 256
+
+
 def safe_load(text: str, where: str) -> Any:
     """Parse YAML ``text`` within ``YAML_LIMITS``; any problem is a one-line ``ConfigError``
     starting with ``where`` (the file, or the override's key)."""
+    if text in _PARSED:
+        return copy.deepcopy(_PARSED[text])
     try:
         _check_structure(text, where)
-        return yaml.load(text, Loader=_YamlLoader)
+        data = yaml.load(text, Loader=_YamlLoader)
     except yaml.YAMLError as err:
         raise ConfigError(f"{where}: not valid YAML: {_yaml_reason(err)}") from None
+    if len(_PARSED) >= _PARSED_MAX:
+        _PARSED.clear()
+    _PARSED[text] = data
+    return copy.deepcopy(data)
 
 
 def _check_structure(text: str, where: str) -> None:

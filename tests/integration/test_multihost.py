@@ -207,58 +207,6 @@ def _ray_cluster(hs: Hosts, short_tmp, env, cpus: int | list[int]) -> str:
     return head
 
 
-def test_ray_on_two_hosts_places_groups_on_whole_hosts_and_reward_rises(quickstart_assets,
-                                                                       tmp_path, short_tmp):
-    """A Ray cluster of two hosts with two CPU devices each; the quickstart with
-    trainer.nnodes=2: the trainer group and the rollout group each get one whole host, the
-    engines serve on their host's address, the weight-update group runs from the trainer's
-    host to theirs, and the reward rises."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    steps = 40
-    env = _ray_env()
-    with Hosts(2) as hs:
-        head = _ray_cluster(hs, short_tmp, env, cpus=2)
-        driver = hs.popen(0, [sys.executable, "-m", "megarl.cli", "train",
-                              "--config", str(ROOT / "configs" / "quickstart.yaml"),
-                              *_overrides(quickstart_assets, tmp_path, steps,
-                                          "trainer.save_freq=-1", "trainer.nnodes=2",
-                                          "trainer.n_gpus_per_node=2")],
-                          env=dict(env, RAY_ADDRESS=head), stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
-        bound, lines, placed = {}, [], {}
-        for line in driver.stdout:  # watch the processes and sockets while the run is on
-            lines.append(line)
-            if "rollout servers:" in line:
-                for host, port in _servers(line):
-                    i = [hs.addr(j) for j in range(2)].index(host)
-                    bound[i] = [a for a, p, _ in hs.listening(i) if p == port]
-            if "step 1/" in line and not placed:  # every worker is up
-                placed = {w: hs.where(f"ray::{w}") for w in ("MegatronActor", "RolloutActor")}
-        code = driver.wait(timeout=60)
-        out = "".join(lines)
-    assert code == 0, out[-4000:]
-    engines = {h for h, _ in _servers(out)}
-    assert len(engines) == 1, engines  # the rollout group owns one whole host ...
-    engine_host = engines.pop()
-    trainer_host = hs.addr(1) if engine_host == hs.addr(0) else hs.addr(0)
-    i = [hs.addr(0), hs.addr(1)].index(engine_host)
-    assert bound == {i: [engine_host]}, bound  # ... and its servers listen there only
-    # ... and the trainer's processes (actor and reference, one per device each) the other
-    j = 1 - i
-    assert placed == {"MegatronActor": {j: 4}, "RolloutActor": {i: 2}}, placed
-    assert f"process groups on interface eth0 (toward {trainer_host})" in out
-    assert re.search(rf"joined weight-update group .* \(gloo, {re.escape(trainer_host)}:\d+\)",
-                     out), out[-4000:]
-    acc = EventAccumulator(str(tmp_path / "megarl" / "t" / "tensorboard"))
-    acc.Reload()
-    reward = {e.step: e.value for e in acc.Scalars("reward/mean")}
-    assert sorted(reward) == list(range(1, steps + 1))
-    first = sum(reward[s] for s in range(1, 9)) / 8
-    last = sum(reward[s] for s in range(steps - 7, steps + 1)) / 8
-    assert last > first + 0.1, (first, last)
-
-
 # ------------------------------------------------------------------ Slurm
 def test_slurm_on_two_hosts_trains_and_converts(quickstart_assets, tmp_path):
     """slurmctld on host 0, a slurmd on each host (its own NodeName and address):
@@ -367,9 +315,12 @@ def test_slurm_on_two_hosts_trains_and_converts(quickstart_assets, tmp_path):
 
 def test_ray_trainer_host_killed_is_named_and_the_run_restarts_when_it_returns(
         quickstart_assets, tmp_path, short_tmp):
-    """Three hosts: the Ray head and the driver on host 0 (no devices, as a cluster's head
-    node), two CPU devices on each of hosts 1 and 2, one task group per host;
-    `trainer.max_restarts=1`. Mid-run every process on the trainer group's host is killed:
+    """`ray start` on three hosts as docs/launch.md says for a cluster without Slurm: the Ray
+    head and the driver on host 0 (no devices, as a cluster's head node), two CPU devices on
+    each of hosts 1 and 2; `trainer.nnodes=2`: the trainer group and the rollout group each
+    get one whole host, the engines serve on their host's address only, the weight-update
+    group runs from the trainer's host to theirs. `trainer.max_restarts=1`. Mid-run every
+    process on the trainer group's host is killed:
     within BOUND_S the driver names that host and the rank and task lost on it, and restarts
     the run, whose placement waits for the host (each group needs a whole one). Ray started
     on that host again, the run resumes from its checkpoint and finishes every step. (An
@@ -390,8 +341,15 @@ def test_ray_trainer_host_killed_is_named_and_the_run_restarts_when_it_returns(
                           env=dict(env, RAY_ADDRESS=head), stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
         lines, killed, host, noticed, back = [], None, None, None, None
+        bound, placed = {}, {}
         for line in driver.stdout:
             lines.append(line)
+            if "rollout servers:" in line and not bound:
+                for addr, port in _servers(line):
+                    i = [hs.addr(j) for j in range(3)].index(addr)
+                    bound[i] = [a for a, p, _ in hs.listening(i) if p == port]
+            if "step 1/" in line and not placed:  # every worker is up
+                placed = {w: hs.where(f"ray::{w}") for w in ("MegatronActor", "RolloutActor")}
             if "step 3/" in line and killed is None:
                 (host,) = hs.where("ray::MegatronActor")  # one host holds the whole group
                 Hosts._kill_inside(hs.names[host])
@@ -410,7 +368,15 @@ def test_ray_trainer_host_killed_is_named_and_the_run_restarts_when_it_returns(
         code = driver.wait(timeout=60)
         out = "".join(lines)
         (tmp_path / "driver.log").write_text(out)  # kept with the test's files
+    # placement: one whole host per group (the trainer's actor and reference, one process
+    # per device each; the engines), the engines bound to their host's address only
     assert killed is not None and host in (1, 2), out[-4000:]
+    engine_host = 3 - host
+    assert placed == {"MegatronActor": {host: 4}, "RolloutActor": {engine_host: 2}}, placed
+    assert bound == {engine_host: [hs.addr(engine_host)]}, bound
+    assert f"process groups on interface eth0 (toward {hs.addr(host)})" in out
+    assert re.search(rf"joined weight-update group .* \(gloo, {re.escape(hs.addr(host))}:\d+\)",
+                     out), out[-4000:]
     assert noticed is not None and noticed - killed <= BOUND_S, out[-4000:]
     addr = re.escape(hs.addr(host))
     failed = [x for x in out.splitlines() if "megarl.controller.driver" in x and " failed: " in x]

@@ -232,3 +232,23 @@ def test_contradicting_ahead_keys_at_one_level_are_refused_naming_both(tmp_path)
     f.write_text("actor_rollout_ref: {async_pipeline: true}\ntrainer: {generate_ahead_steps: 1}\n")
     with pytest.raises(ConfigError, match=rf"{AHEAD}: 1 and {ASYNC}: true .*c\.yaml"):
         load_config(str(f))
+
+
+def test_a_file_read_again_is_parsed_once_and_its_edits_are_seen(tmp_path, monkeypatch):
+    """`megarl plan` loads one file hundreds of times: the text is parsed once; each load
+    gets its own copy (a config built from it cannot change the next), and an edited file
+    is read anew."""
+    import megarl.config.loader as loader
+
+    text = f"# {tmp_path}\ntrainer:\n  separated_node_ratios: [1.0]\n  total_training_steps: 7\n"
+    path = write(tmp_path, text)  # a text no other test parsed before
+    parsed = []
+    real = loader.yaml.load
+    monkeypatch.setattr(loader.yaml, "load", lambda *a, **k: parsed.append(1) or real(*a, **k))
+    first = loader._read_yaml(path)
+    first["trainer"]["separated_node_ratios"].append(9.0)  # a caller's edit stays its own
+    assert load_config(path, []).trainer.separated_node_ratios == [1.0]
+    assert load_config(path, []).trainer.total_training_steps == 7
+    assert len(parsed) == 1
+    write(tmp_path, "trainer:\n  total_training_steps: 8\n")
+    assert load_config(path, []).trainer.total_training_steps == 8
