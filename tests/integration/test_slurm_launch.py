@@ -198,18 +198,32 @@ CONFIG = "configs/quickstart.yaml"
 @pytest.fixture(scope="module")
 def train_job(slurm, assets):
     """The quickstart as a job: 4 steps, a checkpoint every 2, `trainer.max_restarts=1`;
-    requeued once the checkpoint of step 2 exists (`scontrol requeue`: what Slurm does to a
-    `--requeue` job when one of its nodes fails), so the job runs twice."""
+    once the checkpoint of step 2 exists its node "fails": megarl is frozen where it stands
+    (SIGSTOP; the two steps left take about a second, less than Slurm takes to requeue), and
+    the job is requeued (`scontrol requeue`: what Slurm does to a `--requeue` job when one of
+    its nodes fails), so the job runs twice."""
+    import psutil
+
     run = assets / "runs" / "megarl" / "t"
     job = slurm.submit("slurm_ray.sh", CONFIG, *_paths(assets), "trainer.total_training_steps=4",
                        "trainer.save_freq=2", "trainer.test_freq=4", "trainer.max_restarts=1",
                        "trainer.val_before_train=False")
     latest, deadline = run / "latest_checkpointed_iteration.txt", time.time() + 300
+    polls = 0
     while not (latest.exists() and latest.read_text().strip() == "2"):
-        info = slurm.run("scontrol", "show", "job", "-o", job).stdout
-        assert time.time() < deadline and not any(f"JobState={t} " in info for t in TERMINAL), \
-            slurm.output(job)[-4000:]
-        time.sleep(0.2)
+        if polls % 20 == 0:  # the job's state once a second, the checkpoint every 50 ms
+            info = slurm.run("scontrol", "show", "job", "-o", job).stdout
+            assert time.time() < deadline and not any(f"JobState={t} " in info
+                                                      for t in TERMINAL), \
+                slurm.output(job)[-4000:]
+        polls += 1
+        time.sleep(0.05)
+    megarl = [p for p in psutil.process_iter(["cmdline"])
+              if "megarl.cli" in (p.info["cmdline"] or []) and str(assets / "tiny")
+              in " ".join(p.info["cmdline"] or [])]
+    assert len(megarl) == 1, megarl
+    megarl[0].suspend()  # Slurm's kill sends SIGCONT before its SIGTERM
+    assert latest.read_text().strip() == "2", "the run reached its end before it was frozen"
     slurm.run("scontrol", "requeue", job)
     # Slurm holds a requeued job back (its begin time two minutes on): make it eligible now
     while "JobState=PENDING" not in slurm.run("scontrol", "show", "job", "-o", job).stdout:
