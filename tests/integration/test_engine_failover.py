@@ -258,7 +258,7 @@ def _check_recovered(run_dir, out, assets, engines):
 # loading the model) depends on the machine's load, so the test waits for the recovery, lets
 # a few more steps train on both engines, then stops the run with SIGINT.
 STEPS = 1000
-AFTER = 2
+AFTER = 3
 LONGER = "data.max_response_length=24"
 
 
