@@ -126,7 +126,10 @@ class TrainerWeightSync:
 
     @staticmethod
     def _failed_anywhere(err: Exception | None) -> bool:
-        flag = torch.tensor([0 if err is None else 1])
+        # on the default group's device: NCCL has no CPU backend (seen on an H100)
+        device = torch.device("cuda", torch.cuda.current_device()) \
+            if dist.get_backend() == "nccl" else torch.device("cpu")
+        flag = torch.tensor([0 if err is None else 1], device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
