@@ -79,7 +79,9 @@ def test_cuda_engine_greedy_equals_transformers_generate(tiny_qwen2):
 
 
 def test_quickstart_on_one_gpu_under_torchrun(tmp_path, quickstart_assets):
-    steps = 10
+    # 40 steps, as the CPU tests' reward rise: over 10 the reward (~0.05) was noise, and a
+    # last-3-against-first-3 check failed on an H100 with nothing wrong
+    steps = 40
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="4")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
            "-m", "megarl.cli", "train", "--config", str(ROOT / "configs" / "quickstart.yaml"),
@@ -109,4 +111,4 @@ def test_quickstart_on_one_gpu_under_torchrun(tmp_path, quickstart_assets):
                    if t.startswith(("reward/", "perf/", "timing/step", "memory/"))}
         with open(os.path.join(out, "quickstart_gpu.json"), "w") as f:
             json.dump(figures, f)
-    assert sum(reward[-3:]) / 3 >= sum(reward[:3]) / 3, reward
+    assert sum(reward[-8:]) / 8 > sum(reward[:8]) / 8 + 0.1, reward
