@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 import os
 import time
@@ -50,6 +51,7 @@ class Driver:
         self.started_unix = time.time() - (pipeline.clock() - pipeline.t0)
         self.earlier_timeline = _read_trace(run.plan.ckpt_root / "timeline.json") \
             if keep_timeline else None
+        self.devices = {g.name: g.num_devices for g in plan_task_groups(self.cfg)}
 
     # ---------------------------------------------------------------- the loop
     async def main(self) -> None:
@@ -157,14 +159,12 @@ class Driver:
         self.r.loggers.log_image(k + 1, "timeline", png)
         logger.debug("timeline written: %s, %s", trace, png)
 
-
     def write_trace(self):
         """`timeline.json` alone: the whole run so far, after what the runs before a restart
         or resume did. Also written as each checkpoint begins and when the run fails, so a
         restart finds the work up to its checkpoint."""
-        devices = {g.name: g.num_devices for g in plan_task_groups(self.cfg)}
         return write_chrome_trace(self.p.timeline, self.r.plan.ckpt_root / "timeline.json",
-                                  devices, incidents=self.p.incidents, t0=self.p.t0,
+                                  self.devices, incidents=self.p.incidents, t0=self.p.t0,
                                   started_unix=self.started_unix,
                                   earlier=self.earlier_timeline,
                                   first_step=self.r.plan.start_step)
@@ -172,8 +172,6 @@ class Driver:
 
 def _read_trace(path) -> dict | None:
     """The timeline a run before this one wrote, if it is one (else it is started anew)."""
-    import json
-
     try:
         trace = json.loads(path.read_text())
         return trace if isinstance(trace.get("traceEvents"), list) else None

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from . import _patches
+from .parallel import has_gloo_groups
 
 IMPLS = ("megatron", "torch")
 DECAY_STYLES = ("constant", "linear", "cosine")
@@ -217,10 +218,9 @@ class MegatronOptimizer(_Scheduled):
             use_distributed_optimizer=cfg.use_distributed_optimizer)
         with _patches.cuda_tensor_types():
             self.ddp = DistributedDataParallel(tcfg, ddp_cfg, model)
-            # gloo groups exist on CPU only (parallel.init_distributed): on CUDA Megatron's
-            # default (True) asks for ones that were never made and asserts
-            self.opt = get_megatron_optimizer(
-                ocfg, [self.ddp], use_gloo_process_groups=not torch.cuda.is_available())
+            # Megatron's default (True) asks for gloo groups, which on CUDA were never made
+            self.opt = get_megatron_optimizer(ocfg, [self.ddp],
+                                              use_gloo_process_groups=has_gloo_groups())
         # The schedules call these: grads reduce after the last micro-batch's backward (and,
         # with overlap, bucket by bucket while the backward still runs), then are finalized.
         tcfg.finalize_model_grads_func = finalize_model_grads

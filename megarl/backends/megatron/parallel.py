@@ -18,6 +18,12 @@ from megarl.utils.net import is_loopback, pin_socket_interfaces
 logger = logging.getLogger(__name__)
 
 
+def has_gloo_groups() -> bool:
+    """Whether Megatron's gloo twins of its groups are made: on CPU only (on CUDA the NCCL
+    groups serve; the distributed optimizer must not ask for gloo ones)."""
+    return not torch.cuda.is_available()
+
+
 def init_distributed(tp: int = 1, pp: int = 1, *, rank: int | None = None,
                      world_size: int | None = None, master_addr: str | None = None,
                      master_port: int | None = None, timeout_s: float = 600.0,
@@ -56,7 +62,7 @@ def init_distributed(tp: int = 1, pp: int = 1, *, rank: int | None = None,
             raise RuntimeError("Megatron parallel_state already initialised with another TP/PP")
         return
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                 create_gloo_process_groups=not torch.cuda.is_available(),
+                                 create_gloo_process_groups=has_gloo_groups(),
                                  distributed_timeout_minutes=max(1, math.ceil(timeout_s / 60)))
     tensor_parallel.model_parallel_cuda_manual_seed(seed) if torch.cuda.is_available() else \
         torch.manual_seed(seed)
