@@ -4,10 +4,11 @@
 #   sbatch --cpus-per-task=4 launch/slurm_convert.sh hf2mcore --hf-dir HF --out CKPT --tp 2 --pp 2
 #   sbatch launch/slurm_convert.sh mcore2hf --ckpt RUN/global_step_10/actor --out HF_OUT
 #
-# The converter re-launches itself under `torchrun --standalone` with TP×PP ranks on this node
-# (no Ray, no srun), so one task with TP×PP CPUs is enough; on a GPU node every rank takes a
-# GPU (NCCL), so also ask for --gpus-per-node=TP×PP. TP×PP is checked against the allocation
-# before anything starts. Environment: MEGARL_HOME, MEGARL_VENV (as launch/slurm_ray.sh).
+# The converter re-launches itself under `torchrun --standalone` with PP × lcm(TP, EP×ETP)
+# ranks on this node (TP×PP for a dense model; a mixture of experts' --ep/--etp take their
+# ranks from each stage's; no Ray, no srun), so one task with that many CPUs is enough; on a
+# GPU node every rank takes a GPU (NCCL), so also ask for --gpus-per-node=that many. It is
+# checked against the allocation before anything starts. Environment: MEGARL_HOME, MEGARL_VENV (as launch/slurm_ray.sh).
 # Exit status: the converter's (2 for bad arguments or an allocation too small).
 #
 #SBATCH --job-name=megarl-convert
@@ -29,27 +30,36 @@ MEGARL_HOME=${MEGARL_HOME:-$(cd "$(dirname "${_cmd:-$0}")/.." && pwd)}
 . "$MEGARL_HOME/launch/_ray_cluster.sh"
 megarl_require_slurm
 
-# TP and PP as the converter will parse them (--tp N or --tp=N; default 1).
-tp=1 pp=1 prev=
+# TP, PP, EP and ETP as the converter will parse them (--tp N or --tp=N; default 1, ETP: TP).
+tp=1 pp=1 ep=1 etp= prev=
 for arg in "$@"; do
-    case "$prev" in --tp) tp=$arg ;; --pp) pp=$arg ;; esac
-    case "$arg" in --tp=*) tp=${arg#--tp=} ;; --pp=*) pp=${arg#--pp=} ;; esac
+    case "$prev" in --tp) tp=$arg ;; --pp) pp=$arg ;; --ep) ep=$arg ;; --etp) etp=$arg ;; esac
+    case "$arg" in
+        --tp=*) tp=${arg#--tp=} ;; --pp=*) pp=${arg#--pp=} ;;
+        --ep=*) ep=${arg#--ep=} ;; --etp=*) etp=${arg#--etp=} ;;
+    esac
     prev=$arg
 done
-[[ $tp =~ ^[1-9][0-9]*$ && $pp =~ ^[1-9][0-9]*$ ]] \
-    || _megarl_die 2 "--tp/--pp must be positive integers (got --tp $tp --pp $pp)"
-ranks=$((tp * pp))
+etp=${etp:-$tp}
+for v in "$tp" "$pp" "$ep" "$etp"; do
+    [[ $v =~ ^[1-9][0-9]*$ ]] || _megarl_die 2 "--tp/--pp/--ep/--etp must be positive" \
+        "integers (got --tp $tp --pp $pp --ep $ep --etp $etp)"
+done
+# each stage's ranks split over TP and, for the experts, over EP×ETP: the least common multiple
+a=$tp b=$((ep * etp))
+while [ "$b" -ne 0 ]; do t=$((a % b)); a=$b; b=$t; done
+ranks=$((pp * tp * ep * etp / a))
 [ "${SLURM_NNODES:-1}" -eq 1 ] || _megarl_log "warning: conversion runs on one node;" \
     "the other $((SLURM_NNODES - 1)) node(s) of this job stay idle"
 cpus=${SLURM_CPUS_PER_TASK:-${SLURM_CPUS_ON_NODE:-1}}
 gpus=${SLURM_GPUS_ON_NODE:-0}
 if [ "$gpus" -gt 0 ] && [ "$gpus" -lt "$ranks" ]; then
-    _megarl_die 2 "TP×PP=$tp×$pp needs $ranks GPUs (one per rank) but the job has $gpus on" \
-        "its node: resubmit with --gpus-per-node=$ranks"
+    _megarl_die 2 "TP×PP=$tp×$pp (EP×ETP=$ep×$etp) needs $ranks GPUs (one per rank) but" \
+        "the job has $gpus on its node: resubmit with --gpus-per-node=$ranks"
 fi
 if [ "$cpus" -lt "$ranks" ]; then
-    _megarl_die 2 "TP×PP=$tp×$pp needs $ranks ranks but the job has $cpus CPU(s):" \
-        "resubmit with --cpus-per-task=$ranks"
+    _megarl_die 2 "TP×PP=$tp×$pp (EP×ETP=$ep×$etp) needs $ranks ranks but the job has" \
+        "$cpus CPU(s): resubmit with --cpus-per-task=$ranks"
 fi
 
 megarl_setup_env

@@ -277,7 +277,10 @@ class RolloutRank:
     own address, when other nodes must reach it."""
 
     def __init__(self, model_path: str, threads: int, seed: int, context_length: int,
-                 log_level: str = "INFO", host: str | None = "127.0.0.1"):
+                 log_level: str = "INFO", host: str | None = "127.0.0.1",
+                 routed_experts: bool = False):
+        """`routed_experts`: report each token's experts (routing replay), as stock SGLang
+        with `--enable-return-routed-experts`."""
         logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: "
                             "%(message)s")
         _threads(threads)
@@ -285,7 +288,8 @@ class RolloutRank:
         from megarl.rollout.server import ServerThread
 
         engine = EmbeddedEngine(model_path, seed=seed, context_length=context_length,
-                                load_tokenizer=False, weight_version="0")
+                                load_tokenizer=False, weight_version="0",
+                                enable_return_routed_experts=routed_experts)
         self.server = ServerThread(engine, host or node_address(), 0).__enter__()
 
     def url(self) -> str:

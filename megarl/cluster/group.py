@@ -325,9 +325,10 @@ class RolloutGroup:
                 # address (None).
                 host = "127.0.0.1" if single else None
                 count = devices.num_devices
+                routed = bool(r.enable_rollout_routing_replay)
                 self._start = lambda i: transport.spawn(
                     "rollout", devices, i, share, f"rollout{i}", model, threads,
-                    cfg.trainer.seed + i, ctx, host=host)
+                    cfg.trainer.seed + i, ctx, host=host, routed_experts=routed)
             self.actors = [self._start(i) for i in range(count)]
             self.urls = None  # known once ready()
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from omegaconf import OmegaConf
 
 from megarl.algo.actor_loss import ActorLossSettings
+from megarl.backends.megatron.model import MoESettings
 from megarl.backends.megatron.optim import OptimConfig
 from megarl.backends.sglang.launcher import ServerArgs, module_for, replica_server_args
 from megarl.utils.errors import ConfigError
@@ -36,6 +37,7 @@ class ModelSpec:
     value_model: bool = False  # the critic: a value head instead of the LM head
     transformer_impl: str = "auto"  # auto | local | transformer_engine
     collective_timeout_s: float = 1800.0  # its process groups' (trainer.state_timeout_s)
+    moe: MoESettings = MoESettings()  # expert layout and routing (a mixture of experts only)
 
 
 @dataclass(frozen=True)
@@ -82,6 +84,19 @@ def _optim(cfg, section: str, schedule_steps: int | None) -> OptimConfig:
     return OptimConfig.from_config(optim, node.megatron, schedule_steps)
 
 
+def moe_settings(m, replay: bool = False) -> MoESettings:
+    """A Megatron section's expert layout and router settings (`replay`: the routers take
+    the rollout's experts, R3)."""
+    o = m.override_transformer_config
+    return MoESettings(ep=int(m.expert_model_parallel_size),
+                       etp=m.expert_tensor_parallel_size,
+                       aux_loss_coeff=float(o.moe_aux_loss_coeff),
+                       z_loss_coeff=o.moe_z_loss_coeff,
+                       token_dispatcher=o.moe_token_dispatcher_type,
+                       capacity_factor=o.moe_expert_capacity_factor,
+                       token_drop_policy=o.moe_token_drop_policy, routing_replay=replay)
+
+
 def megatron_spec(cfg, role: str, schedule_steps: int | None = None) -> MegatronSpec:
     """The spec of the `role` model's workers from the run config. `schedule_steps`: the
     trainer's total steps, the LR schedule's length where the config leaves it null (None: a
@@ -97,7 +112,8 @@ def megatron_spec(cfg, role: str, schedule_steps: int | None = None) -> Megatron
                           m.make_vocab_size_divisible_by, m.seed,
                           _optim(cfg, "critic", schedule_steps), value_model=True,
                           transformer_impl=m.transformer_impl,
-                          collective_timeout_s=float(cfg.trainer.state_timeout_s))
+                          collective_timeout_s=float(cfg.trainer.state_timeout_s),
+                          moe=moe_settings(m))
         loss = CriticLossSpec(float(c.cliprange_value),
                               c.loss_agg_mode or arr.actor.loss_agg_mode,
                               int(cfg.data.max_response_length))
@@ -108,9 +124,13 @@ def megatron_spec(cfg, role: str, schedule_steps: int | None = None) -> Megatron
     tp, pp = layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size
     trains = role == "actor"
     optim = _optim(cfg, "actor_rollout_ref.actor", schedule_steps) if trains else None
+    # R3: the actor and its logp replica route as the engines did; the reference routes
+    # by itself (its KL is against its own computation)
+    replay = role != "ref" and arr.actor.router_replay.mode == "R3"
     model = ModelSpec(arr.model.path, tp, pp, m.params_dtype, m.make_vocab_size_divisible_by,
                       m.seed, optim, transformer_impl=m.transformer_impl,
-                      collective_timeout_s=float(cfg.trainer.state_timeout_s))
+                      collective_timeout_s=float(cfg.trainer.state_timeout_s),
+                      moe=moe_settings(m, replay))
     if not trains:
         return MegatronSpec(role, model, arr.model.path)
     loss = ActorLossSettings.from_config(arr.actor, cfg.data.max_response_length)

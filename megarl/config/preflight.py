@@ -222,12 +222,39 @@ def _check_model_files(cfg, path: Path) -> None:
     if not any({"logp", "actor-train"} <= set(g.tasks) for g in plan_task_groups(cfg)):
         layouts.append(("actor_rollout_ref.logp", arr.logp))  # the replica's own layout
     for prefix, m in layouts:
+        # a logp replica runs the actor's expert layout
+        experts = arr.actor.megatron if prefix == "actor_rollout_ref.logp" else m
+        ep, etp = experts.expert_model_parallel_size, experts.expert_tensor_parallel_size
         problem = layout_error(args, m.tensor_model_parallel_size,
-                               m.pipeline_model_parallel_size)
+                               m.pipeline_model_parallel_size, ep, etp)
         if problem:
-            knob = "tensor" if "TP=" in problem else "pipeline"
-            raise ConfigError(f"{prefix}.{knob}_model_parallel_size: {path / 'config.json'}: "
-                              f"{problem}")
+            ekey = "actor_rollout_ref.actor.megatron" if experts is not m else prefix
+            knob = (f"{ekey}.expert_tensor_parallel_size" if "ETP=" in problem and "EP=" not in
+                    problem.replace("ETP=", "") else
+                    f"{ekey}.expert_model_parallel_size" if "EP=" in problem else
+                    f"{prefix}.tensor_model_parallel_size" if "TP=" in problem else
+                    f"{prefix}.pipeline_model_parallel_size")
+            raise ConfigError(f"{knob}: {path / 'config.json'}: {problem}")
+    trained = [("actor_rollout_ref.actor.megatron", arr.actor.megatron)]
+    if cfg.algorithm.adv_estimator == "gae":
+        trained.append(("critic.megatron", cfg.critic.megatron))
+    for prefix, m in trained:
+        if args.is_moe and m.tensor_model_parallel_size > 1:
+            # megatron-core 0.16's MoE layer refuses to train under TP without sequence
+            # parallelism, which megarl does not run; EP spreads the experts instead
+            raise ConfigError(f"{prefix}.tensor_model_parallel_size: "
+                              f"{m.tensor_model_parallel_size}, but training a mixture of "
+                              f"experts under TP needs sequence parallelism, which megarl "
+                              f"does not run yet; use TP=1 with {prefix}."
+                              f"expert_model_parallel_size (TP>1 is fine for the reference "
+                              f"and a logp replica)")
+    for key, on in (("actor_rollout_ref.rollout.enable_rollout_routing_replay",
+                     arr.rollout.enable_rollout_routing_replay),
+                    ("actor_rollout_ref.actor.router_replay.mode",
+                     arr.actor.router_replay.mode != "disabled")):
+        if on and not args.is_moe:
+            raise ConfigError(f"{key}: routing replay needs a mixture-of-experts model, but "
+                              f"{path / 'config.json'} is a dense {args.arch}")
 
 
 def _tokenizer_key(model) -> str:

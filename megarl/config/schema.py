@@ -28,6 +28,8 @@ CHOICES: Dict[str, tuple] = {
         "token-sum"),
     "actor_rollout_ref.actor.kl_loss_type": KL_TYPES,
     "actor_rollout_ref.actor.tis_level": ("token", "sequence"),
+    # R2 (replaying the LOGP pass's own routing in training) is not built: R3 covers both
+    "actor_rollout_ref.actor.router_replay.mode": ("disabled", "R3"),
     "actor_rollout_ref.actor.megatron.params_dtype": ("float32", "bfloat16", "float16"),
     "actor_rollout_ref.ref.megatron.params_dtype": ("float32", "bfloat16", "float16"),
     "actor_rollout_ref.rollout.name": ("embedded", "sglang"),
@@ -53,6 +55,10 @@ MEGATRON_SECTIONS = ("actor_rollout_ref.actor.megatron", "actor_rollout_ref.ref.
                      "critic.megatron")
 for _section in MEGATRON_SECTIONS:
     CHOICES[f"{_section}.transformer_impl"] = ("auto", "local", "transformer_engine")
+    CHOICES[f"{_section}.override_transformer_config.moe_token_dispatcher_type"] = (
+        None, "alltoall", "allgather")
+    CHOICES[f"{_section}.override_transformer_config.moe_token_drop_policy"] = (
+        "probs", "position")
     CHOICES[f"{_section}.optimizer"] = ("megatron", "torch")
 for _section in ("actor_rollout_ref.actor.optim", "critic.optim"):
     CHOICES[f"{_section}.lr_decay_style"] = ("constant", "linear", "cosine")
@@ -196,6 +202,11 @@ RANGES: Dict[str, Range] = {
                    "make_vocab_size_divisible_by")},
     "critic.megatron.seed": SEED,
     "trainer.critic_warmup": NON_NEGATIVE,
+    **{f"{section}.{key}": POSITIVE for section in MEGATRON_SECTIONS
+       for key in ("expert_model_parallel_size", "expert_tensor_parallel_size",
+                   "override_transformer_config.moe_expert_capacity_factor")},
+    **{f"{section}.override_transformer_config.{key}": NON_NEGATIVE
+       for section in MEGATRON_SECTIONS for key in ("moe_aux_loss_coeff", "moe_z_loss_coeff")},
     "algorithm.gamma": UNIT,
     "algorithm.lam": UNIT,
     "algorithm.kl_ctrl.kl_coef": NON_NEGATIVE,
@@ -300,11 +311,44 @@ class OptimConfig:
 
 
 @dataclass
+class TransformerOverrides:
+    """A mixture of experts' router settings, under verl's path for them
+    (``megatron.override_transformer_config``) and Megatron's names. Only these keys: any
+    other is refused by name, not passed through unchecked. A dense model ignores them."""
+    moe_aux_loss_coeff: float = 0.0
+    """Load-balancing (auxiliary) loss coefficient; 0: none. It adds to the RL loss a term
+    the RL objective does not have, so RL runs (verl's too) leave it off."""
+    moe_z_loss_coeff: Optional[float] = None
+    """Router z-loss coefficient (keeps router logits small); null: none."""
+    moe_token_dispatcher_type: Optional[str] = None
+    """How tokens reach their experts' ranks: ``alltoall`` or ``allgather``; null: alltoall
+    on GPUs, allgather on the CPU (alltoall needs CUDA streams). Without token dropping both
+    send every token to the same experts."""
+    moe_expert_capacity_factor: Optional[float] = None
+    """Tokens an expert takes, as a multiple of an even share; beyond it tokens are dropped
+    (``moe_token_drop_policy``). null: no capacity, no token dropped, what RL wants (a
+    dropped token's log-prob is not the engine's)."""
+    moe_token_drop_policy: str = "probs"
+    """Which tokens a full expert drops: ``probs`` (lowest routing probability) or
+    ``position`` (latest)."""
+
+
+@dataclass
 class MegatronConfig:
     tensor_model_parallel_size: int = 1
     """Tensor-parallel width (TP)."""
     pipeline_model_parallel_size: int = 1
     """Pipeline-parallel depth (PP). A group's device count must be a multiple of TP×PP."""
+    expert_model_parallel_size: int = 1
+    """Expert-parallel width (EP) of a mixture of experts: each EP rank holds num_experts / EP
+    of every layer's experts, and tokens travel to their experts' ranks. EP ranks are taken
+    from the data-parallel (and tensor-parallel) ranks of a stage, so EP × ETP must divide
+    the group's devices / PP, and EP the model's num_experts."""
+    expert_tensor_parallel_size: Optional[int] = None
+    """Ranks each expert is split over (ETP); null: the TP width."""
+    override_transformer_config: TransformerOverrides = field(
+        default_factory=TransformerOverrides)
+    """Router settings of a mixture of experts (Megatron's names, verl's path)."""
     params_dtype: str = "float32"
     """Parameter dtype; bfloat16 on GPU, float32 on CPU."""
     seed: int = 42
@@ -327,6 +371,18 @@ class MegatronConfig:
     ``auto``: TE where it is installed and CUDA is present, else local. Attention is torch's
     SDPA either way (its flash / memory-efficient kernels on CUDA). Checkpoints and HF weights
     are the same for both."""
+
+
+@dataclass
+class RouterReplayConfig:
+    mode: str = "disabled"
+    """Routing replay for a mixture of experts (verl's key): ``R3`` makes the actor's routers,
+    in the LOGP pass and in training, take each token's top-k experts from the ones the
+    rollout engine routed it to (needs ``rollout.enable_rollout_routing_replay``), so the
+    trainer's log-probs are those of the engine's computation and the train-rollout
+    mismatch (``rollout/logp_mismatch_mean``, ``actor/logp_mismatch``) falls; the gradient
+    still reaches the router through the chosen experts' weights. The reference model keeps
+    its own routing. ``disabled``: every router routes by itself."""
 
 
 @dataclass
@@ -369,6 +425,8 @@ class ActorConfig:
     ``data.max_response_length`` (the padded response width verl's default uses)."""
     entropy_coeff: float = 0.0
     """Weight of the entropy bonus."""
+    router_replay: RouterReplayConfig = field(default_factory=RouterReplayConfig)
+    """A mixture of experts: whose routing the actor's forward passes use."""
     use_kl_loss: bool = False
     """Add a KL(actor || ref) term to the loss (GRPO style) instead of to the reward."""
     kl_loss_coef: float = 0.001
@@ -545,6 +603,11 @@ class RolloutConfig:
     partial with ``partial_rollout``)."""
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
     """Multi-turn tool use: an agent loop over whichever rollout policy runs."""
+    enable_rollout_routing_replay: bool = False
+    """A mixture of experts: every engine reports, with each sample, the experts it routed
+    each token to (stock SGLang: launched with ``--enable-return-routed-experts``, asked
+    with ``return_routed_experts``; the embedded engine the same), kept with the sample
+    through partial rollout and checkpoints, for ``actor.router_replay.mode: R3``."""
 
 
 @dataclass

@@ -52,6 +52,7 @@ def validate_config(cfg: DictConfig) -> None:
     _check_multi_turn(cfg.actor_rollout_ref.rollout.multi_turn)
     _check_staleness(cfg)
     _check_transformer_impl(cfg)
+    _check_moe(cfg)
     _check_optimizers(cfg)
     plans = plan_task_groups(cfg)
     _check_critic(cfg, plans)
@@ -61,6 +62,7 @@ def validate_config(cfg: DictConfig) -> None:
     critic_host = critic_hosted(plans) if cfg.algorithm.adv_estimator == "gae" else None
     for plan in plans:
         _check_group_parallelism(cfg, plan, with_critic=plan is critic_host)
+        _check_expert_parallelism(cfg, plan, plans)
 
 
 def plan_task_groups(cfg: DictConfig) -> list[GroupPlan]:
@@ -190,6 +192,11 @@ def _check_actor(cfg: DictConfig, actor: DictConfig) -> None:
         raise ConfigError(
             f"{_ARR}.actor.ppo_mini_batch_size: {actor.ppo_mini_batch_size} does not divide "
             f"data.train_batch_size={cfg.data.train_batch_size}")
+    if actor.router_replay.mode == "R3" and \
+            not cfg.actor_rollout_ref.rollout.enable_rollout_routing_replay:
+        raise ConfigError(f"{_ARR}.actor.router_replay.mode: R3 replays the experts the rollout "
+                          f"engines routed each token to, which they report only with "
+                          f"{_ARR}.rollout.enable_rollout_routing_replay=true")
     if actor.clip_ratio_low is None and actor.clip_ratio > 1:
         # clip_ratio stands in for the low bound, and 1 - low below 0 clips nothing
         raise ConfigError(f"{_ARR}.actor.clip_ratio: {actor.clip_ratio} is also the lower clip "
@@ -348,6 +355,51 @@ def _check_transformer_impl(cfg: DictConfig) -> None:
                 cfg.trainer.device != "cuda":
             raise ConfigError(f"{key}.transformer_impl: transformer_engine runs on CUDA only, "
                               f"but trainer.device={cfg.trainer.device} (use auto or local)")
+
+
+def _check_moe(cfg: DictConfig) -> None:
+    """Mixture-of-experts settings that need no model to judge (the model's own fit is the
+    preflight's: EP dividing num_experts, a dense model refusing EP)."""
+    for key in MEGATRON_SECTIONS:
+        m = _get(cfg, key)
+        dispatcher = m.override_transformer_config.moe_token_dispatcher_type
+        if dispatcher == "alltoall" and cfg.trainer.device != "cuda":
+            raise ConfigError(f"{key}.override_transformer_config.moe_token_dispatcher_type: "
+                              f"alltoall opens CUDA streams, but trainer.device="
+                              f"{cfg.trainer.device} (use allgather or null)")
+        if m.expert_model_parallel_size > 1 and m.optimizer == "torch":
+            raise ConfigError(f"{key}.expert_model_parallel_size: "
+                              f"{m.expert_model_parallel_size} needs Megatron's optimizer "
+                              f"(experts' gradients reduce over their own data-parallel "
+                              f"ranks), but {key}.optimizer=torch")
+
+
+def _expert_layouts(cfg: DictConfig, plan: GroupPlan, plans: list[GroupPlan]) -> list[tuple]:
+    """(model, key of its EP, PP, EP, ETP) of each Megatron model on a group: a logp replica
+    and the critic run the actor's and the critic's own expert layout."""
+    arr = cfg.actor_rollout_ref
+    own = {"actor": arr.actor.megatron, "logp replica": arr.actor.megatron,
+           "ref": arr.ref.megatron, "critic": cfg.critic.megatron}
+    keys = {"actor": f"{_ARR}.actor.megatron", "logp replica": f"{_ARR}.actor.megatron",
+            "ref": f"{_ARR}.ref.megatron", "critic": "critic.megatron"}
+    out = []
+    for name, _, tp, pp in _models_on(cfg, plan, plans):
+        m = own[name]
+        etp = m.expert_tensor_parallel_size or tp
+        out.append((name, keys[name], pp, m.expert_model_parallel_size, etp))
+    return out
+
+
+def _check_expert_parallelism(cfg: DictConfig, plan: GroupPlan, plans: list[GroupPlan]) -> None:
+    """EP × ETP ranks are taken from a stage's ranks (Megatron's expert groups): they must
+    divide the group's devices / PP."""
+    for name, key, pp, ep, etp in _expert_layouts(cfg, plan, plans):
+        per_stage = plan.num_devices // pp
+        if per_stage % (ep * etp):
+            raise ConfigError(
+                f"{key}.expert_model_parallel_size: the {name} model on group '{plan.name}' "
+                f"has {per_stage} ranks per pipeline stage ({plan.num_devices} devices / "
+                f"PP={pp}), not a multiple of EP × ETP = {ep} × {etp}")
 
 
 def _check_optimizers(cfg: DictConfig) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import numpy as np
 import torch
 
 
@@ -60,6 +61,9 @@ class Sample:
     # answers, template); None: every response token is the model's
     loss_mask: list[int] | None = None
     agent: dict | None = None     # multi-turn: turns, tool calls and their answers
+    # routing replay: the experts the engine routed positions 0 .. len(prompt + response)
+    # - 2 to, [positions, layers, k] (numpy int16); None without it
+    routed_experts: Any = None
 
 
 def build_batch(samples: list[Sample], pad_id: int) -> dict[str, torch.Tensor]:
@@ -82,9 +86,28 @@ def build_batch(samples: list[Sample], pad_id: int) -> dict[str, torch.Tensor]:
         if r:
             rollout_lp[i, p:p + r] = torch.tensor(s.rollout_logprobs[:r], dtype=torch.float32)
             versions[i, p:p + r] = torch.tensor(s.token_versions[:r] or [s.weight_version] * r)
-    return {"input_ids": input_ids, "attention_mask": attention, "response_mask": response,
-            "rollout_logprobs": rollout_lp, "token_versions": versions,
-            "rewards": torch.tensor([s.reward for s in samples], dtype=torch.float32)}
+    out = {"input_ids": input_ids, "attention_mask": attention, "response_mask": response,
+           "rollout_logprobs": rollout_lp, "token_versions": versions,
+           "rewards": torch.tensor([s.reward for s in samples], dtype=torch.float32)}
+    routed = [s.routed_experts for s in samples]
+    if any(r is not None for r in routed):
+        out["routed_experts"] = _routed_experts(routed, S)
+    return out
+
+
+def _routed_experts(routed: list, S: int) -> torch.Tensor:
+    """[B, S, layers, k] int16: each sample's engine routing at its positions; experts
+    0..k-1 where the engine ran none (each sequence's last token, padding): their outputs
+    feed no log-prob that is used, and a router needs k distinct experts everywhere."""
+    shape = next(r.shape for r in routed if r is not None)[1:]
+    if any(r is None or r.shape[1:] != shape for r in routed):
+        raise ValueError("build_batch: routed experts missing or shaped differently for some "
+                         "samples of the batch")
+    layers, k = shape
+    out = torch.arange(k, dtype=torch.int16).expand(len(routed), S, layers, k).clone()
+    for i, r in enumerate(routed):
+        out[i, :len(r)] = torch.from_numpy(np.asarray(r, dtype=np.int16))
+    return out
 
 
 def mini_batches(batch: dict, n_samples_per_prompt: int, prompts_per_mini: int,

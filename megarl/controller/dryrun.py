@@ -4,12 +4,13 @@ This module owns the dry run: from a validated config and the model's HF ``confi
 (no weights, no Ray, no GPU), it works out
 
 - placement: which nodes and devices each task group holds and what runs there (trainer with
-  its TP/PP/DP, reference, one rollout server per replica with its node and GPUs);
+  its TP/PP/DP, reference, one rollout server per replica with its node and GPUs; of a mixture
+  of experts, each Megatron model's EP/ETP, experts per EP rank and expert-data-parallel width);
 - each rollout server's command line (``megarl.backends.sglang.launcher.build_command``);
 - the weight-update group ranks (``megarl.weight_sync.protocol.update_group_ranks``), one
   group per pipeline stage;
 - the bucket plan per pipeline stage (``megarl.weight_sync.buckets.plan_buckets`` over the HF
-  tensors each stage exports, in export order);
+  tensors each stage exports, in export order, which for experts depends on the actor's EP);
 - a per-device memory estimate per group (``megarl.controller.memory``), whose formulas
   ``format_plan`` prints with it.
 
@@ -132,19 +133,22 @@ def plan_run(cfg: DictConfig, gpu_memory_gib: float = 80.0) -> RunPlan:
     hf, source = load_hf_config(cfg)
     a = _model_args(hf, source)
     actor = arr.actor.megatron
-    _check_layout(a, actor, f"{_ARR}.actor.megatron")
+    _check_layout(a, actor, f"{_ARR}.actor.megatron", source)
     if needs_ref(cfg):
-        _check_layout(a, arr.ref.megatron, f"{_ARR}.ref.megatron")
+        _check_layout(a, arr.ref.megatron, f"{_ARR}.ref.megatron", source)
     if "actor-train" not in _hosting(groups, "logp").tasks:
-        _check_layout(a, replica_megatron(cfg), f"{_ARR}.logp")
+        # the replica's own TP/PP, the actor's expert layout
+        _check_layout(a, replica_megatron(cfg), f"{_ARR}.logp", source,
+                      f"{_ARR}.actor.megatron")
     gen = _hosting(groups, "generate")
     servers = plan_servers(cfg, gen)
     stages = plan_stage_buckets(a, actor.pipeline_model_parallel_size, actor.params_dtype,
-                                arr.rollout.param_update_consume_bucket_size_mb * MiB)
+                                arr.rollout.param_update_consume_bucket_size_mb * MiB,
+                                _expert_parallel(a, actor))
     capacity = int(gpu_memory_gib * GiB)
     plan = RunPlan(
         hf_config=source, model=a, device=t.device, launcher=t.launcher,
-        placements=[Placement(g, t.n_gpus_per_node, roles(cfg, g)) for g in groups],
+        placements=[Placement(g, t.n_gpus_per_node, roles(cfg, g, a)) for g in groups],
         rollout_name=arr.rollout.name, servers=servers,
         rollout_tp=arr.rollout.tensor_model_parallel_size,
         update_groups=plan_update_groups(cfg, groups, len(servers)), stages=stages,
@@ -217,29 +221,44 @@ def _model_args(hf: dict, source: str) -> ModelArgs:
         raise ConfigError(f"{_ARR}.model: {source}: {err}") from None
 
 
-def _check_layout(a: ModelArgs, megatron: DictConfig, key: str) -> None:
+def _check_layout(a: ModelArgs, megatron: DictConfig, key: str, source: str,
+                  expert_key: str | None = None) -> None:
+    """The converter's layout check of the model from `source`, its flags named as `key`'s
+    config keys (the expert ones as `expert_key`'s: a logp replica runs the actor's)."""
+    expert_key = expert_key or key
     try:
         check_layout(a, megatron.tensor_model_parallel_size,
-                     megatron.pipeline_model_parallel_size, megatron.make_vocab_size_divisible_by)
+                     megatron.pipeline_model_parallel_size, megatron.make_vocab_size_divisible_by,
+                     source, ep=megatron.expert_model_parallel_size,
+                     etp=megatron.expert_tensor_parallel_size)
     except ConvertError as err:
-        flag = str(err).replace("--tp", f"{key}.tensor_model_parallel_size").replace(
-            "--pp", f"{key}.pipeline_model_parallel_size")
-        raise ConfigError(f"{key}: {flag}") from None
+        text = str(err)
+        for flag, k in (("--etp ", f"{expert_key}.expert_tensor_parallel_size="),
+                        ("--ep ", f"{expert_key}.expert_model_parallel_size=")):
+            if text.startswith(flag):  # the converter's flag check: it names the key
+                raise ConfigError(k + text[len(flag):]) from None
+        raise ConfigError(f"{key}: {text}") from None
+
+
+def _expert_parallel(a: ModelArgs, m: DictConfig) -> int:
+    """A Megatron section's EP for model `a` (1 for a dense model, whatever the key says)."""
+    return m.expert_model_parallel_size if a.is_moe else 1
 
 
 # ------------------------------------------------------------------------------ placement
-def roles(cfg: DictConfig, g: GroupPlan) -> tuple[str, ...]:
-    """What runs on a group, one line per role."""
+def roles(cfg: DictConfig, g: GroupPlan, a: ModelArgs | None = None) -> tuple[str, ...]:
+    """What runs on a group, one line per role (with `a` a mixture of experts: each Megatron
+    model's expert placement too)."""
     arr = cfg.actor_rollout_ref
     out = []
     if "actor-train" in g.tasks:
         out.append("trainer (" + "+".join(x for x in g.tasks if x in ("logp", "actor-train"))
-                   + "): " + _parallel(arr.actor.megatron, g.num_devices))
+                   + "): " + _parallel(arr.actor.megatron, g.num_devices, a))
     elif "logp" in g.tasks:
         out.append("actor replica (logp, fed by the weight sync): "
-                   + _parallel(replica_megatron(cfg), g.num_devices))
+                   + _parallel(replica_megatron(cfg), g.num_devices, a))
     if "ref_logp" in g.tasks and needs_ref(cfg):
-        out.append("reference (ref_logp): " + _parallel(arr.ref.megatron, g.num_devices))
+        out.append("reference (ref_logp): " + _parallel(arr.ref.megatron, g.num_devices, a))
     elif "ref_logp" in g.tasks:
         out.append("reference (ref_logp): not run (no actor.use_kl_loss or "
                    "algorithm.use_kl_in_reward)")
@@ -248,7 +267,7 @@ def roles(cfg: DictConfig, g: GroupPlan) -> tuple[str, ...]:
 
         if critic_hosted(plan_task_groups(cfg)).name == g.name:
             out.append("critic (values, value-loss training): "
-                       + _parallel(cfg.critic.megatron, g.num_devices))
+                       + _parallel(cfg.critic.megatron, g.num_devices, a))
     if "generate" in g.tasks:
         tp = arr.rollout.tensor_model_parallel_size
         out.append(f"rollout (generate): {arr.rollout.name}, {g.num_devices // tp} "
@@ -258,10 +277,24 @@ def roles(cfg: DictConfig, g: GroupPlan) -> tuple[str, ...]:
     return tuple(out)
 
 
-def _parallel(m: DictConfig, devices: int) -> str:
+def _parallel(m: DictConfig, devices: int, a: ModelArgs | None = None) -> str:
     tp, pp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size
     dist = ", distributed optimizer" if m.use_distributed_optimizer else ""
-    return f"TP{tp} × PP{pp} × DP{devices // (tp * pp)}, {m.params_dtype}{dist}"
+    text = f"TP{tp} × PP{pp} × DP{devices // (tp * pp)}, {m.params_dtype}{dist}"
+    if a is None or not a.is_moe:
+        return text
+    return f"{text}; {_experts(m, devices, a)}"
+
+
+def _experts(m: DictConfig, devices: int, a: ModelArgs) -> str:
+    """Megatron's expert placement: EP ranks each holding num_experts / EP experts, each
+    expert split over ETP ranks; a stage's ranks / (EP × ETP) replicas of every expert (the
+    expert-data-parallel width, over which the experts' gradients reduce and, with the
+    distributed optimizer, their optimizer state shards)."""
+    ep, pp = m.expert_model_parallel_size, m.pipeline_model_parallel_size
+    etp = m.expert_tensor_parallel_size or m.tensor_model_parallel_size
+    return (f"experts EP{ep} × ETP{etp}: {a.num_experts // ep} of {a.num_experts} per EP rank, "
+            f"expert-DP{devices // (pp * ep * etp)}")
 
 
 def plan_servers(cfg: DictConfig, gen: GroupPlan) -> list[Server]:
@@ -314,17 +347,19 @@ def plan_update_groups(cfg: DictConfig, groups: list[GroupPlan],
 
 
 # ------------------------------------------------------------------------------ buckets
-def stage_specs(a: ModelArgs, pp: int, params_dtype: str) -> list[list[TensorSpec]]:
+def stage_specs(a: ModelArgs, pp: int, params_dtype: str,
+                ep: int = 1) -> list[list[TensorSpec]]:
     """The HF tensors each pipeline stage exports, in export order (Megatron's
     ``named_parameters``: embedding, then per layer norm, o_proj, q/k/v weights, q/k/v
-    biases, q/k norms, norm, gate, up, down; then the final norm and lm_head). A tied lm_head is not
+    biases, q/k norms, norm, gate, up, down, or the router and the experts in the order
+    `ep` EP ranks export them; then the final norm and lm_head). A tied lm_head is not
     sent; layers split evenly over the stages."""
     shapes = hf_shapes(a)
     per_stage = a.num_layers // pp
     stages: list[list[str]] = [[] for _ in range(pp)]
     stages[0].append("model.embed_tokens.weight")
     for i in range(a.num_layers):
-        stages[i // per_stage] += _layer_export_order(a, i)
+        stages[i // per_stage] += _layer_export_order(a, i, ep)
     stages[-1].append("model.norm.weight")
     if not a.tie_word_embeddings:
         stages[-1].append("lm_head.weight")
@@ -332,7 +367,7 @@ def stage_specs(a: ModelArgs, pp: int, params_dtype: str) -> list[list[TensorSpe
             for names in stages]
 
 
-def _layer_export_order(a: ModelArgs, i: int) -> list[str]:
+def _layer_export_order(a: ModelArgs, i: int, ep: int = 1) -> list[str]:
     p = f"model.layers.{i}."
     names = [p + "input_layernorm.weight", p + "self_attn.o_proj.weight"]
     names += [f"{p}self_attn.{x}_proj.weight" for x in "qkv"]
@@ -341,13 +376,26 @@ def _layer_export_order(a: ModelArgs, i: int) -> list[str]:
     if a.qk_norm:
         names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
     names.append(p + "post_attention_layernorm.weight")
-    if a.is_moe:  # the router, then each expert's gate, up and down
-        names.append(p + "mlp.gate.weight")
-        for e in range(a.num_experts):
-            names += [f"{p}mlp.experts.{e}.{x}_proj.weight" for x in ("gate", "up", "down")]
-        return names
+    if a.is_moe:
+        names.append(p + "mlp.gate.weight")  # the router
+        return names + _expert_export_order(a, p, ep)
     return names + [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight",
                     p + "mlp.down_proj.weight"]
+
+
+def _expert_export_order(a: ModelArgs, p: str, ep: int) -> list[str]:
+    """A layer's experts as hf/live.py's export yields them: each EP rank holds L = num_experts
+    / EP consecutive experts (global index rank·L + i), and for each local index i, in
+    Megatron's parameter order (local_experts.i.linear_fc1, then .linear_fc2), the EP group
+    gathers that parameter of every rank: fc1 gives experts i, i+L, i+2L, ... each as gate then
+    up, fc2 the same experts' down. At EP=1: each expert's gate, up, down."""
+    local = a.num_experts // ep
+    names = []
+    for i in range(local):
+        experts = [r * local + i for r in range(ep)]
+        names += [f"{p}mlp.experts.{e}.{x}_proj.weight" for e in experts for x in ("gate", "up")]
+        names += [f"{p}mlp.experts.{e}.down_proj.weight" for e in experts]
+    return names
 
 
 def _dtype_of(name: str, params_dtype: str) -> str:
@@ -355,11 +403,11 @@ def _dtype_of(name: str, params_dtype: str) -> str:
 
 
 def plan_stage_buckets(a: ModelArgs, pp: int, params_dtype: str,
-                       bucket_bytes: int) -> list[StageBuckets]:
+                       bucket_bytes: int, ep: int = 1) -> list[StageBuckets]:
     per_stage = a.num_layers // pp
     return [StageBuckets(s, range(s * per_stage, (s + 1) * per_stage),
                          tuple(plan_buckets(specs, bucket_bytes, stage=s)))
-            for s, specs in enumerate(stage_specs(a, pp, params_dtype))]
+            for s, specs in enumerate(stage_specs(a, pp, params_dtype, ep))]
 
 
 # ------------------------------------------------------------------------------ text
@@ -378,10 +426,12 @@ def format_plan(plan: RunPlan) -> str:
 
 def _header(plan: RunPlan) -> str:
     a = plan.model
+    ffn = (f"{a.num_experts} experts (top-{a.moe_topk}, ffn {a.moe_ffn_hidden_size})"
+           if a.is_moe else f"ffn {a.ffn_hidden_size}")
     return "\n".join([
         "megarl train --dry-run: nothing is started",
         f"  model: {a.arch}, {a.num_layers} layers, hidden {a.hidden_size}, heads "
-        f"{a.num_heads}/{a.num_kv_heads} kv, ffn {a.ffn_hidden_size}, vocab {a.vocab_size}"
+        f"{a.num_heads}/{a.num_kv_heads} kv, {ffn}, vocab {a.vocab_size}"
         f"{', tied embeddings' if a.tie_word_embeddings else ''} (from {plan.hf_config})",
         f"  device: {plan.device}, launcher: {plan.launcher}"])
 

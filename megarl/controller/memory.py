@@ -16,7 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 from megarl.backends.megatron.model import ModelArgs, padded_vocab_size
 from megarl.cluster.topology import GroupPlan
 from megarl.config import ConfigError
-from megarl.convert.plan import itemsize, stage_param_bytes
+from megarl.convert.plan import itemsize, stage_param_counts
 
 from .micro_batches import micro_batch_tokens
 
@@ -48,12 +48,14 @@ def needs_ref(cfg: DictConfig) -> bool:
 
 
 FORMULAS = [
-    "N = parameters one device holds (largest PP stage, TP-sharded, padded vocab), "
+    "N = parameters one device holds (largest PP stage, TP-sharded, padded vocab; of a "
+    "mixture of experts num_experts/EP experts, each split over ETP), "
     "e = bytes per element of params_dtype",
     "s = data.max_prompt_length + data.max_response_length, h = hidden, V = padded vocab, "
     "L = layers per PP stage",
     "trainer   = N·e (params) + N·4 (fp32 main grads) + N·(4 master if e<4 + 8 Adam m,v) "
-    "/ (DP if use_distributed_optimizer else 1) + activations",
+    "/ (DP if use_distributed_optimizer else 1; the experts' share / expert-DP = devices / "
+    "(PP·EP·ETP)) + activations",
     "activations = max(train, logp): train = L·s·b·h·(10 + 24/TP)·e/2 "
     "[Korthikanti et al. 2022, SDPA, no sequence parallel; with gradient checkpointing "
     "L·s·b·h·e + one such layer] × PP micro-batches in flight + 2·s·b·V/TP·4 (fp32 logits "
@@ -88,10 +90,17 @@ def estimate_memory(cfg: DictConfig, groups: list[GroupPlan], a: ModelArgs,
     return out
 
 
-def _rank_params(a: ModelArgs, m: DictConfig) -> int:
+def _rank_split(a: ModelArgs, m: DictConfig) -> tuple[int, int]:
+    """(dense, expert) parameters of the largest PP stage's rank."""
     tp, pp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size
     vocab = padded_vocab_size(a.vocab_size, m.make_vocab_size_divisible_by, tp)
-    return max(stage_param_bytes(a, tp, pp, vocab, "float32")) // 4
+    ep = m.expert_model_parallel_size if a.is_moe else 1
+    return max(stage_param_counts(a, tp, pp, vocab, ep, m.expert_tensor_parallel_size),
+               key=sum)
+
+
+def _rank_params(a: ModelArgs, m: DictConfig) -> int:
+    return sum(_rank_split(a, m))
 
 
 def _logits_bytes(a: ModelArgs, m: DictConfig, tokens: int) -> int:
@@ -117,13 +126,20 @@ def _activation_bytes(cfg: DictConfig, a: ModelArgs) -> int:
 
 def trainer_memory(cfg: DictConfig, a: ModelArgs, devices: int) -> list[MemoryItem]:
     m = cfg.actor_rollout_ref.actor.megatron
-    n, e = _rank_params(a, m), itemsize(m.params_dtype)
-    dp = devices // (m.tensor_model_parallel_size * m.pipeline_model_parallel_size)
-    shard = dp if m.use_distributed_optimizer else 1
+    (dense, experts), e = _rank_split(a, m), itemsize(m.params_dtype)
+    n = dense + experts
+    tp, pp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size
+    dp = devices // (tp * pp)
+    # the experts' state shards over their own data-parallel ranks (Megatron's expert-DP)
+    edp = devices // (pp * (m.expert_model_parallel_size if a.is_moe else 1)
+                      * (m.expert_tensor_parallel_size or tp))
+    shard, eshard = (dp, edp) if m.use_distributed_optimizer else (1, 1)
     state = (4 if e < 4 else 0) + 8
+    per = f"/ {shard}" if not experts or shard == eshard else f"/ {shard}, experts / {eshard}"
     return [MemoryItem(f"trainer params ({_count(n)} × {e} B)", n * e),
             MemoryItem("trainer fp32 main grads", n * 4),
-            MemoryItem(f"trainer optimizer ({state} B/param / {shard})", n * state // shard),
+            MemoryItem(f"trainer optimizer ({state} B/param {per})",
+                       dense * state // shard + experts * state // eshard),
             MemoryItem("trainer activations", _activation_bytes(cfg, a))]
 
 

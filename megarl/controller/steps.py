@@ -59,7 +59,8 @@ class RunState:
     @classmethod
     def start(cls, run: Run, pipeline) -> "RunState":
         cfg, saved = run.cfg, run.driver_state or {}
-        runner = TrajectoryRunner(run.manager, run.tokenizer, run.reward_pool, agent=run.agent)
+        runner = TrajectoryRunner(run.manager, run.tokenizer, run.reward_pool, agent=run.agent,
+                                  routing=routing_shape(cfg))
         rollout = make_policy(cfg.actor_rollout_ref.rollout, runner, run.loader,
                               need=cfg.data.train_batch_size,
                               max_staleness=cfg.algorithm.max_staleness,
@@ -68,6 +69,17 @@ class RunState:
         # the adaptive controller's coefficient survives a resume
         kl = float(saved.get("kl_coef", cfg.algorithm.kl_ctrl.kl_coef))
         return cls(run, pipeline, MetricsTracker(), runner, rollout, kl)
+
+
+def routing_shape(cfg) -> tuple[int, int] | None:
+    """(layers, top-k) of the model's routing when the engines report it
+    (`rollout.enable_rollout_routing_replay`), else None."""
+    if not cfg.actor_rollout_ref.rollout.enable_rollout_routing_replay:
+        return None
+    from megarl.backends.megatron.hf.model_config import read_model_args
+
+    args = read_model_args(cfg.actor_rollout_ref.model.path)
+    return args.num_layers, args.moe_topk
 
 
 # ------------------------------------------------------------------ GENERATE, REWARD
@@ -150,8 +162,13 @@ async def reward(st: RunState, rec: StepRecord) -> None:
 
 
 # ------------------------------------------------------------------ the models' passes
-def _model_inputs(b: dict) -> dict:
-    return {"input_ids": b["input_ids"], "attention_mask": b["attention_mask"]}
+def _model_inputs(b: dict, routed: bool = False) -> dict:
+    """What a forward pass reads; `routed`: the engines' routing too (the actor's passes,
+    for routing replay; the reference model routes by itself)."""
+    out = {"input_ids": b["input_ids"], "attention_mask": b["attention_mask"]}
+    if routed and "routed_experts" in b:
+        out["routed_experts"] = b["routed_experts"]
+    return out
 
 
 async def ref_logp(st: RunState, rec: StepRecord) -> None:
@@ -176,9 +193,11 @@ async def logp(st: RunState, rec: StepRecord) -> None:
     r, b, k = st.run, rec.batch, rec.step
     mbs = micro_batching(st.cfg, "logp")
     if r.logp is None:
-        out, version = await r.actor.compute_logp(_model_inputs(b), r.plan.temperature, mbs), k
+        out, version = await r.actor.compute_logp(_model_inputs(b, routed=True),
+                                                  r.plan.temperature, mbs), k
     else:
-        out, version = await r.logp.compute_logp_at(_model_inputs(b), r.plan.temperature, mbs, k,
+        out, version = await r.logp.compute_logp_at(_model_inputs(b, routed=True),
+                                                     r.plan.temperature, mbs, k,
                                                      LOGP_WEIGHTS_TIMEOUT_S)
     st.metrics.update(k, {"actor/logp_version": float(version),
                           "actor/logp_version_lag": float(k - version)})
@@ -225,7 +244,7 @@ async def _train_critic(st: RunState, rec: StepRecord) -> None:
                        c.ppo_epochs or actor.ppo_epochs)
     for s in await st.run.critic.train_critic(mbs, micro_batching(st.cfg, "critic")):
         for name, v in s.items():
-            st.metrics.add(rec.step, name if "/" in name else f"critic/{name}", v)
+            st.metrics.add(rec.step, _role_metric("critic", name), v)
 
 
 async def train(st: RunState, rec: StepRecord) -> None:
@@ -247,12 +266,18 @@ async def train(st: RunState, rec: StepRecord) -> None:
     dt = time.perf_counter() - t0
     for s in stats:
         for name, v in s.items():
-            st.metrics.add(k, name if "/" in name else f"actor/{name}", v)
+            st.metrics.add(k, _role_metric("actor", name), v)
     st.metrics.update(k, throughput(int(b["attention_mask"].sum()), dt))
     # per response token: a sync may land mid-request, so tokens of one sample differ
     versions = b["token_versions"][b["response_mask"] > 0].tolist()
     st.metrics.update(k, staleness_metrics(k, versions))
     _record_prompts(st, rec)
+
+
+def _role_metric(role: str, name: str) -> str:
+    """A trainer's metric under its role (`actor/`, `critic/`), its mixture-of-experts ones
+    (`moe/...`) included; names of their own (`memory/...`) as they are."""
+    return name if "/" in name and not name.startswith("moe/") else f"{role}/{name}"
 
 
 def _record_prompts(st: RunState, rec: StepRecord) -> None:

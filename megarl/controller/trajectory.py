@@ -18,9 +18,12 @@ Every policy's `run_step(step, sampling, trainer_version)` returns a `StepRollou
 from __future__ import annotations
 
 import asyncio
+import base64
 import dataclasses
 import logging
 from typing import Any, Awaitable, Callable
+
+import numpy as np
 
 from megarl.rollout.protocol import GenerateRequest, SamplingParams, continuation
 
@@ -42,6 +45,11 @@ class Trajectory:
     interrupted: int = 0          # times the policy stopped it before it finished
     text: str = ""
     agent: Any = None             # megarl.agent.loop.AgentState of a multi-turn sample
+    # routing replay: the experts the engine routed each position of prompt + ids to, in
+    # chunks as the requests returned them ([positions, layers, k] int16), and how many
+    # positions they cover from the first (each request asks from there)
+    routed: list = dataclasses.field(default_factory=list)
+    routed_len: int = 0
     # transient: the scoring future and the Sample it scores (not checkpointed)
     future: Any = dataclasses.field(default=None, repr=False, compare=False)
     sample: Any = dataclasses.field(default=None, repr=False, compare=False)
@@ -54,6 +62,10 @@ class Trajectory:
              "text": self.text}
         if self.agent is not None:
             d["agent"] = self.agent.to_dict()
+        if self.routed:
+            whole = np.concatenate(self.routed)
+            d["routed"] = {"shape": list(whole.shape),
+                           "int16": base64.b64encode(whole.astype("<i2").tobytes()).decode()}
         return d
 
     @classmethod
@@ -62,10 +74,14 @@ class Trajectory:
         if d.get("agent") is not None:
             from megarl.agent.loop import AgentState
             agent = AgentState.from_dict(d["agent"])
+        routed = []
+        if d.get("routed"):
+            raw = base64.b64decode(d["routed"]["int16"])
+            routed = [np.frombuffer(raw, dtype="<i2").reshape(d["routed"]["shape"]).copy()]
         return cls(ids=list(d["ids"]), logprobs=[float(x) for x in d["logprobs"]],
                    versions=[int(v) for v in d["versions"]], finish=d["finish"],
                    reward=d["reward"], interrupted=int(d["interrupted"]), text=d["text"],
-                   agent=agent)
+                   agent=agent, routed=routed, routed_len=sum(len(c) for c in routed))
 
 
 @dataclasses.dataclass
@@ -105,12 +121,19 @@ class TrajectoryRunner:
     """Runs trajectories on the rollout manager; `scorer.submit(sample)` returns an awaitable
     of the reward (the streaming `megarl.reward.pool.RewardPool`), None skips scoring.
     With `agent` (a `megarl.agent.loop.AgentLoop`) every trajectory is multi-turn: the loop
-    runs tools between the turns this runner generates, whichever policy drives it."""
+    runs tools between the turns this runner generates, whichever policy drives it.
+    With `routing` (the model's (layers, top-k): `rollout.enable_rollout_routing_replay`)
+    every request asks the engine for the experts it routed each position to, from the
+    first position the trajectory's earlier requests did not cover (`routed_experts_start_len`):
+    each position keeps the routing of the forward pass that first computed it, as its
+    token keeps that pass's log-prob and version."""
 
-    def __init__(self, manager, tokenizer, scorer=None, max_resumes: int = 100, agent=None):
+    def __init__(self, manager, tokenizer, scorer=None, max_resumes: int = 100, agent=None,
+                 routing: tuple[int, int] | None = None):
         self.manager, self.tokenizer, self.scorer = manager, tokenizer, scorer
         self.max_resumes = max_resumes
         self.agent = agent
+        self.routing = routing
         self.running: dict[str, None] = {}  # rids in flight (insertion-ordered set)
 
     async def extend(self, t: Trajectory, budget: int, request_for: RequestFor,
@@ -140,12 +163,17 @@ class TrajectoryRunner:
                 t.interrupted += 1
                 return False
             req = request_for(t, attempts)
+            if self.routing is not None:
+                req = dataclasses.replace(req, return_routed_experts=True,
+                                          routed_experts_start_len=t.routed_len)
             attempts += 1
             self.running[req.rid] = None
             try:
                 out = await self.manager.generate(req)
             finally:
                 self.running.pop(req.rid, None)
+            if self.routing is not None:
+                self._keep_routing(t, req, out)
             t.ids += out.output_ids
             t.logprobs += out.output_logprobs or [0.0] * len(out.output_ids)
             t.versions += out.token_versions()
@@ -161,6 +189,28 @@ class TrajectoryRunner:
             else:
                 await asyncio.sleep(0.01)  # let the update that aborted it land
         return True
+
+    def _keep_routing(self, t: Trajectory, req: GenerateRequest, out) -> None:
+        """The positions `req` covered: [start_len, its sequence's length - 1) (the last
+        token never ran through the model). An aborted request may return none; the next
+        request then asks from the same position."""
+        if out.routed_experts is None:
+            if out.aborted:
+                return
+            raise RuntimeError(f"request {req.rid}: asked for routed experts, the engine "
+                               f"returned none (meta_info.routed_experts; a stock server "
+                               f"needs --enable-return-routed-experts)")
+        from megarl.rollout.protocol import decode_routed_experts
+
+        chunk = decode_routed_experts(out.routed_experts, *self.routing)
+        want = len(req.input_ids) + len(out.output_ids) - 1 - req.routed_experts_start_len
+        if len(chunk) != want and not (out.aborted and len(chunk) == 0):
+            raise RuntimeError(f"request {req.rid}: meta_info.routed_experts covers "
+                               f"{len(chunk)} positions, expected {want} (from "
+                               f"routed_experts_start_len={req.routed_experts_start_len})")
+        if len(chunk):
+            t.routed.append(np.asarray(chunk, dtype=np.int16))
+            t.routed_len += len(chunk)
 
     def finish(self, prompt, t: Trajectory, prompt_ids: list[int] | None = None) -> Sample:
         """The finished trajectory as a Sample, scoring started (once; a reward already
@@ -181,13 +231,20 @@ class TrajectoryRunner:
                                          for c in t.agent.calls],
                           "final_turn": self.tokenizer.decode(t.ids[t.agent.turn_start:],
                                                               skip_special_tokens=False)})
+        routed = None
+        if self.routing is not None:
+            n = len(prompt_ids or prompt.prompt_ids) + len(t.ids) - 1
+            if t.routed_len != n:
+                raise RuntimeError(f"prompt {prompt.uid}: routed experts cover {t.routed_len} "
+                                   f"positions of the sample's {n}")
+            routed = np.concatenate(t.routed) if t.routed else None
         t.sample = Sample(uid=prompt.uid, prompt_ids=list(prompt_ids or prompt.prompt_ids),
                           response_ids=list(t.ids), rollout_logprobs=list(t.logprobs),
                           weight_version=t.versions[0] if t.versions else -1,
                           token_versions=list(t.versions), finish=t.finish,
                           ground_truth=prompt.ground_truth, data_source=prompt.data_source,
                           response_text=t.text, extra_info=extra, loss_mask=mask,
-                          agent=agent)
+                          agent=agent, routed_experts=routed)
         if t.reward is not None:
             t.sample.reward = t.reward
             t.future = _done(t.reward)

@@ -1,10 +1,11 @@
 """Checkpoint conversion: HF safetensors <-> Megatron dist-checkpoint, and resharding.
 
-All three run inside a torch.distributed world of TP×PP ranks (tools/ and the CLI set it up).
-A Megatron checkpoint stores global tensors with their shard layout, so the TP/PP used to
+All three run inside a torch.distributed world of plan.world_size ranks (TP×PP, more with
+expert parallelism; tools/ and the CLI set it up). A Megatron checkpoint stores global tensors
+with their shard layout (a routed expert under its global index), so the TP/PP/EP used to
 write it need not match the one used to read it: `reshard` reads at the new layout and writes
-again; converting back to HF at TP=1 reshards on the fly. Every output is written into a temp
-directory beside the destination and renamed into place when complete.
+again; converting back to HF at TP=1 EP=1 reshards on the fly. Every output is written into a
+temp directory beside the destination and renamed into place when complete.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from megarl.backends.megatron.checkpoint import hf_side_dir, read_meta
-from megarl.backends.megatron.model import DTYPES
+from megarl.backends.megatron.model import DTYPES, MoESettings
 from megarl.backends.megatron.worker import MegatronWorker
 
 from megarl.backends.megatron.hf import live
@@ -26,23 +27,35 @@ from .progress import Progress
 
 logger = logging.getLogger(__name__)
 
-# Keys of megarl_meta.json that describe the layout a checkpoint was written at; save sets them.
-_LAYOUT_KEYS = ("format", "tp", "pp", "world")
+# Keys of megarl_meta.json that describe the layout a checkpoint was written at; save sets them
+# (ep / etp for a mixture of experts).
+_LAYOUT_KEYS = ("format", "tp", "pp", "ep", "etp", "world")
 
 
 def _rank_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
+def _expert_layout(w: MegatronWorker) -> str:
+    """A mixture of experts' layout for the log (" EP=2 ETP=1"); empty for a dense model.
+    (save_checkpoint records it in megarl_meta.json.)"""
+    if not w.args.is_moe:
+        return ""
+    return (f" EP={w.ps.get_expert_model_parallel_world_size()}"
+            f" ETP={w.ps.get_expert_tensor_parallel_world_size()}")
+
+
 def hf_to_mcore(hf_dir, out_dir, tp: int = 1, pp: int = 1, params_dtype: str = "float32",
-                make_vocab_size_divisible_by: int = 128, progress: bool | None = None) -> Path:
+                make_vocab_size_divisible_by: int = 128, progress: bool | None = None,
+                ep: int = 1, etp: int | None = None) -> Path:
     if not (Path(hf_dir) / "config.json").is_file():
         raise FileNotFoundError(f"--hf-dir {hf_dir}: no config.json")
     # an HF critic (ForTokenClassification, verl's form) becomes a Megatron critic
     archs = json.loads((Path(hf_dir) / "config.json").read_text()).get("architectures") or []
     w = MegatronWorker(str(hf_dir), tp, pp, params_dtype=params_dtype, trainable=False,
                        load_hf=False, make_vocab_size_divisible_by=make_vocab_size_divisible_by,
-                       value_model=any(a.endswith("ForTokenClassification") for a in archs))
+                       value_model=any(a.endswith("ForTokenClassification") for a in archs),
+                       moe=MoESettings(ep=ep, etp=etp))
     # Rank 0's own shard: every rank reads and slices the same number of tensors.
     n = sum(1 for _ in w.model.parameters())
     with Progress("hf2mcore load", n, _rank_bytes(w.model), progress) as bar:
@@ -55,22 +68,25 @@ def hf_to_mcore(hf_dir, out_dir, tp: int = 1, pp: int = 1, params_dtype: str = "
     return Path(out_dir)
 
 
-def _load_for_export(ckpt_dir, tp: int, pp: int) -> tuple[MegatronWorker, dict, str]:
+def _load_for_export(ckpt_dir, tp: int, pp: int, ep: int = 1,
+                     etp: int | None = None) -> tuple[MegatronWorker, dict, str]:
     meta = read_meta(ckpt_dir)
     side = hf_side_dir(ckpt_dir)
     w = MegatronWorker(side, tp, pp, params_dtype=meta.get("params_dtype", "float32"),
                        trainable=False, load_hf=False,
                        make_vocab_size_divisible_by=meta.get("make_vocab_size_divisible_by", 128),
-                       value_model=bool(meta.get("value_model", False)))
+                       value_model=bool(meta.get("value_model", False)),
+                       moe=MoESettings(ep=ep, etp=etp))
     t0 = time.monotonic()
     w.load(ckpt_dir)
     if dist.get_rank() == 0:
-        logger.info("read %s at TP=%d PP=%d in %.1fs", ckpt_dir, tp, pp, time.monotonic() - t0)
+        logger.info("read %s at TP=%d PP=%d%s in %.1fs", ckpt_dir, tp, pp, _expert_layout(w),
+                    time.monotonic() - t0)
     return w, meta, side
 
 
 def mcore_to_hf(ckpt_dir, out_dir, tp: int = 1, pp: int = 1, dtype: str | None = None,
-                progress: bool | None = None) -> Path:
+                progress: bool | None = None, ep: int = 1, etp: int | None = None) -> Path:
     """Write an HF model directory from a Megatron checkpoint (rank 0 writes).
 
     With PP=1 the tensors stream (one full tensor in memory at a time); with PP>1 each stage's
@@ -80,7 +96,7 @@ def mcore_to_hf(ckpt_dir, out_dir, tp: int = 1, pp: int = 1, dtype: str | None =
     with ``num_labels=1``: the transformer plus ``score.weight``/``score.bias``, the form
     verl's critic loads with AutoModelForTokenClassification.
     """
-    w, meta, side = _load_for_export(ckpt_dir, tp, pp)
+    w, meta, side = _load_for_export(ckpt_dir, tp, pp, ep, etp)
     out_dtype = DTYPES[dtype or meta.get("params_dtype", "float32")]
     if pp == 1:
         tensors = w.export_hf(out_dtype)
@@ -99,7 +115,7 @@ def mcore_to_hf(ckpt_dir, out_dir, tp: int = 1, pp: int = 1, dtype: str | None =
                     config_edit=_as_critic if meta.get("value_model") else None)
         logger.info("wrote HF model to %s", out_dir)
     else:
-        for _ in tensors:  # take part in every TP gather rank 0's writer asks for
+        for _ in tensors:  # take part in every TP (and EP) gather rank 0's writer asks for
             pass
     dist.barrier()
     return Path(out_dir)
@@ -113,8 +129,9 @@ def _as_critic(cfg: dict) -> dict:
             "id2label": {"0": "LABEL_0"}, "label2id": {"LABEL_0": 0}}
 
 
-def reshard(ckpt_dir, out_dir, tp: int = 1, pp: int = 1, progress: bool | None = None) -> Path:
-    """Rewrite a Megatron checkpoint for another TP/PP layout (model weights only).
+def reshard(ckpt_dir, out_dir, tp: int = 1, pp: int = 1, progress: bool | None = None,
+            ep: int = 1, etp: int | None = None) -> Path:
+    """Rewrite a Megatron checkpoint for another TP/PP(/EP/ETP) layout (model weights only).
 
     Reads at the new layout (dist-checkpointing reshards on load) and saves again. Optimizer
     state is dropped with a warning: it is stored per rank of the old layout and cannot be
@@ -124,18 +141,19 @@ def reshard(ckpt_dir, out_dir, tp: int = 1, pp: int = 1, progress: bool | None =
     phases.
     """
     del progress
-    w, meta, _ = _load_for_export(ckpt_dir, tp, pp)
+    w, meta, _ = _load_for_export(ckpt_dir, tp, pp, ep, etp)
     if (Path(ckpt_dir) / "optim").is_dir() and dist.get_rank() == 0:
         logger.warning("reshard: dropping the optimizer state in %s (per rank of the old "
                        "layout); a run resumed from %s starts its optimizer fresh",
                        Path(ckpt_dir) / "optim", out_dir)
     keep = {k: v for k, v in meta.items() if k not in _LAYOUT_KEYS}
     t0 = time.monotonic()
+    old = {k: meta[k] for k in ("tp", "pp", "ep", "etp") if k in meta}
     w.save(out_dir, **keep, resharded_from=str(Path(ckpt_dir).resolve()),
-           resharded_from_layout={"tp": meta.get("tp"), "pp": meta.get("pp")})
+           resharded_from_layout=old)
     if dist.get_rank() == 0:
-        logger.info("reshard: wrote %s at TP=%d PP=%d in %.1fs", out_dir, tp, pp,
-                    time.monotonic() - t0)
+        logger.info("reshard: wrote %s at TP=%d PP=%d%s in %.1fs", out_dir, tp, pp,
+                    _expert_layout(w), time.monotonic() - t0)
     return Path(out_dir)
 
 

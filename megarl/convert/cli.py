@@ -1,11 +1,12 @@
 """Command lines of the checkpoint converters (tools/convert_*.py and `megarl convert`).
 
-Each validates its inputs first (plan.py: paths, config.json, TP/PP divisibility, tensor
+Each validates its inputs first (plan.py: paths, config.json, TP/PP/EP divisibility, tensor
 shapes), in the launching process, so a mistake fails before any rank starts. `--dry-run`
 stops there and reports the sizes (a table in the log, `--json` also prints them on stdout);
 nothing is written and no torchrun is started. Otherwise the converter runs itself under
-torchrun with TP×PP ranks when that is more than one (see megarl.utils.launch), so the user
-types the same command for any split.
+torchrun when the layout needs more than one rank (TP×PP, or with expert parallelism
+PP × lcm(TP, EP×ETP): plan.world_size; see megarl.utils.launch), so the user types the same
+command for any split.
 """
 from __future__ import annotations
 
@@ -38,6 +39,12 @@ def _parser(prog, description: str) -> argparse.ArgumentParser:
 def _layout_args(p: argparse.ArgumentParser, what: str) -> None:
     p.add_argument("--tp", type=int, default=1, help=f"tensor-parallel size {what}")
     p.add_argument("--pp", type=int, default=1, help=f"pipeline-parallel size {what}")
+    p.add_argument("--ep", type=int, default=1,
+                   help=f"expert-parallel size {what} (a mixture of experts: each EP rank holds "
+                   "num_experts/EP experts of every layer)")
+    p.add_argument("--etp", type=int, default=None,
+                   help=f"expert tensor-parallel size {what}: the ranks each expert is split "
+                   "over (default: --tp)")
 
 
 def _run(a: argparse.Namespace, plan_fn, convert_fn) -> int:
@@ -58,7 +65,8 @@ def _run(a: argparse.Namespace, plan_fn, convert_fn) -> int:
         logger.info("note: %s", note)
     from megarl.utils.launch import ensure_world
 
-    ensure_world(a.tp * a.pp)
+    # with EP the world can exceed TP×PP: data-parallel ranks the expert groups span
+    ensure_world(plan.ranks)
     from megarl.backends.megatron.parallel import destroy_distributed
 
     convert_fn()
@@ -68,7 +76,7 @@ def _run(a: argparse.Namespace, plan_fn, convert_fn) -> int:
 
 def hf_to_megatron_main(argv=None, prog=None) -> int:
     p = _parser(prog, "Convert an HF safetensors model to a Megatron dist-checkpoint at the "
-                "given TP/PP.")
+                "given TP/PP (and EP/ETP for a mixture of experts).")
     p.add_argument("--hf-dir", required=True, help="HF model directory (config.json + safetensors)")
     p.add_argument("--out", required=True, help="checkpoint directory to write (atomically)")
     _layout_args(p, "of the checkpoint")
@@ -81,16 +89,17 @@ def hf_to_megatron_main(argv=None, prog=None) -> int:
         from .checkpoints import hf_to_mcore
 
         hf_to_mcore(a.hf_dir, a.out, a.tp, a.pp, a.params_dtype,
-                    a.make_vocab_size_divisible_by, progress=a.progress)
+                    a.make_vocab_size_divisible_by, progress=a.progress, ep=a.ep, etp=a.etp)
 
     return _run(a, lambda: plan.plan_hf2mcore(a.hf_dir, a.out, a.tp, a.pp, a.params_dtype,
-                                              a.make_vocab_size_divisible_by), convert)
+                                              a.make_vocab_size_divisible_by, a.ep, a.etp),
+                convert)
 
 
 def megatron_to_hf_main(argv=None, prog=None) -> int:
-    p = _parser(prog, "Convert a megarl Megatron dist-checkpoint (any TP/PP) to an HF "
-                "safetensors model; it is read at --tp/--pp (default 1/1 reshards any split). "
-                "Optimizer state is not exported.")
+    p = _parser(prog, "Convert a megarl Megatron dist-checkpoint (any TP/PP/EP) to an HF "
+                "safetensors model; it is read at --tp/--pp/--ep (default 1/1/1 reshards any "
+                "split). Optimizer state is not exported.")
     p.add_argument("--ckpt", required=True, help="megarl Megatron checkpoint directory")
     p.add_argument("--out", required=True, help="HF model directory to write (atomically)")
     _layout_args(p, "to read the checkpoint at")
@@ -102,13 +111,15 @@ def megatron_to_hf_main(argv=None, prog=None) -> int:
     def convert():
         from .checkpoints import mcore_to_hf
 
-        mcore_to_hf(a.ckpt, a.out, a.tp, a.pp, a.dtype, progress=a.progress)
+        mcore_to_hf(a.ckpt, a.out, a.tp, a.pp, a.dtype, progress=a.progress, ep=a.ep,
+                    etp=a.etp)
 
-    return _run(a, lambda: plan.plan_mcore2hf(a.ckpt, a.out, a.tp, a.pp, a.dtype), convert)
+    return _run(a, lambda: plan.plan_mcore2hf(a.ckpt, a.out, a.tp, a.pp, a.dtype, a.ep, a.etp),
+                convert)
 
 
 def reshard_main(argv=None, prog=None) -> int:
-    p = _parser(prog, "Rewrite a megarl Megatron dist-checkpoint for another TP/PP layout "
+    p = _parser(prog, "Rewrite a megarl Megatron dist-checkpoint for another TP/PP/EP layout "
                 "(model weights). Optimizer state is dropped with a warning: it is stored per "
                 "rank of the old layout, so a run resumed from the output starts its optimizer "
                 "fresh.")
@@ -121,16 +132,17 @@ def reshard_main(argv=None, prog=None) -> int:
     def convert():
         from .checkpoints import reshard
 
-        reshard(a.ckpt, a.out, a.tp, a.pp, progress=a.progress)
+        reshard(a.ckpt, a.out, a.tp, a.pp, progress=a.progress, ep=a.ep, etp=a.etp)
 
-    return _run(a, lambda: plan.plan_reshard(a.ckpt, a.out, a.tp, a.pp), convert)
+    return _run(a, lambda: plan.plan_reshard(a.ckpt, a.out, a.tp, a.pp, a.ep, a.etp), convert)
 
 
 # `megarl convert <name>`: (entry point, one-line help).
 SUBCOMMANDS = {
-    "hf2mcore": (hf_to_megatron_main, "HF safetensors -> Megatron dist-checkpoint at --tp/--pp"),
+    "hf2mcore": (hf_to_megatron_main, ("HF safetensors -> Megatron dist-checkpoint at "
+                                       "--tp/--pp (--ep/--etp)")),
     "mcore2hf": (megatron_to_hf_main, ("Megatron dist-checkpoint -> HF safetensors "
                                        "(transformers / SGLang)")),
-    "reshard": (reshard_main, ("Megatron dist-checkpoint -> the same at another --tp/--pp "
-                               "(optimizer state dropped)")),
+    "reshard": (reshard_main, ("Megatron dist-checkpoint -> the same at another "
+                               "--tp/--pp/--ep (optimizer state dropped)")),
 }

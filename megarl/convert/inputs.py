@@ -8,9 +8,10 @@ Owns what a conversion (and a training run) may assume about its inputs:
 - a megarl Megatron checkpoint: `megarl_meta.json`, the dist-checkpoint's `.metadata` (it
   unpickles) and every byte range it names inside the `.distcp` files (the files are long
   enough), `common.pt` and `metadata.json` readable;
-- `check_layout`: the one rule set for splitting a model over TP×PP, with config.json's
-  reading (`read_model_args`), defined beside the Megatron backend that also needs them
-  (`megarl/backends/megatron/hf/model_config.py`) and re-exported here.
+- `check_layout`: the one rule set for splitting a model over TP×PP (and a mixture of
+  experts' experts over EP×ETP), with config.json's reading (`read_model_args`), defined
+  beside the Megatron backend that also needs them (`megarl/backends/megatron/hf/
+  model_config.py`) and re-exported here.
 
 Only headers and metadata are read, never tensor payloads: a flipped byte inside a tensor is
 for checksums to find. Every problem is a `ConvertError` whose one-line message names the file
@@ -170,7 +171,8 @@ def read_meta(ckpt: Path) -> dict:
     meta = read_json(f)
     if not isinstance(meta, dict):
         raise ConvertError(f"{f}: must be a JSON object, got {type(meta).__name__}")
-    for key in ("tp", "pp", "world", "make_vocab_size_divisible_by"):
+    # ep / etp: absent in checkpoints of a dense model or written before expert parallelism
+    for key in ("tp", "pp", "ep", "etp", "world", "make_vocab_size_divisible_by"):
         if key in meta and _field_problem(meta[key], "int"):
             raise ConvertError(f"{f}: {key}={meta[key]!r} must be a positive integer")
     dtype = meta.get("params_dtype", "float32")

@@ -11,15 +11,18 @@ dist-checkpoint's `.metadata`. The shapes of every tensor on both sides follow f
   header/metadata overhead on top;
 - per-rank bytes: the parameters one rank of the TP×PP layout holds (every TP rank of a stage
   holds the same amount; with tied embeddings and PP>1 the last stage keeps its own copy of the
-  output layer).
+  output layer); of a mixture of experts, num_experts / EP of each layer's experts, each split
+  over ETP ranks.
 
-The same checks run before a real conversion, so a bad TP/PP or a missing tensor fails before
-any rank starts, with an error naming the field, file or tensor (inputs.py holds the checks).
+The same checks run before a real conversion, so a bad TP/PP/EP or a missing tensor fails
+before any rank starts, with an error naming the flag, field, file or tensor (inputs.py holds
+the checks). `world_size` is the number of ranks a layout runs on.
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from pathlib import Path
 
 import torch
@@ -32,7 +35,7 @@ from . import inputs
 from .inputs import META, SAFETENSORS_ITEMSIZE, ConvertError, read_meta
 
 __all__ = ["META", "ConvertError", "check_layout", "plan_hf2mcore", "plan_mcore2hf",
-           "plan_reshard", "read_meta"]
+           "plan_reshard", "read_meta", "world_size"]
 
 logger = logging.getLogger(__name__)
 
@@ -113,14 +116,37 @@ def numel(shape) -> int:
     return n
 
 
-def stage_param_bytes(a: ModelArgs, tp: int, pp: int, padded_vocab: int,
-                      dtype: str) -> list[int]:
-    """Parameter bytes one rank of each PP stage holds (TP shards are equal by validation)."""
-    out = [0] * pp
+def stage_param_counts(a: ModelArgs, tp: int, pp: int, padded_vocab: int, ep: int = 1,
+                       etp: int | None = None) -> list[tuple[int, int]]:
+    """(dense, routed-expert) parameter elements one rank of each PP stage holds: every TP
+    rank of a stage holds the same dense share (validation makes the shards equal), and every
+    EP rank num_experts / EP experts, each split over ETP ranks (None: TP). Apart because
+    Megatron's distributed optimizer shards them over different data-parallel widths."""
+    etp = tp if etp is None else etp
+    local_experts = a.num_experts // ep if a.is_moe else 0
+    out = [[0, 0] for _ in range(pp)]
     for name, shape, stage in mcore_params(a, pp, padded_vocab):
         n = numel(shape)
-        out[stage] += (n // tp if mapping.partition_dim(name) is not None else n) * itemsize(dtype)
-    return out
+        expert = mapping.expert_index(mapping.split_layer_name(name)[1])
+        if expert is None:
+            out[stage][0] += n // tp if mapping.partition_dim(name) is not None else n
+        elif expert < local_experts:  # EP rank 0's experts; every EP rank holds as many
+            out[stage][1] += n // etp
+    return [(d, e) for d, e in out]
+
+
+def stage_param_bytes(a: ModelArgs, tp: int, pp: int, padded_vocab: int, dtype: str,
+                      ep: int = 1, etp: int | None = None) -> list[int]:
+    """Parameter bytes one rank of each PP stage holds (`stage_param_counts`, summed)."""
+    return [(d + e) * itemsize(dtype)
+            for d, e in stage_param_counts(a, tp, pp, padded_vocab, ep, etp)]
+
+
+def world_size(tp: int, pp: int, ep: int = 1, etp: int | None = None) -> int:
+    """The fewest ranks Megatron builds a TP×PP(×EP×ETP) layout on: each stage's ranks must
+    be a multiple of TP (the dense layers' groups) and of EP×ETP (the experts' groups, taken
+    from the same ranks); ranks beyond TP are data-parallel replicas of the dense layers."""
+    return pp * math.lcm(tp, ep * (tp if etp is None else etp))
 
 
 def mcore_checkpoint_bytes(a: ModelArgs, padded_vocab: int, dtype: str) -> int:
@@ -132,14 +158,37 @@ def mcore_checkpoint_bytes(a: ModelArgs, padded_vocab: int, dtype: str) -> int:
 
 # ------------------------------------------------------------------------- validation
 def check_layout(a: ModelArgs, tp: int, pp: int, divisible_by: int,
-                 where: str = "config.json") -> int:
-    """Raise ConvertError unless the model splits over TP×PP (inputs.check_layout, the rules
-    the Megatron worker applies too); returns the padded vocab."""
+                 where: str = "config.json", ep: int = 1, etp: int | None = None) -> int:
+    """Raise ConvertError unless the model splits over TP×PP and its experts over EP×ETP
+    (inputs.check_layout, the rules the Megatron worker applies too); returns the padded vocab.
+    The expert flags are checked first, in the converter's words (`--ep`, `--etp`)."""
     if divisible_by < 1:
         raise ConvertError(f"--make-vocab-size-divisible-by {divisible_by}: must be at least 1")
-    inputs.check_layout(a, tp, pp, where)
+    _check_expert_flags(a, tp, ep, etp, where)
+    inputs.check_layout(a, tp, pp, where, ep, etp)
     # The vocabulary never blocks a split: Megatron pads it to a multiple of divisible_by×TP.
     return padded_vocab_size(a.vocab_size, divisible_by, tp)
+
+
+def _check_expert_flags(a: ModelArgs, tp: int, ep: int, etp: int | None, where: str) -> None:
+    if ep < 1:
+        raise ConvertError(f"--ep {ep}: must be at least 1")
+    if etp is not None and etp < 1:
+        raise ConvertError(f"--etp {etp}: must be at least 1")
+    if not a.is_moe:
+        if ep > 1:
+            raise ConvertError(f"--ep {ep}: expert parallelism needs a mixture-of-experts "
+                               f"model, but {where} is a dense {a.arch} (no num_experts)")
+        if etp is not None and etp != tp:
+            raise ConvertError(f"--etp {etp}: expert tensor parallelism needs a "
+                               f"mixture-of-experts model, but {where} is a dense {a.arch}")
+        return
+    if a.num_experts % ep:
+        raise ConvertError(f"--ep {ep}: does not divide num_experts={a.num_experts} of {where} "
+                           f"(each EP rank holds the same number of experts)")
+    if etp is not None and a.moe_ffn_hidden_size % etp:
+        raise ConvertError(f"--etp {etp}: does not divide moe_intermediate_size="
+                           f"{a.moe_ffn_hidden_size} of {where}")
 
 
 def _check_out(out: Path, source: Path) -> None:
@@ -168,14 +217,32 @@ class Plan:
     output_tensor_bytes: int
     stage_rank_bytes: list[int]
     notes: list[str] = dataclasses.field(default_factory=list)
+    ep: int = 1
+    etp: int | None = None
+    """None: the experts split over TP (Megatron's default)."""
 
     @property
     def max_rank_bytes(self) -> int:
         return max(self.stage_rank_bytes)
 
+    @property
+    def ranks(self) -> int:
+        """The world the conversion runs in (`world_size`)."""
+        return world_size(self.tp, self.pp, self.ep, self.etp)
+
+    def layout(self) -> str:
+        text = f"TP={self.tp} PP={self.pp}"
+        if self.ep > 1 or self.etp not in (None, self.tp):
+            etp = self.tp if self.etp is None else self.etp
+            text += f" EP={self.ep} ETP={etp}"
+        extra = self.ranks // (self.tp * self.pp)
+        dp = f", {extra} data-parallel replicas of the dense layers" if extra > 1 else ""
+        return f"{text} ({self.ranks} ranks{dp})"
+
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
-        d["ranks"] = self.tp * self.pp
+        d["etp"] = self.tp if self.etp is None else self.etp
+        d["ranks"] = self.ranks
         d["max_rank_bytes"] = self.max_rank_bytes
         return d
 
@@ -190,7 +257,7 @@ class Plan:
             ("source bytes", (f"{human(self.source_file_bytes)} on disk, "
                               f"{human(self.source_tensor_bytes)} of tensors")),
             ("output bytes", f"{human(self.output_tensor_bytes)} of tensors in {self.out_dtype}"),
-            ("layout", f"TP={self.tp} PP={self.pp} ({self.tp * self.pp} ranks)"),
+            ("layout", self.layout()),
             ("largest rank", f"{human(self.max_rank_bytes)} of parameters"),
         ]
         if self.pp > 1:
@@ -231,12 +298,13 @@ def mcore_tensor_bytes(md) -> int:
                if isinstance(v, TensorStorageMetadata))
 
 
-def _mcore_source(ckpt: Path, tp: int, pp: int) -> tuple[dict, ModelArgs, int, int, int]:
+def _mcore_source(ckpt: Path, tp: int, pp: int, ep: int, etp: int | None
+                  ) -> tuple[dict, ModelArgs, int, int, int]:
     """(meta, args, padded vocab at tp, weight file bytes, tensor bytes), layout checked first."""
     meta = read_meta(ckpt)
     a = inputs.read_model_args(ckpt / "hf", "--ckpt")
     padded = check_layout(a, tp, pp, meta.get("make_vocab_size_divisible_by", 128),
-                          str(ckpt / "hf" / "config.json"))
+                          str(ckpt / "hf" / "config.json"), ep, etp)
     md = inputs.check_dist_checkpoint(ckpt)
     # Weights only: the optimizer state and the hf/ side copy are not model tensors.
     files = sum(p.stat().st_size for p in ckpt.iterdir() if p.is_file() and p.name != META)
@@ -254,22 +322,25 @@ def _counts(a: ModelArgs) -> tuple[int, int, int]:
 
 
 def plan_hf2mcore(hf_dir, out, tp: int = 1, pp: int = 1, params_dtype: str = "float32",
-                  make_vocab_size_divisible_by: int = 128) -> Plan:
+                  make_vocab_size_divisible_by: int = 128, ep: int = 1,
+                  etp: int | None = None) -> Plan:
     hf_dir, out = Path(hf_dir), Path(out)
     a = inputs.read_model_args(hf_dir, "--hf-dir")
-    padded = check_layout(a, tp, pp, make_vocab_size_divisible_by, str(hf_dir / "config.json"))
+    padded = check_layout(a, tp, pp, make_vocab_size_divisible_by, str(hf_dir / "config.json"),
+                          ep, etp)
     _check_out(out, hf_dir)
     files, tensors = _hf_source(hf_dir, a)
     n_hf, n_mc, params = _counts(a)
     return Plan("hf2mcore", str(hf_dir), str(out), a.arch, tp, pp, params_dtype, a.vocab_size,
                 padded, n_hf, n_mc, params, files, tensors,
                 mcore_checkpoint_bytes(a, padded, params_dtype),
-                stage_param_bytes(a, tp, pp, padded, params_dtype))
+                stage_param_bytes(a, tp, pp, padded, params_dtype, ep, etp), ep=ep, etp=etp)
 
 
-def plan_mcore2hf(ckpt, out, tp: int = 1, pp: int = 1, dtype: str | None = None) -> Plan:
+def plan_mcore2hf(ckpt, out, tp: int = 1, pp: int = 1, dtype: str | None = None,
+                  ep: int = 1, etp: int | None = None) -> Plan:
     ckpt, out = Path(ckpt), Path(out)
-    meta, a, padded, files, tensors = _mcore_source(ckpt, tp, pp)
+    meta, a, padded, files, tensors = _mcore_source(ckpt, tp, pp, ep, etp)
     src_dtype = _ckpt_dtype(meta, ckpt)
     _check_out(out, ckpt)
     n_hf, n_mc, params = _counts(a)
@@ -279,19 +350,29 @@ def plan_mcore2hf(ckpt, out, tp: int = 1, pp: int = 1, dtype: str | None = None)
         notes.append("optimizer state in the checkpoint is not exported (HF holds weights only)")
     return Plan("mcore2hf", str(ckpt), str(out), a.arch, tp, pp, out_dtype, a.vocab_size, padded,
                 n_hf, n_mc, params, files, tensors, params * itemsize(out_dtype),
-                stage_param_bytes(a, tp, pp, padded, src_dtype), notes)
+                stage_param_bytes(a, tp, pp, padded, src_dtype, ep, etp), notes, ep=ep, etp=etp)
 
 
-def plan_reshard(ckpt, out, tp: int = 1, pp: int = 1) -> Plan:
+def saved_layout(meta: dict) -> str:
+    """The layout a checkpoint was written at, from its megarl_meta.json (EP only when a
+    mixture of experts was split over it)."""
+    text = f"TP={meta.get('tp')} PP={meta.get('pp')}"
+    if meta.get("ep", 1) > 1 or meta.get("etp", meta.get("tp")) != meta.get("tp"):
+        text += f" EP={meta.get('ep', 1)} ETP={meta.get('etp', meta.get('tp'))}"
+    return text
+
+
+def plan_reshard(ckpt, out, tp: int = 1, pp: int = 1, ep: int = 1,
+                 etp: int | None = None) -> Plan:
     ckpt, out = Path(ckpt), Path(out)
-    meta, a, padded, files, tensors = _mcore_source(ckpt, tp, pp)
+    meta, a, padded, files, tensors = _mcore_source(ckpt, tp, pp, ep, etp)
     dtype = _ckpt_dtype(meta, ckpt)
     _check_out(out, ckpt)
     n_hf, n_mc, params = _counts(a)
     notes = []
     if (ckpt / "optim").is_dir():
         notes.append(f"optimizer state ({ckpt / 'optim'}) is dropped: it is per rank of the "
-                     f"old layout (TP={meta.get('tp')} PP={meta.get('pp')})")
+                     f"old layout ({saved_layout(meta)})")
     return Plan("reshard", str(ckpt), str(out), a.arch, tp, pp, dtype, a.vocab_size, padded,
                 n_hf, n_mc, params, files, tensors, mcore_checkpoint_bytes(a, padded, dtype),
-                stage_param_bytes(a, tp, pp, padded, dtype), notes)
+                stage_param_bytes(a, tp, pp, padded, dtype, ep, etp), notes, ep=ep, etp=etp)

@@ -23,6 +23,9 @@ engine's own business behind that API:
 - live (`live_updates`, the `--sglang-contract` server): each call loads into the live
   weights at once, between two steps, and its `weight_version` takes effect there, as stock
   SGLang does; a failure half-way leaves the model partly updated, as there.
+
+Routed experts (`enable_return_routed_experts`, stock's `--enable-return-routed-experts`) are
+recorded by megarl.rollout.routing in the same forward passes, for the requests that ask.
 """
 from __future__ import annotations
 
@@ -42,6 +45,7 @@ import torch
 from megarl.rollout.batch import DecodeBatch, Sequence
 from megarl.rollout.protocol import (PAUSE_MODES, BadRequest, GenerateOutput,
                                      GenerateRequest, short_repr)
+from megarl.rollout.routing import RoutedBatch, RoutingRecorder
 from megarl.rollout.weights import (LOAD_FORMAT, EngineRanks, WeightStore, bucket_layout,
                                     in_daemon_thread, overall_checksum, parse_dtype,
                                     tensor_checksum, unpack_bucket)
@@ -113,7 +117,8 @@ class EmbeddedEngine:
                  context_length: int | None = None, seed: int = 0,
                  load_tokenizer: bool = True, weight_version: str = "default",
                  tp_size: int = 1, live_updates: bool = False, honour_seeds: bool = True,
-                 fail_update_at: int | None = None, update_group_timeout_s: float = 300.0):
+                 fail_update_at: int | None = None, update_group_timeout_s: float = 300.0,
+                 enable_return_routed_experts: bool = False):
         self.model_path = str(model_path)
         self.device = torch.device(device)
         self.model = load_model(self.model_path, device, dtype, load_format)
@@ -139,7 +144,11 @@ class EmbeddedEngine:
         self.update_calls = 0
         self.weights = WeightStore(self.model)
         self._spare: dict[str, torch.Tensor] = {}  # displaced live tensors, to stage into
-        self.batch = DecodeBatch(self.model, self.device)
+        # Without the flag a request's return_routed_experts is ignored, as by stock.
+        self.routing = (RoutingRecorder.for_model(self.model) if enable_return_routed_experts
+                        else None)
+        self.batch = (DecodeBatch(self.model, self.device) if self.routing is None
+                      else RoutedBatch(self.model, self.device, self.routing))
         self._rng = random.Random(seed)
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="megarl-model")
         self._waiting: collections.deque[Sequence] = collections.deque()
@@ -182,6 +191,8 @@ class EmbeddedEngine:
         self._waiting.clear()
         self._seqs.clear()
         self._futures.clear()
+        if self.routing is not None:
+            self.routing.forget()
 
     def _alive(self) -> bool:
         return self._task is not None and not self._task.done()
@@ -223,13 +234,18 @@ class EmbeddedEngine:
             finished += self.batch.take_finished()
         return finished
 
-    def _resolve(self, seqs: list[Sequence]) -> None:
+    def _resolve(self, seqs: list[Sequence], queued: bool = False) -> None:
+        """Hand back finished or aborted sequences; `queued`: aborted from the waiting queue,
+        which stock answers without routed experts (even a retracted one's)."""
         for s in seqs:
             self._seqs.pop(s.rid, None)
             fut = self._futures.pop(s.rid, None)
             self.generated_tokens += len(s.output_ids)
+            routed = self.routing.take(s) if self.routing is not None else None  # drops it
             if fut is not None and not fut.done():
-                fut.set_result(s.output(self.weight_version))
+                out = s.output(self.weight_version)
+                out.routed_experts = None if queued else routed
+                fut.set_result(out)
 
     # -- generation -------------------------------------------------------------------------
     def check(self, request: GenerateRequest) -> None:
@@ -290,7 +306,7 @@ class EmbeddedEngine:
         hit = {s.rid for s in targets}
         queued = [s for s in self._waiting if s.rid in hit]
         self._waiting = collections.deque(s for s in self._waiting if s.rid not in hit)
-        self._resolve(queued)
+        self._resolve(queued, queued=True)
         async with self._lock:
             self._resolve(await self._on_model_thread(self.batch.take_finished))
 

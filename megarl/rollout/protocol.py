@@ -20,16 +20,32 @@ SGLang's ``meta_info.weight_versions``: ``[{version, start, end}]`` spans over o
 positions (SGLang 0.5.20+), more than one when weights changed while the request was
 generating, and ``meta_info.weight_version``, the version of the last span.
 
+Routed experts (routing replay, R3), stock SGLang 0.5.23's contract. A request with
+``return_routed_experts`` (one bool) to a server started with ``--enable-return-routed-experts``
+gets ``meta_info.routed_experts``: base64 of raw little-endian int32 of shape
+[tokens, num_hidden_layers, num_experts_per_tok], no shape sent (`decode_routed_experts`).
+The rows are positions [routed_experts_start_len, seqlen - 1) of prompt + output, seqlen =
+len(prompt) + len(output): the last generated token never runs through the model. Within a
+row the k experts are in descending routing probability (a sorted top-k). It comes only with
+a request that finished or was aborted while running; a server without the flag (or a dense
+model), and a request aborted while queued, answer without the key. A start_len outside
+[0, len(prompt)] is refused, but only when routed experts are asked for (stock ignores it
+otherwise).
+
 Deliberately left out: text-in/text-out beyond what the embedded server's tokenizer offers,
 streaming responses, input-token log-probs and multimodal inputs.
 """
 from __future__ import annotations
 
+import base64
+import binascii
 import dataclasses
 import math
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
 
 PAUSE_MODES = ("abort", "retract", "in_place")
 
@@ -148,6 +164,10 @@ class GenerateRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     return_logprob: bool = True
     rid: str = field(default_factory=lambda: uuid.uuid4().hex)
+    # Routing replay (see the module docstring): report the experts of positions
+    # [routed_experts_start_len, seqlen - 1). Sent on the wire only when asked for.
+    return_routed_experts: bool = False
+    routed_experts_start_len: int = 0
 
     def validate(self, vocab_size: int | None = None) -> None:
         ids = self.input_ids
@@ -157,6 +177,19 @@ class GenerateRequest:
             raise BadRequest("input_ids", "must contain only non-negative integers")
         if vocab_size is not None and max(ids) >= vocab_size:
             raise BadRequest("input_ids", f"token id {max(ids)} >= vocabulary size {vocab_size}")
+        if not isinstance(self.return_routed_experts, bool):
+            raise BadRequest("return_routed_experts", f"must be true or false, got "
+                             f"{short_repr(self.return_routed_experts)}")
+        start = self.routed_experts_start_len
+        if not (isinstance(start, int) and not isinstance(start, bool)
+                and -I64_MAX - 1 <= start <= I64_MAX):
+            raise BadRequest("routed_experts_start_len", f"must be a 64-bit integer, got "
+                             f"{short_repr(start)}")
+        # Stock checks the range only when routed experts are asked for (scheduler.py), and
+        # then aborts the request with HTTP 400.
+        if self.return_routed_experts and not 0 <= start <= len(ids):
+            raise BadRequest("routed_experts_start_len", f"{start} is outside [0, {len(ids)}] "
+                             "(the number of input tokens)")
         self.sampling.validate()
 
     def expand(self) -> list["GenerateRequest"]:
@@ -171,8 +204,8 @@ class GenerateRequest:
                 seed = (seed * 1_000_003 + i) % (2**63)
             sp = dataclasses.replace(self.sampling, n=1, sampling_seed=seed,
                                      stop_token_ids=list(self.sampling.stop_token_ids))
-            out.append(GenerateRequest(list(self.input_ids), sp, self.return_logprob,
-                                       f"{self.rid}-{i}"))
+            out.append(dataclasses.replace(self, input_ids=list(self.input_ids), sampling=sp,
+                                           rid=f"{self.rid}-{i}"))
         return out
 
 
@@ -212,6 +245,8 @@ class GenerateOutput:
     weight_version_spans: list[tuple[str, int, int]] = field(default_factory=list)
     e2e_latency: float = 0.0
     text: str | None = None
+    # meta_info.routed_experts as on the wire (base64 int32); `decode_routed_experts` reads it
+    routed_experts: str | None = None
 
     @property
     def aborted(self) -> bool:
@@ -240,6 +275,8 @@ class GenerateOutput:
             # SGLang's shape: (logprob, token_id, token_text or None) per output token.
             meta["output_token_logprobs"] = [
                 [lp, t, None] for lp, t in zip(self.output_logprobs, self.output_ids)]
+        if self.routed_experts is not None:
+            meta["routed_experts"] = self.routed_experts
         d: dict[str, Any] = {"output_ids": list(self.output_ids), "meta_info": meta}
         if self.text is not None:
             d["text"] = self.text
@@ -264,7 +301,28 @@ class GenerateOutput:
             weight_version_spans=[(str(v), int(a), int(b)) for v, a, b in spans],
             e2e_latency=float(meta.get("e2e_latency", 0.0)),
             text=d.get("text"),
+            routed_experts=meta.get("routed_experts"),
         )
+
+
+def encode_routed_experts(routed: np.ndarray) -> str:
+    """Stock's wire form of a [tokens, layers, topk] array: base64 of its raw int32 bytes."""
+    return base64.b64encode(np.ascontiguousarray(routed, dtype="<i4").tobytes()).decode("ascii")
+
+
+def decode_routed_experts(b64: str, num_layers: int, topk: int) -> np.ndarray:
+    """`meta_info.routed_experts` as an int32 array [tokens, num_layers, topk]. The wire carries
+    no shape, so the model's `num_hidden_layers` and `num_experts_per_tok` give it."""
+    try:
+        raw = base64.b64decode(b64, validate=True)
+    except (binascii.Error, TypeError, ValueError) as e:
+        raise ValueError(f"meta_info.routed_experts: not base64 ({e})") from None
+    row = 4 * num_layers * topk
+    if row <= 0 or len(raw) % row:
+        raise ValueError(f"meta_info.routed_experts: {len(raw)} bytes are not a whole number "
+                         f"of tokens of {num_layers} layers x top-{topk} int32 ({row} bytes "
+                         "each); does the model's config match the server's?")
+    return np.frombuffer(raw, dtype="<i4").astype(np.int32).reshape(-1, num_layers, topk)
 
 
 def version_int(v: str | int) -> int:
@@ -287,14 +345,23 @@ def continuation(request: GenerateRequest, so_far: list[int]) -> GenerateRequest
 
     The caller keeps the earlier attempts' tokens, log-probs and versions and appends the
     continuation's (partial rollout: the tail resumes later under newer weights).
+
+    Routed experts: an earlier attempt reported positions up to seqlen - 1, not the last token
+    it generated (that token was never run through the model), so the continuation starts
+    at that token, `len(prompt) + len(so_far) - 1`, and the attempts' rows join end to end.
+    This assumes each earlier attempt that generated tokens reported them; one aborted while
+    queued (after a retract) reports none, and the caller then sets the start itself.
     """
     done = len(so_far)
     sp = dataclasses.replace(
         request.sampling, n=1, stop_token_ids=list(request.sampling.stop_token_ids),
         max_new_tokens=max(1, request.sampling.max_new_tokens - done),
         min_new_tokens=max(0, request.sampling.min_new_tokens - done))
+    start = (len(request.input_ids) + done - 1 if done
+             else request.routed_experts_start_len)  # nothing generated: nothing covered yet
     return GenerateRequest(list(request.input_ids) + list(so_far), sp,
-                           request.return_logprob, f"{request.rid}+{done}")
+                           request.return_logprob, f"{request.rid}+{done}",
+                           request.return_routed_experts, start)
 
 
 @runtime_checkable

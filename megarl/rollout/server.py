@@ -17,6 +17,8 @@ Paths: /health, /health_generate, /model_info (/get_model_info), /server_info
 With `--sglang-contract` it also behaves as stock SGLang does where the embedded engine would
 otherwise do better: each weight-update call loads into the live weights at once, and
 `sampling_seed` is honoured only with `--enable-deterministic-inference`.
+`--enable-return-routed-experts` adds `meta_info.routed_experts` for the requests that ask
+(a MoE model; as stock, without the flag the ask is ignored and a dense model will not start).
 
 `/update_weights_from_tensor` takes `serialized_named_tensors` as base64 `torch.save` data
 (megarl.rollout.weights.serialize_named_tensors), loaded with `weights_only=True`. SGLang's
@@ -43,7 +45,8 @@ from megarl.rollout.wire import Fields, describe, parse_object, read_body
 logger = logging.getLogger(__name__)
 
 GENERATE_FIELDS = {"input_ids", "text", "sampling_params", "return_logprob", "rid", "stream",
-                   "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs"}
+                   "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs",
+                   "return_routed_experts", "routed_experts_start_len"}
 DEFAULT_GROUP = "weight_update_group"
 SELECTORS = ("target", "draft", "all")  # stock's `selector`; one model here, so all alike
 RAW_BODY = web.RequestKey("raw_body", bytes)  # what _fields read, for the recording middleware
@@ -170,9 +173,12 @@ class RolloutServer:
             "engine": "megarl-embedded"})
 
     async def server_info(self, request):
-        # tp_size and enable_deterministic_inference under stock's names: clients read them
-        # from stock servers to check TP and whether sampling seeds are honoured.
+        # tp_size, dtype and enable_deterministic_inference under stock's names: clients
+        # read them from stock servers to check TP, what a weight update is cast to (verify
+        # mode skips what cannot compare) and whether sampling seeds are honoured.
+        dtype = str(next(self.engine.model.parameters()).dtype).removeprefix("torch.")
         return web.json_response({**self.engine.stats(), "engine": "megarl-embedded",
+                                  "dtype": dtype,
                                   "max_running_requests": self.engine.max_running_requests,
                                   "tp_size": self.engine.tp_size,
                                   "enable_deterministic_inference": self.engine.honour_seeds})
@@ -188,6 +194,10 @@ class RolloutServer:
             raise BadRequest("top_logprobs_num", "top log-probs are not supported; "
                              "output_token_logprobs come with return_logprob")
         f.get_bool("return_text_in_logprobs")
+        # One value for every prompt of a batch, as in stock (a list is refused there too);
+        # the start's range is the engine's check (GenerateRequest.validate).
+        routed = f.get_bool("return_routed_experts", False)
+        routed_start = f.get_int("routed_experts_start_len", 0)
         body = f.body
         ids, text = body.get("input_ids"), body.get("text")
         if (ids is None) == (text is None):
@@ -221,7 +231,8 @@ class RolloutServer:
                              f"call; this server takes at most {self.max_samples_per_call}")
         reqs = []
         for p, sp, lp, rid in zip(ids, params, lps, rids):
-            r = GenerateRequest(p, sp, lp)
+            r = GenerateRequest(p, sp, lp, return_routed_experts=routed,
+                                routed_experts_start_len=routed_start)
             if rid is not None:
                 r.rid = rid
             reqs.extend(r.expand())
@@ -427,6 +438,9 @@ def build_arg_parser() -> argparse.ArgumentParser:
                     "--enable-deterministic-inference")
     ap.add_argument("--enable-deterministic-inference", action="store_true",
                     help="with --sglang-contract: honour sampling_seed")
+    ap.add_argument("--enable-return-routed-experts", action="store_true",
+                    help="report the experts each token was routed to, to requests with "
+                    "return_routed_experts (a mixture-of-experts model)")
     ap.add_argument("--fail-update-at", type=int, default=None,
                     help="fault injection for tests: refuse the Nth weight-update call")
     ap.add_argument("--log-level", default="info")
@@ -467,7 +481,8 @@ def main(argv: list[str] | None = None) -> int:
                             honour_seeds=(not args.sglang_contract
                                           or args.enable_deterministic_inference),
                             fail_update_at=args.fail_update_at,
-                            update_group_timeout_s=args.update_group_timeout)
+                            update_group_timeout_s=args.update_group_timeout,
+                            enable_return_routed_experts=args.enable_return_routed_experts)
     app = RolloutServer(engine, skip_tokenizer_init=args.skip_tokenizer_init).app
 
     async def close_engine(_app):

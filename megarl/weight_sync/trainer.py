@@ -70,9 +70,13 @@ class TrainerWeightSync:
         self.stage = ps.get_pipeline_model_parallel_rank()
         self.num_stages = ps.get_pipeline_model_parallel_world_size()
         # One data-parallel replica (the first) holds every weight once: only its ranks
-        # export, and its TP-rank-0 of each stage sends.
-        self.exporter = ps.get_data_parallel_rank() == 0
-        self.sender = self.exporter and ps.get_tensor_model_parallel_rank() == 0
+        # export, and its TP-rank-0 of each stage sends. Experts split over EP are the
+        # exception: their EP ranks are other data-parallel ranks, and every one of them
+        # takes part in the export's EP gathers.
+        first = ps.get_data_parallel_rank() == 0
+        self.exporter = first or (worker.args.is_moe
+                                  and ps.get_expert_model_parallel_world_size() > 1)
+        self.sender = first and ps.get_tensor_model_parallel_rank() == 0
         self.coordinator = dist.get_rank() == 0  # stage 0's sender
         self.address = address
         self.producer = None

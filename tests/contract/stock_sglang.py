@@ -12,7 +12,8 @@ which needs a GPU stack:
   - requests: which JSON fields each endpoint reads (`request_fields`) and `check_request`,
     which fails on what stock SGLang would drop silently or reject. `/generate` and
     `/abort_request` are checked with the release's generated API types
-    (`sglang/api/v1/api_types.py`, loaded by file path: it needs only msgspec); the other
+    (`sglang/api/v1/api_types.py`, loaded by file path: it needs only msgspec), and the
+    top-level fields only the handler's io_struct class reads with that class; the other
     endpoints with their request classes in `sglang/srt/managers/io_struct.py`, read with
     `ast` (which HTTP endpoint takes which class comes from `@app.post(...)` handlers in
     `sglang/srt/entrypoints/http_server.py`);
@@ -575,11 +576,27 @@ class StockSGLang:
         if isinstance(cls, ReqStruct):
             self._check_io_struct(path, cls, body)
         else:
+            body = self._check_handler_only_fields(path, cls, body)
             self._check_api_value(path, cls.__name__, cls, body)
             try:
                 cls.from_json_value(body)
             except self.api.JsonContractError as e:
                 raise AssertionError(f"{self._where(path)}: {cls.__name__}: {e}") from None
+
+    def _check_handler_only_fields(self, path: str, cls, body: dict) -> dict:
+        """The body without the top-level fields the API types lack but the handler's own
+        io_struct parameter reads (`/generate`'s `return_routed_experts` is one: the contract
+        gate passes keys it does not know, and `GenerateReqInput` reads it), each of those
+        checked against that class's annotation."""
+        handler_cls = self.endpoint(path).body
+        if handler_cls not in self._io.classes:
+            return body
+        io = self._io.get(handler_cls)
+        api_fields = {f.name for f in msgspec.structs.fields(cls)}
+        extra = {k: v for k, v in body.items() if k not in api_fields and k in io.fields}
+        if extra:
+            self._check_io_struct(path, io, extra)
+        return {k: v for k, v in body.items() if k not in extra}
 
     def _check_io_struct(self, path: str, cls: ReqStruct, body: dict) -> None:
         for key, value in body.items():

@@ -153,3 +153,35 @@ def test_generate_answers_decode_as_stock_responses_and_spans_give_versions(reco
         assert meta.weight_versions[-1].end == len(decoded.output_ids)
     assert all(len(o.token_versions()) == len(o.output_ids) for o in outs)
     assert any(o.aborted for o in outs)  # the long tail, aborted by its prefix-free rid
+
+
+def test_routed_experts_are_asked_for_in_stocks_fields_and_only_when_wanted(tiny_qwen3_moe,
+                                                                            stock_sglang):
+    """Routing replay's request fields reach the server only on requests that ask (a server
+    that predates them never sees them otherwise), and the answer carrying
+    `meta_info.routed_experts` decodes as a stock response."""
+    log: list = []
+    engine = EmbeddedEngine(tiny_qwen3_moe, load_tokenizer=False,
+                            enable_return_routed_experts=True)
+    sp = sampling_params(_Rollout, [2], seed=None, validation=True, max_new_tokens=3)
+
+    async def go(url):
+        adapter = SGLangEngine(url)
+        try:
+            return [await adapter.generate(GenerateRequest(
+                [5, 6, 7], sp, True, f"r{on}", return_routed_experts=on,
+                routed_experts_start_len=1)) for on in (True, False)]
+        finally:
+            await adapter.close()
+
+    with ServerThread(engine, record=log) as server:
+        asked, plain = asyncio.run(go(server.url))
+    assert asked.routed_experts and plain.routed_experts is None
+    sent = [(b, resp) for p, b, status, resp in log if p == "/generate" and status == 200]
+    assert [(b.get("return_routed_experts"), b.get("routed_experts_start_len"))
+            for b, _ in sent] == [(True, 1), (None, None)]
+    for body, resp in sent:
+        stock_sglang.check_request("/generate", body)
+        stock_sglang.check_response("/generate", resp)
+    assert "routed_experts" in sent[0][1]["meta_info"]
+    assert "routed_experts" not in sent[1][1]["meta_info"]

@@ -104,6 +104,18 @@ def test_sampling_params_are_checked_recursively(stock_sglang):
         check("/generate", {"input_ids": [1], "weight_version": "3"})
 
 
+def test_generate_fields_only_the_handler_reads_are_checked_with_its_class(stock_sglang):
+    """`return_routed_experts` is read by GenerateReqInput, not by the API types (whose gate
+    passes it on); routed_experts_start_len by both."""
+    check = stock_sglang.check_request
+    check("/generate", {"input_ids": [1], "return_routed_experts": True,
+                        "routed_experts_start_len": 0})
+    with pytest.raises(AssertionError, match=r"/generate.*`return_routed_experts`"):
+        check("/generate", {"input_ids": [1], "return_routed_experts": [True]})
+    with pytest.raises(AssertionError, match=r"/generate.*expected i64"):  # the gate's text
+        check("/generate", {"input_ids": [1], "routed_experts_start_len": "1"})
+
+
 def test_bodies_where_none_is_read_and_unknown_endpoints_fail(stock_sglang):
     with pytest.raises(AssertionError, match=r"/flush_cache.*`timeout_s`"):
         stock_sglang.check_request("/flush_cache", {"timeout_s": 1.0})

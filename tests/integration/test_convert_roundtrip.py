@@ -16,21 +16,30 @@ def _assert_bit_exact(src, dst):
     assert not bad, bad
 
 
-# qwen3_moe: Qwen3's attention (q/k norms, head_dim 24), routed experts TP-split, untied
-# embeddings, no bias. (Qwen2's tied embeddings, QKV bias and dense MLP convert in
+# qwen3_moe: Qwen3's attention (q/k norms, head_dim 24), routed experts split over TP and EP,
+# untied embeddings, no bias. (Qwen2's tied embeddings, QKV bias and dense MLP convert in
 # test_pp2_checkpoint_reads_back_at_pp1_and_pp2 and test_convert_trained.py, at PP2 and TP2;
 # Llama's tensors are Qwen2's without the bias, untied: the suite's time has no room for it.)
 @pytest.mark.parametrize("arch", ["qwen3_moe"])
-def test_hf_to_tp2_to_hf_roundtrip_and_reshard(tmp_path, request, arch):
+def test_hf_to_tp2_ep2_to_hf_roundtrip_and_reshard(tmp_path, request, arch):
+    """One case for every layout move: HF -> TP2×EP2 (ETP = TP: 4 ranks, each EP rank 4 of the
+    8 experts split over TP2); read back at TP2×EP2×ETP1 (2 ranks: the experts re-split from
+    ETP2 to whole, exported by gathering over EP) and resharded to TP1×EP1 (one rank holding
+    every expert) then exported: bit-exact every way."""
     src = request.getfixturevalue(f"tiny_{arch}")
-    ckpt = tmp_path / "mcore-tp2"
-    run_tool("convert_hf_to_megatron.py", "--hf-dir", src, "--out", ckpt, "--tp", 2)
+    ckpt = tmp_path / "mcore-tp2-ep2"
+    run_tool("convert_hf_to_megatron.py", "--hf-dir", src, "--out", ckpt, "--tp", 2, "--ep", 2)
     meta = json.loads((ckpt / "megarl_meta.json").read_text())
-    assert (meta["tp"], meta["pp"]) == (2, 1)
-    # Read back at TP=2 (TP all-gather export) and at TP=1 (dist-checkpoint reshard).
-    run_tool("convert_megatron_to_hf.py", "--ckpt", ckpt, "--out", tmp_path / "hf-tp2", "--tp", 2)
-    run_tool("convert_megatron_to_hf.py", "--ckpt", ckpt, "--out", tmp_path / "hf-tp1")
-    _assert_bit_exact(src, tmp_path / "hf-tp2")
+    assert (meta["tp"], meta["pp"], meta["ep"], meta["etp"], meta["world"]) == (2, 1, 2, 2, 4)
+    run_tool("convert_megatron_to_hf.py", "--ckpt", ckpt, "--out", tmp_path / "hf-ep2",
+             "--tp", 2, "--ep", 2, "--etp", 1)
+    _assert_bit_exact(src, tmp_path / "hf-ep2")
+    run_tool("convert_reshard.py", "--ckpt", ckpt, "--out", tmp_path / "mcore-tp1")
+    meta = json.loads((tmp_path / "mcore-tp1" / "megarl_meta.json").read_text())
+    assert (meta["tp"], meta["ep"], meta["etp"], meta["world"]) == (1, 1, 1, 1)
+    assert meta["resharded_from_layout"] == {"tp": 2, "pp": 1, "ep": 2, "etp": 2}
+    run_tool("convert_megatron_to_hf.py", "--ckpt", tmp_path / "mcore-tp1", "--out",
+             tmp_path / "hf-tp1")
     _assert_bit_exact(src, tmp_path / "hf-tp1")
     # The exported directory is a loadable HF model.
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -9,7 +9,9 @@ itself (``data.synthetic_task``), as on a fresh machine.
 This is the README's main job, run as the config has it: every task on one group (one step
 off still, but each SYNC waits for the GENERATE before it on that group), so the schedule,
 and with it the seeded run, does not depend on timing (see the config's comment on what two
-groups did).
+groups did). It stops at step 300 of the config's 400 for the suite's time: the seeded run
+is at 0.97 exact-match by v300 (0.47 at v250, 1.0 from v350; the LR is constant, so the
+first 300 steps are the main job's own).
 """
 import re
 
@@ -34,7 +36,8 @@ def test_quickstart_solve_learns_exact_answers_and_to_stop(quickstart_assets, tm
         f"actor_rollout_ref.model.path={quickstart_assets / 'tiny'}",
         f"data.train_files={tmp_path / 'data' / 'train.jsonl'}",
         f"data.val_files={tmp_path / 'data' / 'val.jsonl'}",
-        f"trainer.default_local_dir={tmp_path / 'runs'}", "trainer.logger=[console]"])
+        f"trainer.default_local_dir={tmp_path / 'runs'}", "trainer.logger=[console]",
+        "trainer.total_training_steps=300"])
     val = validations(out)
     first, last = val[min(val)], val[max(val)]
     assert min(val) == 0 and max(val) > 0, sorted(val)

@@ -313,10 +313,22 @@ def _kill_a_trainer_worker_after_checkpoints(proc, run_dir, after: list[int],
     return "".join(lines), proc.returncode
 
 
+def MOE_R3(where) -> list[str]:
+    """A tiny Qwen3-MoE (made by the run in `where`/moe) at EP=2 over two trainer ranks,
+    with routing replay: the engines' routing travels with every sample, cached partial
+    groups and checkpoints included."""
+    return [f"actor_rollout_ref.model.path={where / 'moe'}",
+            "actor_rollout_ref.model.make_tiny=qwen3_moe", "trainer.n_gpus_per_node=4",
+            "actor_rollout_ref.actor.megatron.expert_model_parallel_size=2",
+            "actor_rollout_ref.rollout.enable_rollout_routing_replay=true",
+            "actor_rollout_ref.actor.router_replay.mode=R3"]
+
+
 def test_a_lost_trainer_worker_restarts_the_run_which_trains_every_prompt_once(
         quickstart_assets, tmp_path):
     """`trainer.max_restarts=2`, with partial rollout (unfinished groups cached across steps
-    and checkpoints): a trainer worker SIGKILLed once the checkpoint of step 2 exists, and
+    and checkpoints), on a mixture of experts at EP=2 with routing replay (`MOE_R3`): a
+    trainer worker SIGKILLed once the checkpoint of step 2 exists, and
     another (of the restarted run) wedged by SIGSTOP once that of step 4 does: alive, so
     nothing reports it lost, its state runs past `trainer.state_timeout_s` and fails by name.
     The same `megarl train` restarts itself from its newest checkpoint each time and
@@ -327,7 +339,7 @@ def test_a_lost_trainer_worker_restarts_the_run_which_trains_every_prompt_once(
              "trainer.val_before_train=False", "actor_rollout_ref.rollout.partial_rollout=True",
              "actor_rollout_ref.rollout.over_sample_prompts=6", "trainer.max_restarts=2",
              "trainer.restart_backoff_s=1", "trainer.state_timeout_s=15",
-             "trainer.state_min_tokens_per_s=1e9"]
+             "trainer.state_min_tokens_per_s=1e9", *MOE_R3(tmp_path)]
     proc = megarl("train", _args(quickstart_assets, tmp_path, *extra), start_new_session=True)
     out, code = _kill_a_trainer_worker_after_checkpoints(proc, tmp_path, [2, 4],
                                                           [signal.SIGKILL, signal.SIGSTOP])
@@ -344,6 +356,10 @@ def test_a_lost_trainer_worker_restarts_the_run_which_trains_every_prompt_once(
     state = json.loads((tmp_path / "megarl" / "t" / f"global_step_{saved[0]}" /
                         "driver_state.json").read_text())
     assert state["partial"]["groups"], "the checkpoint should hold cached partial groups"
+    # a started cached sample keeps the experts the engine routed its positions to (R3):
+    # prompt + its tokens so far, less the last one, which never ran through the model
+    started = [t for g in state["partial"]["groups"] for t in g["samples"] if t["ids"]]
+    assert started and all(t["routed"]["shape"][1:] == [2, 2] for t in started)
     assert "cached prompt group(s) restored" in out
     for n, k in enumerate(saved, 1):
         assert f"step {k} restart: restart {n} after: " in out

@@ -4,19 +4,29 @@ heads; 8 experts, top-2) generates what transformers generates; a Megatron train
 syncs into it bit for bit wherever stock's checksums name a tensor as sent (q_norm and k_norm
 included; stock fuses the experts into w13/w2, which no sent tensor names); and a whole new
 set of weights named per expert, as megarl's trainer sends them, makes it generate what
-transformers does on those weights (stock fuses them on load). One server: each costs ~20 s
-to start. (The dense Qwen3's qwen3.py loads q/k norms by the same names; checked by hand,
-docs/megatron_backend.md.)"""
+transformers does on those weights (stock fuses them on load); started with
+--enable-return-routed-experts, it reports the experts megarl's embedded engine reports, position
+by position. One server: each costs ~20 s to start. (The dense Qwen3's qwen3.py loads q/k norms
+by the same names; checked by hand, docs/megatron_backend.md.)"""
+import json
+import urllib.error
+import urllib.request
+
+import numpy as np
 import pytest
 from safetensors.torch import load_file
 
 from launch_helpers import SCRIPTS, read_json, torchrun
+from megarl.backends.sglang import SGLangEngine
+from megarl.backends.sglang.launcher import launch_server
+from megarl.rollout.engine import EmbeddedEngine
+from megarl.rollout.protocol import BadRequest, GenerateRequest, decode_routed_experts
 from megarl.utils.tiny_model import make_tiny_model
 from megarl.weight_sync.producer import SyncStats, WeightProducer
 from megarl.weight_sync.protocol import SyncConfig
 from megarl.weight_sync.transports import EngineLink
-from stock_helpers import (PROMPT, assert_serves_like_transformers, generate, hf_greedy,
-                           launched, run)
+from stock_helpers import (PROMPT, assert_serves_like_transformers, generate, greedy,
+                           hf_greedy, run, stock_args)
 
 
 @pytest.fixture(scope="module")
@@ -29,12 +39,55 @@ def moe_dirs(tiny_qwen3_moe, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def moe_server(stock_python, tiny_qwen3_moe, tmp_path_factory):
-    with launched(tiny_qwen3_moe, stock_python, tmp_path_factory, "stock-moe") as server:
+    log = tmp_path_factory.mktemp("stock-moe") / "server.log"
+    args = stock_args(tiny_qwen3_moe, stock_python, enable_return_routed_experts=True)
+    with launch_server(args, timeout_s=300, log_path=log) as server:
         yield server
 
 
 def test_stock_qwen3_moe_generates_what_transformers_does(moe_server, tiny_qwen3_moe):
     assert_serves_like_transformers(moe_server.url, tiny_qwen3_moe)
+
+
+def test_stock_routed_experts_are_the_embedded_engines(moe_server, tiny_qwen3_moe):
+    """Before the tests below change the server's weights: the same greedy requests on stock
+    and on the embedded engine, routed experts equal at every position (start_len 0 and not),
+    and a start past the prompt refused by both."""
+    cases = [(PROMPT, 0, 6), (PROMPT, 3, 6), ([9, 8, 7, 6, 5], 5, 4), ([200, 3], 1, 1)]
+    embedded = EmbeddedEngine(tiny_qwen3_moe, load_tokenizer=False, dtype="float32",
+                              enable_return_routed_experts=True)
+
+    async def both(ids, start, n):
+        def req():
+            return GenerateRequest(ids, greedy(n), return_routed_experts=True,
+                                   routed_experts_start_len=start)
+        stock = SGLangEngine(moe_server.url)
+        try:
+            return await stock.generate(req()), await embedded.generate(req())
+        finally:
+            await stock.close()
+
+    try:
+        for ids, start, n in cases:
+            stock, mine = run(both(ids, start, n))
+            assert stock.output_ids == mine.output_ids, (ids, start)
+            rows = decode_routed_experts(stock.routed_experts, 2, 2)
+            assert rows.shape == (len(ids) + n - 1 - start, 2, 2), (ids, start)
+            np.testing.assert_array_equal(rows, decode_routed_experts(mine.routed_experts, 2, 2),
+                                          err_msg=f"prompt {ids}, start_len {start}")
+        bad = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2},
+               "return_routed_experts": True, "routed_experts_start_len": len(PROMPT) + 1}
+        req = urllib.request.Request(moe_server.url + "/generate", json.dumps(bad).encode(),
+                                     {"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(req, timeout=60)
+        assert e.value.code == 400 and "routed_experts_start_len" in e.value.read().decode()
+        with pytest.raises(BadRequest) as mine_e:
+            embedded.check(GenerateRequest(PROMPT, greedy(2), return_routed_experts=True,
+                                           routed_experts_start_len=len(PROMPT) + 1))
+        assert mine_e.value.field == "routed_experts_start_len"
+    finally:
+        run(embedded.close())
 
 
 def test_a_tp2_megatron_qwen3_moe_syncs_into_stock_bit_exact(tmp_path, tiny_qwen3_moe,

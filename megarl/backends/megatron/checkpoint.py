@@ -57,6 +57,7 @@ def save_checkpoint(worker, path, **meta) -> Path:
             json.dump({"format": "megarl-mcore-v1", "model_dir": str(worker.model_dir),
                        "tp": worker.ps.get_tensor_model_parallel_world_size(),
                        "pp": worker.ps.get_pipeline_model_parallel_world_size(),
+                       **_expert_layout(worker),
                        "world": dist.get_world_size(), **meta,
                        # where the LR schedule resumes when the optimizer state cannot be used
                        **({"optimizer_steps": worker.optimizer.steps}
@@ -66,6 +67,15 @@ def save_checkpoint(worker, path, **meta) -> Path:
         logger.info("saved Megatron checkpoint to %s", dst)
     dist.barrier()
     return dst
+
+
+def _expert_layout(worker) -> dict:
+    """A mixture of experts' EP and ETP (experts are sharded over them in the checkpoint the
+    same way as over TP: dist-checkpointing reshards them on load)."""
+    if not worker.args.is_moe:
+        return {}
+    return {"ep": worker.ps.get_expert_model_parallel_world_size(),
+            "etp": worker.ps.get_expert_tensor_parallel_world_size()}
 
 
 def read_meta(path) -> dict:
@@ -89,8 +99,8 @@ def load_checkpoint(worker, path) -> dict:
                            f"unexpected {unexpected[:5]}")
     if worker.optimizer is not None:
         _load_optimizer(worker, Path(path), meta)
-    logger.info("loaded Megatron checkpoint %s (saved at TP=%s PP=%s)", path, meta.get("tp"),
-                meta.get("pp"))
+    logger.info("loaded Megatron checkpoint %s (saved at TP=%s PP=%s%s)", path, meta.get("tp"),
+                meta.get("pp"), f" EP={meta['ep']} ETP={meta['etp']}" if "ep" in meta else "")
     return meta
 
 
@@ -98,9 +108,15 @@ def _load_optimizer(worker, path: Path, meta: dict) -> None:
     """This rank's optimizer state, where it was saved on this layout by this optimizer;
     otherwise a fresh optimizer whose main params are the loaded weights."""
     optim = path / "optim" / f"rank_{dist.get_rank():05d}.pt"
-    same = (meta.get("tp"), meta.get("pp"), meta.get("world")) == (
+    # the optimizer's per-rank state follows the layout: experts' moments live on their
+    # EP ranks, so EP and ETP count too
+    layout = _expert_layout(worker)
+    # (a checkpoint from before EP existed was saved at EP=1, ETP=TP)
+    saved = (meta.get("ep", 1), meta.get("etp", meta.get("tp"))) if layout else (None, None)
+    same = (meta.get("tp"), meta.get("pp"), meta.get("world"), *saved) == (
         worker.ps.get_tensor_model_parallel_world_size(),
-        worker.ps.get_pipeline_model_parallel_world_size(), dist.get_world_size())
+        worker.ps.get_pipeline_model_parallel_world_size(), dist.get_world_size(),
+        layout.get("ep"), layout.get("etp"))
     why = None if same else "it was saved on another layout"
     if why is None and not optim.is_file():
         why = "the checkpoint has none"

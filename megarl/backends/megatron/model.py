@@ -31,6 +31,30 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 @dataclasses.dataclass(frozen=True)
+class MoESettings:
+    """How a mixture-of-experts model is laid out and routed (the config's
+    `megatron.expert_*` and `megatron.override_transformer_config.moe_*` keys); nothing here
+    applies to a dense model."""
+    ep: int = 1
+    """Expert-parallel ranks: each holds num_experts / ep of every layer's experts."""
+    etp: int | None = None
+    """Ranks each expert is split over (None: the TP ranks, Megatron's default)."""
+    aux_loss_coeff: float = 0.0
+    """Load-balancing loss coefficient; 0: none (it is not the RL objective's)."""
+    z_loss_coeff: float | None = None
+    """Router z-loss coefficient; None: none."""
+    token_dispatcher: str | None = None
+    """allgather | alltoall; None: alltoall on GPUs, allgather on the CPU."""
+    capacity_factor: float | None = None
+    """Expert capacity (tokens beyond it dropped, by `token_drop_policy`); None: nothing
+    dropped, what RL wants."""
+    token_drop_policy: str = "probs"
+    routing_replay: bool = False
+    """The routers take their top-k experts from the batch's `routed_experts` when it has
+    them (R3: the rollout engine's choices) instead of computing them."""
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelArgs:
     """The architecture facts both sides of a conversion agree on."""
     arch: str
@@ -154,7 +178,7 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
 
 
 def transformer_config(args: ModelArgs, tp: int, pp: int, params_dtype: str = "float32",
-                       **overrides):
+                       moe: MoESettings | None = None, **overrides):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     dtype = DTYPES[params_dtype]
@@ -178,18 +202,27 @@ def transformer_config(args: ModelArgs, tp: int, pp: int, params_dtype: str = "f
         variable_seq_lengths=False, sequence_parallel=False,
     )
     if args.is_moe:
+        moe = moe or MoESettings()
         kw.update(
             num_moe_experts=args.num_experts, moe_router_topk=args.moe_topk,
             moe_ffn_hidden_size=args.moe_ffn_hidden_size,
+            expert_model_parallel_size=moe.ep,
+            expert_tensor_parallel_size=tp if moe.etp is None else moe.etp,
             # Qwen3-MoE: softmax over all experts, top-k, renormalised (norm_topk_prob), which
             # is a softmax over the top-k logits, Megatron's order without pre-softmax
             moe_router_score_function="softmax", moe_router_pre_softmax=not args.norm_topk_prob,
             moe_router_dtype="fp32",
-            # RL wants every token through its experts: no capacity, nothing dropped
-            moe_expert_capacity_factor=None, moe_router_load_balancing_type="none",
+            # By default RL wants every token through its experts (no capacity, nothing
+            # dropped) and no loss but its own (no load balancing); both are config keys.
+            moe_expert_capacity_factor=moe.capacity_factor,
+            moe_token_drop_policy=moe.token_drop_policy,
+            moe_router_load_balancing_type="aux_loss" if moe.aux_loss_coeff else "none",
+            moe_aux_loss_coeff=moe.aux_loss_coeff, moe_z_loss_coeff=moe.z_loss_coeff or None,
             # alltoall (what GPUs run) opens a CUDA stream when built; allgather is the CPU's:
             # with nothing dropped both send each token to the same experts
-            moe_token_dispatcher_type="alltoall" if on_gpu else "allgather",
+            moe_token_dispatcher_type=moe.token_dispatcher or (
+                "alltoall" if on_gpu else "allgather"),
+            moe_enable_routing_replay=moe.routing_replay,
             moe_grouped_gemm=False)
     kw.update(overrides)
     return TransformerConfig(**kw)

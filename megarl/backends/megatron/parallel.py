@@ -24,12 +24,15 @@ def has_gloo_groups() -> bool:
     return not torch.cuda.is_available()
 
 
-def init_distributed(tp: int = 1, pp: int = 1, *, rank: int | None = None,
+def init_distributed(tp: int = 1, pp: int = 1, *, ep: int = 1, etp: int | None = None,
+                     rank: int | None = None,
                      world_size: int | None = None, master_addr: str | None = None,
                      master_port: int | None = None, timeout_s: float = 600.0,
                      seed: int = 1234) -> None:
-    """Initialise torch.distributed (if not yet) and Megatron's TP/PP/DP groups; every group
-    times a collective out after `timeout_s` (gloo raises; NCCL's watchdog aborts)."""
+    """Initialise torch.distributed (if not yet) and Megatron's TP/PP/DP groups, and its
+    expert groups for a mixture of experts (`ep` expert-parallel ranks, each expert split over
+    `etp` ranks; None: over the TP ranks, Megatron's default); every group times a collective
+    out after `timeout_s` (gloo raises; NCCL's watchdog aborts)."""
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
@@ -57,17 +60,29 @@ def init_distributed(tp: int = 1, pp: int = 1, *, rank: int | None = None,
     world = dist.get_world_size()
     if world % (tp * pp):
         raise ValueError(f"world size {world} is not divisible by TP×PP = {tp}×{pp}")
+    etp = tp if etp is None else etp
+    if (world // pp) % (ep * etp):
+        raise ValueError(f"world size {world} over PP={pp} is not divisible by EP×ETP = "
+                         f"{ep}×{etp}")
     if ps.model_parallel_is_initialized():
-        if (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()) != (tp, pp):
-            raise RuntimeError("Megatron parallel_state already initialised with another TP/PP")
+        have = (ps.get_tensor_model_parallel_world_size(),
+                ps.get_pipeline_model_parallel_world_size(),
+                ps.get_expert_model_parallel_world_size(),
+                ps.get_expert_tensor_parallel_world_size())
+        if have != (tp, pp, ep, etp):
+            raise RuntimeError(f"Megatron parallel_state already initialised with TP/PP/EP/ETP "
+                               f"{have}, not {(tp, pp, ep, etp)}")
         return
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                 expert_model_parallel_size=ep,
+                                 expert_tensor_parallel_size=etp,
                                  create_gloo_process_groups=has_gloo_groups(),
                                  distributed_timeout_minutes=max(1, math.ceil(timeout_s / 60)))
     tensor_parallel.model_parallel_cuda_manual_seed(seed) if torch.cuda.is_available() else \
         torch.manual_seed(seed)
-    logger.info("rank %d/%d: TP=%d PP=%d DP=%d (%s)", dist.get_rank(), world, tp, pp,
-                ps.get_data_parallel_world_size(), dist.get_backend())
+    logger.info("rank %d/%d: TP=%d PP=%d DP=%d%s (%s)", dist.get_rank(), world, tp, pp,
+                ps.get_data_parallel_world_size(),
+                f" EP={ep} ETP={etp}" if ep > 1 or etp != tp else "", dist.get_backend())
 
 
 def destroy_distributed() -> None:

@@ -74,17 +74,19 @@ class MegatronWorker:
                  optim: OptimConfig | None = None, make_vocab_size_divisible_by: int = 128,
                  seed: int = 1234, load_hf: bool = True, trainable: bool = True,
                  value_model: bool = False, transformer_impl: str = "auto",
-                 collective_timeout_s: float = 600.0):
+                 collective_timeout_s: float = 600.0, moe: mmodel.MoESettings | None = None):
         # The converter's checks and layout rules, before any collective: a model that cannot
         # split over TP×PP fails here with the converter's message, not a Megatron assertion.
         self.args = read_model_args(model_dir)
-        check_layout(self.args, tp, pp, os.path.join(model_dir, "config.json"))
-        init_distributed(tp, pp, seed=seed, timeout_s=collective_timeout_s)
+        self.moe = moe = moe or mmodel.MoESettings()
+        check_layout(self.args, tp, pp, os.path.join(model_dir, "config.json"), moe.ep, moe.etp)
+        init_distributed(tp, pp, ep=moe.ep, etp=moe.etp, seed=seed,
+                         timeout_s=collective_timeout_s)
         from megatron.core import parallel_state as ps
 
         self.ps = ps
         self.model_dir = model_dir
-        self.config = mmodel.transformer_config(self.args, tp, pp, params_dtype)
+        self.config = mmodel.transformer_config(self.args, tp, pp, params_dtype, moe)
         self.value_model = value_model
         self.model = mmodel.build_gpt_model(self.args, self.config, make_vocab_size_divisible_by,
                                             value_head=value_model,
@@ -99,6 +101,10 @@ class MegatronWorker:
             live.load_hf_into(self.model, self.args, reader.get, skip=skip)
         self.optimizer = None
         self.fwd_model = self.model  # the DDP wrapper on GPU, once an optimizer exists
+        self.routers: list = []
+        self._micro_batches_seen = 0
+        if self.args.is_moe:
+            self._watch_routers()
         if trainable:
             self.optimizer = build_optimizer(self.model, optim or OptimConfig(), params_dtype)
             self.fwd_model = getattr(self.optimizer, "ddp", self.model)
@@ -115,7 +121,7 @@ class MegatronWorker:
                    optim=spec.optim, make_vocab_size_divisible_by=spec.make_vocab_size_divisible_by,
                    seed=spec.seed, trainable=spec.optim is not None,
                    value_model=spec.value_model, transformer_impl=spec.transformer_impl,
-                   collective_timeout_s=spec.collective_timeout_s)
+                   collective_timeout_s=spec.collective_timeout_s, moe=spec.moe)
 
     # ---------------------------------------------------------------- forward plumbing
     def _device(self):
@@ -166,7 +172,14 @@ class MegatronWorker:
             else:
                 chunks.append((filler, torch.tensor([-1]), [1]))
         total = max(sum(n) for _, _, n in chunks) \
-            if self.ps.get_pipeline_model_parallel_world_size() > 1 else None
+            if self.ps.get_pipeline_model_parallel_world_size() > 1 or self._gathers_tokens() \
+            else None
+        if total is not None and self._gathers_tokens():
+            # the allgather dispatcher gathers every EP rank's tokens in equal-sized parts:
+            # all data-parallel ranks' packed rows take one length
+            t = torch.tensor([total], device=dev)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.ps.get_data_parallel_group())
+            total = int(t.item())
         mbatches = []
         for rows, idx, n in chunks:
             mb = {kk: (v.to(dev) if torch.is_tensor(v) else v) for kk, v in rows.items()}
@@ -183,6 +196,8 @@ class MegatronWorker:
 
         def step(data_iter, model):
             mb = next(data_iter)
+            if self.routers:
+                self._route_micro_batch(mb)
             packed = mb.get("_packed")
             if packed is not None:
                 out = model(packed.input_ids, packed.position_ids, attention_mask=None,
@@ -193,10 +208,132 @@ class MegatronWorker:
             out = model(ids, pos, attention_mask=None)
             return out, functools.partial(loss_of, mb)
 
-        return get_forward_backward_func()(
-            forward_step_func=step, data_iterator=iter(mbatches), model=[self.fwd_model],
-            num_microbatches=len(mbatches), seq_length=seq, micro_batch_size=mbs,
-            forward_only=forward_only)
+        try:
+            return get_forward_backward_func()(
+                forward_step_func=step, data_iterator=iter(mbatches), model=[self.fwd_model],
+                num_microbatches=len(mbatches), seq_length=seq, micro_batch_size=mbs,
+                forward_only=forward_only)
+        finally:
+            for _, router in self.routers:
+                if router.router_replay is not None:  # no replay data outlives its call
+                    router.router_replay.clear_indices()
+                    router.router_replay.clear_router_replay_action()
+
+    # ---------------------------------------------------------------- mixture of experts
+    def _gathers_tokens(self) -> bool:
+        """Experts over EP ranks behind Megatron's allgather dispatcher (the CPU's), which
+        needs the same token count on every EP rank (alltoall exchanges counts)."""
+        return (self.args.is_moe and self.moe.ep > 1
+                and self.config.moe_token_dispatcher_type == "allgather")
+
+    def _watch_routers(self) -> None:
+        """(global layer index, router) of this stage's MoE layers, each counting the real
+        tokens routed to each expert (per-layer load: `moe_metrics`)."""
+        self.routers = [(layer.layer_number - 1, layer.mlp.router)
+                        for layer in live.unwrap(self.model).decoder.layers
+                        if getattr(layer.mlp, "router", None) is not None]
+        self._load: dict[int, torch.Tensor] = {}
+        self._real = None  # this micro-batch's real-token mask, in the routers' token order
+
+        def count(layer, _module, _inputs, output):
+            routing_map = output[1].detach()
+            if self._real is not None and self._real.numel() == routing_map.shape[0]:
+                routing_map = routing_map[self._real]
+            got = routing_map.sum(0, dtype=torch.float64)
+            self._load[layer] = self._load.get(layer, 0) + got
+
+        for layer, router in self.routers:
+            router.register_forward_hook(functools.partial(count, layer))
+
+    def _route_micro_batch(self, mb: dict) -> None:
+        """Before a micro-batch's forward: the real-token mask in the routers' token order,
+        and with routing replay (R3) each router's experts for its tokens from the batch's
+        `routed_experts` [rows, S, layers, k] (the engine's choices). The routers see tokens
+        as Megatron's [S, b] flattened, or a packed row's tokens back to back. Positions the
+        engine never ran (padding, each sequence's last token) get experts 0..k-1: their
+        outputs feed no log-prob that is used."""
+        packed = mb.get("_packed")
+        mask = mb.get("attention_mask")
+        if mask is None:
+            mask = torch.ones_like(mb["input_ids"])
+        mask = mask.bool()
+        routed = mb.get("routed_experts") if self.moe.routing_replay else None
+        if routed is not None:
+            k = self.args.moe_topk
+            if routed.shape[-1] != k or routed.shape[-2] != self.args.num_layers:
+                raise ValueError(f"routed_experts: shape {tuple(routed.shape)}, the model "
+                                 f"routes {self.args.num_layers} layers × top-{k}")
+            spare = torch.arange(k, device=routed.device, dtype=routed.dtype)
+            routed = torch.where(mask[..., None, None], routed, spare)
+        if packed is not None:
+            total = packed.input_ids.shape[1]
+            real = torch.zeros(total, dtype=torch.bool, device=mask.device)
+            real[:sum(packed.lengths)] = torch.cat(
+                [mask[i, :n] for i, n in enumerate(packed.lengths)])
+            if routed is not None:
+                flat = torch.cat([routed[i, :n] for i, n in enumerate(packed.lengths)])
+                if total > flat.shape[0]:  # the tail that evens out pipeline stages
+                    flat = torch.cat([flat, spare.expand(total - flat.shape[0],
+                                                         *flat.shape[1:])])
+        else:
+            real = mask.transpose(0, 1).reshape(-1)
+            if routed is not None:
+                flat = routed.transpose(0, 1).reshape(-1, *routed.shape[2:])
+        self._real = real
+        if routed is None:
+            return
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        for layer, router in self.routers:
+            replay = router.router_replay
+            replay.clear_indices()
+            replay.set_target_indices(flat[:, layer].long().contiguous())
+            replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+
+    def moe_metrics(self, prefix: str = "moe/") -> dict:
+        """Per-layer expert load since the last call: `{prefix}expert_load/layer_<i>`, the
+        busiest expert's tokens over the mean (1: even; num_experts / top-k: every token on
+        the same experts), its maximum over layers `{prefix}expert_load_max`, and with their
+        coefficients set the load-balancing and z losses (mean over layers and micro-batches,
+        unscaled). Collective over the stage's data-parallel ranks and the pipeline."""
+        if not self.args.is_moe:
+            return {}
+        from megatron.core.transformer.moe.moe_utils import (clear_aux_losses_tracker,
+                                                             get_moe_layer_wise_logging_tracker)
+
+        ps, dev = self.ps, self._device()
+        L, E = self.args.num_layers, self.args.num_experts
+        load = torch.zeros(L, E, dtype=torch.float64, device=dev)
+        for layer, got in self._load.items():
+            load[layer] = got
+        self._load = {}
+        # TP ranks saw the same tokens: count them once
+        if ps.get_tensor_model_parallel_rank() != 0:
+            load.zero_()
+        losses = {name: entry["values"].to(dev, torch.float64)
+                  for name, entry in sorted(get_moe_layer_wise_logging_tracker().items())
+                  if entry["values"].shape[0] == L}
+        parts = torch.cat([load.flatten(), *losses.values()])
+        dist.all_reduce(parts, group=ps.get_model_parallel_group())  # TP ranks and stages
+        if ps.get_data_parallel_world_size() > 1:
+            dist.all_reduce(parts, group=ps.get_data_parallel_group())
+        clear_aux_losses_tracker()
+        load = parts[:L * E].view(L, E)
+        out = {}
+        for layer in range(L):
+            mean = load[layer].mean()
+            if mean > 0:
+                out[f"{prefix}expert_load/layer_{layer}"] = float(load[layer].max() / mean)
+        if out:
+            out[f"{prefix}expert_load_max"] = max(out.values())
+        # summed over the micro-batches, the TP ranks and the DP ranks: their mean
+        share = ps.get_tensor_model_parallel_world_size() * ps.get_data_parallel_world_size() \
+            * max(1, self._micro_batches_seen)
+        for i, name in enumerate(losses):
+            vals = parts[L * E + i * L: L * E + (i + 1) * L]
+            key = {"load_balancing_loss": "aux_loss"}.get(name, name)
+            out[f"{prefix}{key}"] = float(vals.mean() / share)
+        return out
 
     def _token_logprobs(self, mb, logits, temperature, with_entropy):
         packed = mb.get("_packed")
@@ -330,6 +467,7 @@ class MegatronWorker:
             raise RuntimeError("a train step on a worker built with trainable=False")
         self.model.train()
         self.optimizer.zero_grad()
+        self._load = {}  # this step's expert load only (not the LOGP pass's)
         prepared = self._micro_batches(batch, micro_batch_size)
         n_micro = len(prepared[0])
 
@@ -343,6 +481,8 @@ class MegatronWorker:
 
         store = self._run(batch, micro_batch_size, loss_of, forward_only=False, prepared=prepared)
         stats = self._reduce_metrics(store, max_metrics)
+        self._micro_batches_seen = n_micro
+        stats.update(self.moe_metrics())
         stats.update(self.optimizer.step())
         stats.update(_layout_stats(batch, prepared[0]))
         return stats

@@ -104,9 +104,14 @@ class SGLangClient:
     async def generate(self, input_ids: list[int] | list[list[int]] | None = None,
                        sampling_params: dict | list[dict] | None = None,
                        return_logprob: bool = False, rid: str | list[str] | None = None,
-                       text: str | list[str] | None = None, **extra) -> dict | list[dict]:
+                       text: str | list[str] | None = None, return_routed_experts: bool = False,
+                       routed_experts_start_len: int = 0, **extra) -> dict | list[dict]:
         payload: dict[str, Any] = {"sampling_params": sampling_params or {},
                                    "return_logprob": return_logprob, **extra}
+        if return_routed_experts:
+            # Only when asked: a server that predates the fields never sees them otherwise.
+            payload["return_routed_experts"] = True
+            payload["routed_experts_start_len"] = routed_experts_start_len
         if input_ids is not None:
             payload["input_ids"] = input_ids
         if text is not None:

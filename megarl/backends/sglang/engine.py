@@ -90,7 +90,9 @@ class SGLangEngine:
             sampling = dataclasses.replace(sampling, sampling_seed=None)
         call = asyncio.ensure_future(self._guard(self.client.generate(
             input_ids=request.input_ids, sampling_params=sampling_to_wire(sampling),
-            return_logprob=request.return_logprob, rid=request.rid + RID_END)))
+            return_logprob=request.return_logprob, rid=request.rid + RID_END,
+            return_routed_experts=request.return_routed_experts,
+            routed_experts_start_len=request.routed_experts_start_len)))
         self._inflight[request.rid] = call
         try:
             d = await asyncio.shield(call)

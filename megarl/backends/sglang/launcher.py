@@ -51,6 +51,9 @@ class ServerArgs:
     max_running_requests: int | None = None
     weight_version: str | None = None  # the version the loaded weights report (megarl: "0")
     log_level: str = "warning"
+    # stock's --enable-return-routed-experts (the embedded server takes it too): requests may
+    # then ask for the experts each token was routed to (rollout.enable_rollout_routing_replay)
+    enable_return_routed_experts: bool = False
     device: str = "cuda"  # "cpu": stock sglang gets the CPU engine, shims and flags
     python: str | None = None  # the server's interpreter; None: this one
     extra_args: list[str] = field(default_factory=list)
@@ -88,7 +91,7 @@ def replica_server_args(cfg, index: int, *, host: str, port: int,
     return ServerArgs.from_rollout_config(
         r, cfg.actor_rollout_ref.model.path, port=port, base_gpu_id=base_gpu_id, host=host,
         random_seed=cfg.trainer.seed + index, context_length=ctx, weight_version="0",
-        dtype=rollout_dtype(cfg),
+        dtype=rollout_dtype(cfg), enable_return_routed_experts=r.enable_rollout_routing_replay,
         device=cfg.trainer.device, python=python, extra_args=list(r.server_extra_args))
 
 
@@ -127,6 +130,8 @@ def build_command(args: ServerArgs, module: str = SGLANG_MODULE,
             cmd += [flag, str(value)]
     if args.skip_tokenizer_init:
         cmd.append("--skip-tokenizer-init")
+    if args.enable_return_routed_experts:
+        cmd.append("--enable-return-routed-experts")
     return cmd + list(args.extra_args)
 
 

@@ -2,7 +2,9 @@
 
 argv: out.json tp pp model_dir [model_dir ...]; rank 0 writes {model_dir: {metric: max_diff}}.
 PARITY_PARAMS_DTYPE (default float32) sets the Megatron side's params_dtype; transformers
-stays in float32 on the CPU, the reference.
+stays in float32 on the CPU, the reference. PARITY_EP (default 1): expert-parallel ranks for
+the mixture-of-experts models (the world is then larger than TP×PP: data-parallel ranks
+that each run the same rows, their tokens crossing to the experts' ranks).
 """
 import json
 import os
@@ -16,12 +18,15 @@ def main():
     out, tp, pp, dirs = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4:]
     from transformers import AutoModelForCausalLM
 
+    from megarl.backends.megatron.model import MoESettings
     from megarl.backends.megatron.worker import MegatronWorker
 
     results = {}
+    ep = int(os.environ.get("PARITY_EP", 1))
     for d in dirs:
         w = MegatronWorker(d, tp, pp, trainable=False,
-                           params_dtype=os.environ.get("PARITY_PARAMS_DTYPE", "float32"))
+                           params_dtype=os.environ.get("PARITY_PARAMS_DTYPE", "float32"),
+                           moe=MoESettings(ep=ep, etp=int(os.environ["PARITY_ETP"]) if os.environ.get("PARITY_ETP") else None))
         hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
         g = torch.Generator().manual_seed(0)
         ids = torch.randint(0, w.args.vocab_size, (3, 17), generator=g)

@@ -275,3 +275,37 @@ def test_under_torchrun_models_sharing_a_group_need_one_layout():
     msg = error_of("trainer.launcher=torchrun", "algorithm.adv_estimator=gae",
                    "trainer.n_gpus_per_node=2", "critic.megatron.pipeline_model_parallel_size=2")
     assert msg.startswith("critic.megatron.tensor_model_parallel_size/"), msg
+
+
+# ------------------------------------------------------------------- mixture of experts
+def test_expert_parallel_ranks_must_divide_a_stages_ranks():
+    split = ["trainer.separated_node_tasks=[[logp,actor-train],ref_logp,generate]",
+             "trainer.separated_node_ratios=[0.5,0.25,0.25]"]
+    load_config(None, four_devices(*split, f"{ARR}.actor.megatron.expert_model_parallel_size=2"))
+    msg = error_of(*four_devices(*split, f"{ARR}.actor.megatron.expert_model_parallel_size=4"))
+    assert msg.startswith(f"{ARR}.actor.megatron.expert_model_parallel_size:")
+    assert "logp+actor-train" in msg and "EP × ETP = 4 × 1" in msg
+    # ETP (null: TP) takes ranks too
+    msg = error_of(*four_devices(*split, f"{ARR}.ref.megatron.expert_model_parallel_size=1",
+                                 f"{ARR}.ref.megatron.expert_tensor_parallel_size=2"))
+    assert msg.startswith(f"{ARR}.ref.megatron.expert_model_parallel_size:") and "1 × 2" in msg
+
+
+@pytest.mark.parametrize("overrides,key", [
+    ([f"{ARR}.actor.router_replay.mode=R3"], f"{ARR}.actor.router_replay.mode"),
+    ([f"{ARR}.actor.router_replay.mode=R2"], f"{ARR}.actor.router_replay.mode"),
+    ([f"{ARR}.actor.megatron.override_transformer_config.moe_token_dispatcher_type=alltoall"],
+     f"{ARR}.actor.megatron.override_transformer_config.moe_token_dispatcher_type"),
+    ([f"{ARR}.actor.megatron.override_transformer_config.moe_aux_loss_coeff=-1"],
+     f"{ARR}.actor.megatron.override_transformer_config.moe_aux_loss_coeff"),
+    ([f"critic.megatron.override_transformer_config.moe_expert_capacity_factor=0"],
+     "critic.megatron.override_transformer_config.moe_expert_capacity_factor"),
+    ([f"{ARR}.actor.megatron.override_transformer_config.moe_router_topk=4"],
+     f"{ARR}.actor.megatron.override_transformer_config.moe_router_topk"),
+    ([f"{ARR}.actor.megatron.optimizer=torch", "trainer.n_gpus_per_node=4",
+      f"{ARR}.actor.megatron.expert_model_parallel_size=2"],
+     f"{ARR}.actor.megatron.expert_model_parallel_size"),
+], ids=["R3-without-engine-routing", "R2", "alltoall-on-cpu", "negative-aux", "zero-capacity",
+        "unknown-router-key", "EP-with-torch-optimizer"])
+def test_moe_settings_are_refused_by_key(overrides, key):
+    assert key in error_of(*overrides)

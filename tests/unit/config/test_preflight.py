@@ -118,3 +118,34 @@ def test_stock_sglang_without_a_server_python_is_refused_by_key(tmp_path, qwen_d
                                           r"answer /server_info"):
         preflight(_cfg(tmp_path, qwen_dir, *sglang,
                        "actor_rollout_ref.rollout.server_urls=[http://127.0.0.1:1]"))
+
+
+def test_a_models_experts_are_checked_against_its_expert_layout(tmp_path, qwen_dir,
+                                                                  tiny_qwen3_moe, data):
+    """The preflight knows the model: EP on a dense model, routing replay on a dense model,
+    EP not dividing num_experts and training an MoE under TP are refused by key."""
+    train, val = data
+    files = [f"data.train_files={train}", f"data.val_files={val}", "trainer.n_gpus_per_node=8",
+             "trainer.separated_node_tasks=[[logp,actor-train,ref_logp],generate]",
+             "trainer.separated_node_ratios=[0.5,0.5]"]
+    arr = "actor_rollout_ref"
+    cases = [
+        (qwen_dir, [f"{arr}.actor.megatron.expert_model_parallel_size=2"],
+         f"{arr}.actor.megatron.expert_model_parallel_size: .*dense"),
+        (qwen_dir, [f"{arr}.rollout.enable_rollout_routing_replay=true"],
+         f"{arr}.rollout.enable_rollout_routing_replay: routing replay needs a mixture"),
+        (tiny_qwen3_moe, ["trainer.n_gpus_per_node=12", f"{arr}.actor.use_kl_loss=true",
+                          f"{arr}.ref.megatron.expert_model_parallel_size=3"],
+         f"{arr}.ref.megatron.expert_model_parallel_size: .*num_experts=8 is not divisible"),
+        (tiny_qwen3_moe, [f"{arr}.actor.megatron.tensor_model_parallel_size=2"],
+         f"{arr}.actor.megatron.tensor_model_parallel_size: 2, but training a mixture"),
+    ]
+    for model, extra, match in cases:
+        with pytest.raises(ConfigError, match=match):
+            preflight(_cfg(tmp_path, model, *files, *extra))
+    preflight(_cfg(tmp_path, tiny_qwen3_moe, *files,
+                   f"{arr}.actor.megatron.expert_model_parallel_size=4",
+                   f"{arr}.ref.megatron.tensor_model_parallel_size=2", f"{arr}.actor.use_kl_loss=true",
+                   f"{arr}.ref.megatron.expert_model_parallel_size=2",
+                   f"{arr}.rollout.enable_rollout_routing_replay=true",
+                   f"{arr}.actor.router_replay.mode=R3"))

@@ -112,7 +112,23 @@ def test_qwen3_30b_a3b_plan_sends_every_expert_stock_sglang_loads(capsys):
     assert a.is_moe and a.num_experts == 128 and a.moe_topk == 8 and a.norm_topk_prob
     assert planned == want
     assert f"stage 0 (layers 0-47): {len(want)} tensors" in out
-    assert "trainer (logp+actor-train): TP4 × PP1 × DP4" in out
+    # Expert parallelism 8 (ETP1) on both Megatron models: the trainer's 16 GPUs hold two
+    # replicas of every expert, the reference's 8 one; the trainer runs attention at TP1
+    # (an MoE trains under TP only with sequence parallelism)
+    assert "trainer (logp+actor-train): TP1 × PP1 × DP16, bfloat16, distributed optimizer; " \
+        "experts EP8 × ETP1: 16 of 128 per EP rank, expert-DP2" in out
+    assert "reference (ref_logp): TP4 × PP1 × DP2, bfloat16; experts EP8 × ETP1: 16 of 128 " \
+        "per EP rank, expert-DP1" in out
+    assert "128 experts (top-8, ffn 768)" in out
+
+
+def test_expert_layout_errors_name_the_config_key(capsys):
+    """The converter's EP check, worded with the config's key and the model's source."""
+    rc, _, err = _dry_run(capsys, "actor_rollout_ref.actor.megatron.expert_model_parallel_size=2")
+    assert rc == 2
+    assert ("actor_rollout_ref.actor.megatron.expert_model_parallel_size=2: expert parallelism "
+            "needs a mixture-of-experts model, but configs/models/qwen2_7b.json is a dense "
+            "qwen2") in err
 
 
 def test_qwen2_tensors_match_transformers(hf_meta):
@@ -128,31 +144,37 @@ _EXPORT = """
 import json, os, sys, torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megarl.backends.megatron import _patches
-from megarl.backends.megatron.model import ModelArgs, build_gpt_model, transformer_config
+from megarl.backends.megatron.model import (ModelArgs, MoESettings, build_gpt_model,
+                                            transformer_config)
 from megarl.controller.dryrun import stage_specs
 from megarl.backends.megatron.hf.live import export_hf
-dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[1], rank=0,
-                        world_size=1)
-ps.initialize_model_parallel(1, 1)
+port, hf, ep, rank = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + port, rank=rank,
+                        world_size=ep)
+ps.initialize_model_parallel(1, 1, expert_model_parallel_size=ep)
 _patches.apply()
-a = ModelArgs.from_hf(json.loads(sys.argv[2]))
-model = build_gpt_model(a, transformer_config(a, 1, 1, "bfloat16"))
+a = ModelArgs.from_hf(hf)
+model = build_gpt_model(a, transformer_config(a, 1, 1, "bfloat16", MoESettings(ep=ep)))
 real = [(n, str(t.dtype)[6:], tuple(t.shape)) for n, t in export_hf(model, a)]
-planned = [(s.name, s.dtype, s.shape) for s in stage_specs(a, 1, "bfloat16")[0]]
-print(real == planned, real, planned)
+planned = [(s.name, s.dtype, s.shape) for s in stage_specs(a, 1, "bfloat16", ep)[0]]
+if rank == 0:
+    print(real == planned, real, planned)
 """
 
+_MOE = {"architectures": ["Qwen3MoeForCausalLM"], "num_experts": 4, "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32, "norm_topk_prob": True}
 
-@pytest.mark.parametrize("extra", [{"architectures": ["Qwen2ForCausalLM"]},
-                                   # Qwen3: per-head q/k norms, head_dim apart from hidden
-                                   {"architectures": ["Qwen3ForCausalLM"], "head_dim": 24},
-                                   {"architectures": ["Qwen3MoeForCausalLM"], "num_experts": 4,
-                                    "num_experts_per_tok": 2, "moe_intermediate_size": 32,
-                                    "norm_topk_prob": True}],
-                         ids=["qwen2", "qwen3", "qwen3_moe"])
-def test_planned_tensors_are_what_megatron_exports(extra):
+
+@pytest.mark.parametrize("extra,ep", [({"architectures": ["Qwen2ForCausalLM"]}, 1),
+                                      # Qwen3: per-head q/k norms, head_dim apart from hidden
+                                      ({"architectures": ["Qwen3ForCausalLM"], "head_dim": 24}, 1),
+                                      # each rank's local expert i gathered over EP: 0, 2, 1, 3
+                                      # (EP=1 is the same walk with one rank: the next test)
+                                      (_MOE, 2)],
+                         ids=["qwen2", "qwen3", "qwen3_moe_ep2"])
+def test_planned_tensors_are_what_megatron_exports(extra, ep):
     """Names, order and dtypes of the planned specs are what the producer really sends (a
-    one-rank Megatron model in a subprocess, so no process group leaks into this one)."""
+    Megatron model of `ep` ranks in subprocesses, so no process group leaks into this one)."""
     import json
     import socket
     import subprocess
@@ -164,10 +186,32 @@ def test_planned_tensors_are_what_megatron_exports(extra):
     hf = {"vocab_size": 300, "hidden_size": 64,
           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
           "intermediate_size": 128, "tie_word_embeddings": False, **extra}
-    proc = subprocess.run([sys.executable, "-c", _EXPORT, str(port), json.dumps(hf)],
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.startswith("True"), proc.stdout
+    procs = [subprocess.Popen([sys.executable, "-c", _EXPORT, str(port), json.dumps(hf),
+                               str(ep), str(rank)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for rank in range(ep)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-2000:]
+    assert outs[0][0].startswith("True"), outs[0][0]
+
+
+def test_expert_export_order_follows_ep():
+    """Each EP rank holds L = 4 / EP consecutive experts; the export walks the local index and
+    gathers it over EP, fc1 (gate, up) of those experts before their fc2 (down)."""
+    a = ModelArgs.from_hf({**_MOE, "vocab_size": 300, "hidden_size": 64,
+                           "num_hidden_layers": 1, "num_attention_heads": 4,
+                           "num_key_value_heads": 2, "intermediate_size": 128})
+
+    def experts(ep):
+        names = [s.name for s in dryrun.stage_specs(a, 1, "bfloat16", ep)[0]
+                 if ".experts." in s.name]
+        return [n.split("mlp.experts.")[1].replace("_proj.weight", "") for n in names]
+
+    assert experts(1) == [f"{e}.{x}" for e in range(4) for x in ("gate", "up", "down")]
+    assert experts(2) == ["0.gate", "0.up", "2.gate", "2.up", "0.down", "2.down",
+                          "1.gate", "1.up", "3.gate", "3.up", "1.down", "3.down"]
+    assert experts(4) == [f"{e}.{x}" for e in range(4) for x in ("gate", "up")] + \
+        [f"{e}.down" for e in range(4)]
 
 
 def test_qwen2_buckets_and_memory(qwen2_out, hf_meta):

@@ -31,8 +31,8 @@ BASE = ModelArgs(arch="qwen2", vocab_size=300, hidden_size=64, num_layers=2, num
     ({}, 4, 1, None),  # 2 KV heads over 4 ranks: each KV head replicated on 2
     ({"num_kv_heads": 1}, 2, 1, None),
     ({"num_kv_heads": 1}, 4, 1, None),
-    ({}, 0, 1, "TP=0 PP=1: both must be at least 1"),
-    ({}, 1, -1, "TP=1 PP=-1: both must be at least 1"),
+    ({}, 0, 1, "TP=0 PP=1 EP=1 ETP=0: each must be at least 1"),
+    ({}, 1, -1, "TP=1 PP=-1 EP=1 ETP=1: each must be at least 1"),
     ({}, 3, 1, "num_attention_heads=4 is not divisible by TP=3"),
     ({"num_heads": 6, "num_kv_heads": 3, "head_dim": 8}, 2, 1,
      "num_key_value_heads=3 is neither a multiple nor a divisor of TP=2"),
@@ -49,6 +49,24 @@ def test_layout_rules(change, tp, pp, needle):
         assert problem is None
     else:
         assert problem is not None and needle in problem
+
+
+MOE = dataclasses.replace(BASE, arch="qwen3_moe", num_experts=8, moe_topk=2,
+                          moe_ffn_hidden_size=32, qkv_bias=False)
+
+
+@pytest.mark.parametrize("args,ep,etp,needle", [
+    (MOE, 2, None, None),
+    (MOE, 8, 1, None),
+    (MOE, 3, None, "num_experts=8 is not divisible by EP=3"),
+    (MOE, 2, 3, "moe_intermediate_size=32 is not divisible by ETP=3"),
+    (BASE, 2, None, "EP=2 ETP=2: expert parallelism needs a mixture-of-experts model"),
+])
+def test_expert_layout_rules(args, ep, etp, needle):
+    """The shared rule the worker and preflight apply (the converter checks its flags first,
+    in its own words: test_plan.test_bad_expert_layout_fails_naming_the_flag)."""
+    problem = layout_error(args, 2, 1, ep, etp)
+    assert problem is None if needle is None else needle in problem
 
 
 def _fake_model(src, dst, **config):

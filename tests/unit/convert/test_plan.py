@@ -118,6 +118,55 @@ def test_bad_sources_fail_naming_file_and_tensor(tiny_qwen2, tmp_path, capsys):
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.parametrize("argv,needle", [
+    (["--ep", "3"], "--ep 3: does not divide num_experts=8 of "),
+    (["--ep", "0"], "--ep 0: must be at least 1"),
+    (["--ep", "2", "--etp", "3"], "--etp 3: does not divide moe_intermediate_size=32"),
+    (["--tp", "2", "--ep", "4"], None),  # 4 × ETP 2 over 8 ranks: a valid layout
+])
+def test_bad_expert_layout_fails_naming_the_flag(tiny_qwen3_moe, tiny_qwen2, tmp_path, capsys,
+                                                 argv, needle):
+    out = tmp_path / "out"
+    rc = hf_to_megatron_main(["--hf-dir", str(tiny_qwen3_moe), "--out", str(out), *argv,
+                              *(["--dry-run"] if needle is None else [])])
+    err = capsys.readouterr().err
+    assert (rc, needle in err if needle else "error" not in err) == (0 if needle is None else 2,
+                                                                      True), err
+    assert not out.exists() and not dist.is_initialized()
+    # A dense model refuses expert parallelism, for all three converters alike.
+    for main, src in ((hf_to_megatron_main, ["--hf-dir", str(tiny_qwen2)]),
+                      (reshard_main, ["--ckpt", str(_fake_ckpt(tmp_path, tiny_qwen2))])):
+        assert main([*src, "--out", str(out), "--ep", "2"]) == 2
+        assert "--ep 2: expert parallelism needs a mixture-of-experts model" in \
+            capsys.readouterr().err
+
+
+def test_expert_parallel_plan_splits_experts_and_sizes_the_world(tiny_qwen3_moe, tmp_path,
+                                                                   capsys):
+    """Each EP rank holds num_experts / EP experts, each split over ETP; the world is
+    PP × lcm(TP, EP × ETP) ranks, its extra ranks data-parallel replicas of the dense layers."""
+    a = ModelArgs.from_hf(json.loads((tiny_qwen3_moe / "config.json").read_text()))
+    per_expert = 3 * a.moe_ffn_hidden_size * a.hidden_size  # gate, up, down
+    experts = a.num_layers * a.num_experts * per_expert
+    (dense, whole), = plan.stage_param_counts(a, 1, 1, 384)
+    assert whole == experts
+    assert plan.stage_param_counts(a, 1, 1, 384, ep=2) == [(dense, experts // 2)]
+    assert plan.stage_param_counts(a, 2, 1, 512, ep=4)[0][1] == experts // 8  # ETP = TP
+    assert plan.stage_param_counts(a, 2, 1, 512, ep=4, etp=1)[0][1] == experts // 4
+    assert [plan.world_size(*x) for x in ((2, 1), (2, 1, 2), (2, 1, 2, 1), (2, 2, 4, 1),
+                                          (1, 1, 8, 1), (4, 1, 8, 1))] == [2, 4, 2, 8, 8, 8]
+    assert hf_to_megatron_main(["--hf-dir", str(tiny_qwen3_moe), "--out", str(tmp_path / "o"),
+                                "--tp", "2", "--ep", "4", "--etp", "1", "--dry-run",
+                                "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert (report["ep"], report["etp"], report["ranks"]) == (4, 1, 4)
+    one = plan.plan_hf2mcore(tiny_qwen3_moe, tmp_path / "o", tp=2)
+    # fp32 experts: a half of them per TP2 rank, a quarter per EP4 rank
+    assert one.max_rank_bytes - report["max_rank_bytes"] == 4 * experts // 2 - 4 * experts // 4
+    assert "TP=2 PP=1 EP=4 ETP=1 (4 ranks, 2 data-parallel replicas of the dense layers)" in \
+        plan.plan_hf2mcore(tiny_qwen3_moe, tmp_path / "o", tp=2, ep=4, etp=1).table()
+
+
 def test_progress_logs_every_tenth_off_a_terminal(caplog):
     with caplog.at_level(logging.INFO, logger="megarl.convert.progress"):
         with Progress("copy", 40, 40 * 1024) as p:

@@ -74,3 +74,14 @@ def test_health_wait_reports_a_dead_server(tmp_path):
     proc.wait()
     with pytest.raises(RuntimeError, match="(?s)status 3.*out of memory"):
         wait_for_health(f"http://127.0.0.1:{find_free_port()}", 30, proc, log)
+
+
+def test_routing_replay_launches_servers_that_return_routed_experts():
+    cfg = load_config(None, ["actor_rollout_ref.rollout.enable_rollout_routing_replay=true"])
+    args = replica_server_args(cfg, 0, host="127.0.0.1", port=1, base_gpu_id=None)
+    assert "--enable-return-routed-experts" in build_command(args, python="py")
+    parsed = build_arg_parser().parse_args(build_command(args, EMBEDDED_MODULE)[3:])
+    assert parsed.enable_return_routed_experts
+    off = replica_server_args(load_config(None, []), 0, host="127.0.0.1", port=1,
+                              base_gpu_id=None)
+    assert "--enable-return-routed-experts" not in build_command(off, python="py")

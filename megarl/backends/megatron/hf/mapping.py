@@ -76,6 +76,18 @@ def te_name(name: str) -> str:
     return _rename_in_layer(name, TE_FUSED_NORMS.items())
 
 
+def expert_index(suffix: str) -> int | None:
+    """The expert index in a routed expert's in-layer name; None for any other tensor."""
+    m = _EXPERT.match(suffix)
+    return int(m.group(1)) if m else None
+
+
+def with_expert_index(suffix: str, index: int) -> str:
+    """A routed expert's in-layer name with another expert index."""
+    m = _EXPERT.match(suffix)
+    return f"mlp.experts.local_experts.{index}.{m.group(2)}.weight"
+
+
 def _dense_kind(suffix: str) -> str:
     """A routed expert's suffix as the dense MLP's (same TP layout); others unchanged."""
     m = _EXPERT.match(suffix)

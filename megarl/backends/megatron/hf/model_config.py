@@ -123,10 +123,18 @@ def read_model_args(model_dir: str | os.PathLike, what: str = "model directory")
 
 
 # ------------------------------------------------------------------------- TP × PP layout
-def layout_error(a: ModelArgs, tp: int, pp: int) -> str | None:
-    """Why `a` cannot be split over TP×PP ranks, or None when it can (Megatron's rules)."""
-    if tp < 1 or pp < 1:
-        return f"TP={tp} PP={pp}: both must be at least 1"
+def layout_error(a: ModelArgs, tp: int, pp: int, ep: int = 1,
+                 etp: int | None = None) -> str | None:
+    """Why `a` cannot be split over TP×PP ranks, its experts over EP ranks with each expert
+    over ETP ranks (None: TP), or None when it can (Megatron's rules)."""
+    etp = tp if etp is None else etp
+    if tp < 1 or pp < 1 or ep < 1 or etp < 1:
+        return f"TP={tp} PP={pp} EP={ep} ETP={etp}: each must be at least 1"
+    if (ep > 1 or etp != tp) and not a.is_moe:
+        return (f"EP={ep} ETP={etp}: expert parallelism needs a mixture-of-experts model "
+                f"(num_experts), this one is dense")
+    if a.is_moe and a.num_experts % ep:
+        return f"num_experts={a.num_experts} is not divisible by EP={ep}"
     if a.num_heads % tp:
         return f"num_attention_heads={a.num_heads} is not divisible by TP={tp}"
     if a.num_kv_heads % tp and tp % a.num_kv_heads:
@@ -136,8 +144,9 @@ def layout_error(a: ModelArgs, tp: int, pp: int) -> str | None:
     if qkv_rows % tp:
         return (f"the fused QKV projection ((num_attention_heads + 2 × num_key_value_heads) × "
                 f"head_dim = {qkv_rows} rows) is not divisible by TP={tp}")
-    if a.is_moe and a.moe_ffn_hidden_size % tp:
-        return f"moe_intermediate_size={a.moe_ffn_hidden_size} is not divisible by TP={tp}"
+    if a.is_moe and a.moe_ffn_hidden_size % etp:
+        return (f"moe_intermediate_size={a.moe_ffn_hidden_size} is not divisible by "
+                f"{'TP' if etp == tp else 'ETP'}={etp}")
     if not a.is_moe and a.ffn_hidden_size % tp:
         return f"intermediate_size={a.ffn_hidden_size} is not divisible by TP={tp}"
     if a.num_layers % pp:
@@ -146,8 +155,10 @@ def layout_error(a: ModelArgs, tp: int, pp: int) -> str | None:
     return None
 
 
-def check_layout(a: ModelArgs, tp: int, pp: int, where: str = "config.json") -> None:
-    """Raise ConvertError naming `where` (the config.json) unless `a` splits over TP×PP."""
-    problem = layout_error(a, tp, pp)
+def check_layout(a: ModelArgs, tp: int, pp: int, where: str = "config.json", ep: int = 1,
+                 etp: int | None = None) -> None:
+    """Raise ConvertError naming `where` (the config.json) unless `a` splits over TP×PP
+    (and its experts over EP×ETP)."""
+    problem = layout_error(a, tp, pp, ep, etp)
     if problem:
         raise ConvertError(f"{where}: {problem}")

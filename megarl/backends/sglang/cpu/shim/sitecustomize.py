@@ -17,9 +17,18 @@ else: no sglang file is edited, and a process without `MEGARL_SGLANG_CPU_SHIM=1`
    plain serving (no speculative decoding, no AMX) calls none of them, and because
    `torch.ops.sgl_kernel` stays empty sglang's AMX probe is false and it takes its torch-native
    paths. Any other `from sgl_kernel import X` still fails as it would without the package.
+3. Unpinned host buffers. sglang allocates its host-side buffers (the routed-experts capture
+   buffer of `--enable-return-routed-experts`, HiCache host pools) through
+   `pool_host.common.ALLOC_MEMORY_FUNCS[device]`, whose default pins them with
+   `cudaHostRegister`; CPU torch has no CUDA, so the server fails at start-up. Pinning only
+   speeds up copies between a GPU and the host; with the CPU engine the "device" is the host,
+   so here the "cpu" entry allocates the same buffer with the same allocator, unpinned.
 """
+import logging
 import os
 import sys
+
+logger = logging.getLogger("megarl.sglang_cpu_shim")
 
 
 def _skip_missing_torchvision_fakes() -> None:
@@ -62,7 +71,50 @@ def _stand_in_sgl_kernel() -> None:
     sys.modules["sgl_kernel"] = module
 
 
+def _after_import(name: str, patch) -> None:
+    """Call `patch(module)` once the module `name` has been executed, without importing it
+    here: sglang must not be imported at interpreter start-up (this file runs in every
+    process, before sglang's own set-up)."""
+    import importlib.abc
+
+    class Finder(importlib.abc.MetaPathFinder):
+        def find_spec(self, fullname, path, target=None):
+            if fullname != name:
+                return None
+            sys.meta_path.remove(self)  # once; the other finders locate the real module
+            for finder in sys.meta_path:
+                find = getattr(finder, "find_spec", None)
+                spec = find(fullname, path, target) if find else None
+                if spec is not None:
+                    break
+            else:
+                return None
+            exec_module = spec.loader.exec_module
+
+            def exec_and_patch(module):
+                exec_module(module)
+                patch(module)
+
+            spec.loader.exec_module = exec_and_patch
+            return spec
+
+    sys.meta_path.insert(0, Finder())
+
+
+def _unpinned_cpu_host_buffers(common) -> None:
+    register = common.alloc_with_host_register
+
+    def alloc_unpinned(dims, dtype, device, pin_memory, allocator,
+                       registration_granularity_bytes=None):
+        # pin_memory=False: same allocator and layout, no cudaHostRegister
+        return register(dims, dtype, device, False, allocator, registration_granularity_bytes)
+
+    common.ALLOC_MEMORY_FUNCS["cpu"] = alloc_unpinned
+    logger.debug("megarl CPU shim: host buffers on device 'cpu' are not pinned")
+
+
 if os.environ.get("MEGARL_SGLANG_CPU_SHIM") == "1":
     _skip_missing_torchvision_fakes()
     if os.environ.get("SGLANG_USE_CPU_ENGINE") == "1":
         _stand_in_sgl_kernel()
+        _after_import("sglang.srt.mem_cache.pool_host.common", _unpinned_cpu_host_buffers)
