@@ -36,8 +36,9 @@ def _moe_args(assets, run_dir, *extra):
             f"data.train_files={assets / 'data' / 'train.jsonl'}",
             f"data.val_files={assets / 'data' / 'val.jsonl'}",
             f"trainer.default_local_dir={run_dir}", "trainer.experiment_name=t",
-            # two trainer ranks (DP=2 = EP=2: four experts each) and two engines
-            "trainer.n_gpus_per_node=4",
+            # two trainer ranks (DP=2 = EP=2: four experts each) and two engines; no KL
+            # loss, so no reference model (two processes fewer)
+            "trainer.n_gpus_per_node=4", "actor_rollout_ref.actor.use_kl_loss=false",
             "actor_rollout_ref.actor.megatron.expert_model_parallel_size=2",
             "actor_rollout_ref.rollout.verify_weight_sync=true",
             "trainer.test_freq=-1", "trainer.val_before_train=False", *extra]

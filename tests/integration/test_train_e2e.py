@@ -316,9 +316,11 @@ def _kill_a_trainer_worker_after_checkpoints(proc, run_dir, after: list[int],
 def MOE_R3(where) -> list[str]:
     """A tiny Qwen3-MoE (made by the run in `where`/moe) at EP=2 over two trainer ranks,
     with routing replay: the engines' routing travels with every sample, cached partial
-    groups and checkpoints included."""
+    groups and checkpoints included. No KL loss, so no reference model: two processes fewer
+    in each of the run's lives (the suite's time)."""
     return [f"actor_rollout_ref.model.path={where / 'moe'}",
             "actor_rollout_ref.model.make_tiny=qwen3_moe", "trainer.n_gpus_per_node=4",
+            "actor_rollout_ref.actor.use_kl_loss=false",
             "actor_rollout_ref.actor.megatron.expert_model_parallel_size=2",
             "actor_rollout_ref.rollout.enable_rollout_routing_replay=true",
             "actor_rollout_ref.actor.router_replay.mode=R3"]
