@@ -255,10 +255,15 @@ async def setup_run(cfg, val_only: bool) -> Run:
             # A resumed run's replicas hold the HF weights until the first sync below.
             links += await logp.serve_replicas(start_step if state is None else start_step - 1)
         await actor.init_weight_sync(links)
+        # Servers megarl launches start from dummy weights (launcher.replica_server_args):
+        # the first rollout, and validation before training, need the trainer's. Embedded
+        # engines, and servers the user runs, load the model's files themselves.
+        dummy = arr.rollout.name == "sglang" and not arr.rollout.server_urls
         if state is not None:
             await actor.load(str(found.path / "actor"))
             if "critic" in models:
                 await models["critic"].load(str(critic_ckpt))
+        if state is not None or dummy:
             await actor.sync_weights(start_step)  # engines start from the HF weights
             await actor.wait_weight_sync()
     manager = RolloutManager([SGLangEngine(u) for u in rollout.urls],

@@ -174,6 +174,9 @@ def test_sglang_backend_trains_on_stock_servers(quickstart_assets, tmp_path, sto
     first = sum(reward[s] for s in range(1, 9)) / 8
     last = sum(reward[s] for s in range(33, 41)) / 8
     assert last > first + 0.1, (first, last)
+    # the server started from dummy weights and got the trainer's before the first rollout:
+    # step 1 is on-policy, its log-probs the trainer's (from dummy weights the mean was 0.64)
+    assert scalars(tmp_path, "rollout/logp_mismatch_mean")[1] < 1e-3
     # the tail was aborted on the stock servers, cached and continued after syncs: the
     # continued samples hold tokens of several versions, read from the servers' spans
     assert sum(scalars(tmp_path, "rollout/partial/aborted_requests").values()) > 0
