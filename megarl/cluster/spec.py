@@ -138,9 +138,11 @@ def megatron_spec(cfg, role: str, schedule_steps: int | None = None) -> Megatron
                         sync=SyncConfig.from_rollout_config(arr.rollout))
 
 
-def server_spec(cfg, index: int) -> ServerSpec:
-    """Rollout replica `index`'s launched server."""
+def server_spec(cfg, index: int, load_format: str = "dummy") -> ServerSpec:
+    """Rollout replica `index`'s launched server; `load_format` dummy when a trainer sends
+    the weights before the first rollout, auto when it loads the model's files."""
     r = cfg.actor_rollout_ref.rollout
     # host, port and GPU are the worker's to fill in (dataclasses.replace)
-    args = replica_server_args(cfg, index, host="", port=0, base_gpu_id=None)
+    args = replica_server_args(cfg, index, host="", port=0, base_gpu_id=None,
+                               load_format=load_format)
     return ServerSpec(index, args, module_for(r), float(r.server_start_timeout_s))

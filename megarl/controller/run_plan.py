@@ -76,7 +76,10 @@ def make_run_plan(cfg, *, root: Path, start_step: int, total_steps: int, val_onl
     servers = ()
     if r.name == "sglang" and not r.server_urls:
         replicas = hosting(plans, "generate").num_devices // r.tensor_model_parallel_size
-        servers = tuple(server_spec(cfg, j) for j in range(replicas))
+        # dummy weights where the trainer sends its own before the first rollout; the model's
+        # files where no trainer runs (validating the HF model itself)
+        servers = tuple(server_spec(cfg, j, "dummy" if "actor" in where else "auto")
+                        for j in range(replicas))
     schedule = None if val_only else total_steps  # the LR schedule's length, where null
     groups = task_groups([list(g) if not isinstance(g, str) else g
                           for g in t.separated_node_tasks])

@@ -80,9 +80,10 @@ def module_for(rollout) -> str:
 
 
 def replica_server_args(cfg, index: int, *, host: str, port: int,
-                        base_gpu_id: int | None) -> ServerArgs:
+                        base_gpu_id: int | None, load_format: str = "dummy") -> ServerArgs:
     """The server of rollout replica `index`: the run's model with dummy weights (the trainer
-    sends the real ones before the first rollout), the replica's TP and GPUs, version "0"."""
+    sends the real ones before the first rollout; `load_format=auto` where no trainer runs),
+    the replica's TP and GPUs, version "0"."""
     from megarl.backends.sglang.cpu_env import server_python
 
     r = cfg.actor_rollout_ref.rollout
@@ -92,6 +93,7 @@ def replica_server_args(cfg, index: int, *, host: str, port: int,
         r, cfg.actor_rollout_ref.model.path, port=port, base_gpu_id=base_gpu_id, host=host,
         random_seed=cfg.trainer.seed + index, context_length=ctx, weight_version="0",
         dtype=rollout_dtype(cfg), enable_return_routed_experts=r.enable_rollout_routing_replay,
+        load_format=load_format,
         device=cfg.trainer.device, python=python, extra_args=list(r.server_extra_args))
 
 

@@ -46,6 +46,15 @@ def test_models_follow_what_the_run_needs():
         {"actor"}
 
 
+def test_launched_servers_load_dummy_weights_only_where_a_trainer_sends_its_own():
+    stock = f"{ARR}.rollout.name=sglang"
+    assert {s.args.load_format for s in _plan(stock).servers} == {"dummy"}
+    assert {s.args.load_format for s in _plan(stock, val_only=True, resumed=True).servers} \
+        == {"dummy"}
+    # validating the HF model itself: no trainer, the servers load the model's files
+    assert {s.args.load_format for s in _plan(stock, val_only=True).servers} == {"auto"}
+
+
 def test_the_plan_is_frozen():
     p = _plan()
     with pytest.raises(dataclasses.FrozenInstanceError):
