@@ -105,12 +105,9 @@ class RoutingRecorder:
         end = len(req.input_ids) + len(seq.output_ids) - 1
         return encode_routed_experts(rows[: max(0, end - start)])
 
-    def forget(self, rid: str | None = None) -> None:
-        """Drop one sequence's rows (aborted while queued), or all (orphaned requests)."""
-        if rid is None:
-            self._rows.clear()
-        else:
-            self._rows.pop(rid, None)
+    def forget(self) -> None:
+        """Drop every sequence's rows (the engine orphaned its requests)."""
+        self._rows.clear()
 
 
 class RoutedBatch(DecodeBatch):

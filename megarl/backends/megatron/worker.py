@@ -102,7 +102,6 @@ class MegatronWorker:
         self.optimizer = None
         self.fwd_model = self.model  # the DDP wrapper on GPU, once an optimizer exists
         self.routers: list = []
-        self._micro_batches_seen = 0
         if self.args.is_moe:
             self._watch_routers()
         if trainable:
@@ -171,10 +170,10 @@ class MegatronWorker:
                 chunks.append((rows, idx, [lengths[j] for j in part]))
             else:
                 chunks.append((filler, torch.tensor([-1]), [1]))
+        equal = self._gathers_tokens()
         total = max(sum(n) for _, _, n in chunks) \
-            if self.ps.get_pipeline_model_parallel_world_size() > 1 or self._gathers_tokens() \
-            else None
-        if total is not None and self._gathers_tokens():
+            if self.ps.get_pipeline_model_parallel_world_size() > 1 or equal else None
+        if equal:
             # the allgather dispatcher gathers every EP rank's tokens in equal-sized parts:
             # all data-parallel ranks' packed rows take one length
             t = torch.tensor([total], device=dev)
@@ -227,15 +226,17 @@ class MegatronWorker:
                 and self.config.moe_token_dispatcher_type == "allgather")
 
     def _watch_routers(self) -> None:
-        """(global layer index, router) of this stage's MoE layers, each counting the real
-        tokens routed to each expert (per-layer load: `moe_metrics`)."""
+        """(global layer index, router) of this stage's MoE layers, each counting, in training
+        passes, the real tokens routed to each expert (per-layer load: `moe_metrics`)."""
         self.routers = [(layer.layer_number - 1, layer.mlp.router)
                         for layer in live.unwrap(self.model).decoder.layers
                         if getattr(layer.mlp, "router", None) is not None]
         self._load: dict[int, torch.Tensor] = {}
         self._real = None  # this micro-batch's real-token mask, in the routers' token order
 
-        def count(layer, _module, _inputs, output):
+        def count(layer, module, _inputs, output):
+            if not module.training:  # LOGP and reference passes: no metric reads them
+                return
             routing_map = output[1].detach()
             if self._real is not None and self._real.numel() == routing_map.shape[0]:
                 routing_map = routing_map[self._real]
@@ -272,7 +273,7 @@ class MegatronWorker:
                 [mask[i, :n] for i, n in enumerate(packed.lengths)])
             if routed is not None:
                 flat = torch.cat([routed[i, :n] for i, n in enumerate(packed.lengths)])
-                if total > flat.shape[0]:  # the tail that evens out pipeline stages
+                if total > flat.shape[0]:  # the tail evening out stages (or EP ranks)
                     flat = torch.cat([flat, spare.expand(total - flat.shape[0],
                                                          *flat.shape[1:])])
         else:
@@ -290,8 +291,9 @@ class MegatronWorker:
             replay.set_target_indices(flat[:, layer].long().contiguous())
             replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
 
-    def moe_metrics(self, prefix: str = "moe/") -> dict:
-        """Per-layer expert load since the last call: `{prefix}expert_load/layer_<i>`, the
+    def moe_metrics(self, micro_batches: int, prefix: str = "moe/") -> dict:
+        """Per-layer expert load of the training passes since the last call (over
+        `micro_batches` micro-batches): `{prefix}expert_load/layer_<i>`, the
         busiest expert's tokens over the mean (1: even; num_experts / top-k: every token on
         the same experts), its maximum over layers `{prefix}expert_load_max`, and with their
         coefficients set the load-balancing and z losses (mean over layers and micro-batches,
@@ -328,7 +330,7 @@ class MegatronWorker:
             out[f"{prefix}expert_load_max"] = max(out.values())
         # summed over the micro-batches, the TP ranks and the DP ranks: their mean
         share = ps.get_tensor_model_parallel_world_size() * ps.get_data_parallel_world_size() \
-            * max(1, self._micro_batches_seen)
+            * max(1, micro_batches)
         for i, name in enumerate(losses):
             vals = parts[L * E + i * L: L * E + (i + 1) * L]
             key = {"load_balancing_loss": "aux_loss"}.get(name, name)
@@ -467,7 +469,6 @@ class MegatronWorker:
             raise RuntimeError("a train step on a worker built with trainable=False")
         self.model.train()
         self.optimizer.zero_grad()
-        self._load = {}  # this step's expert load only (not the LOGP pass's)
         prepared = self._micro_batches(batch, micro_batch_size)
         n_micro = len(prepared[0])
 
@@ -481,8 +482,7 @@ class MegatronWorker:
 
         store = self._run(batch, micro_batch_size, loss_of, forward_only=False, prepared=prepared)
         stats = self._reduce_metrics(store, max_metrics)
-        self._micro_batches_seen = n_micro
-        stats.update(self.moe_metrics())
+        stats.update(self.moe_metrics(n_micro))
         stats.update(self.optimizer.step())
         stats.update(_layout_stats(batch, prepared[0]))
         return stats
