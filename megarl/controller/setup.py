@@ -77,8 +77,11 @@ def prepare_assets(cfg) -> None:
     if model.make_tiny and not (Path(model.path) / "config.json").is_file():
         from megarl.utils.tiny_model import make_tiny_model
 
-        make_tiny_model(model.path, model.make_tiny,
-                        tool_tokens=bool(cfg.actor_rollout_ref.rollout.multi_turn.enable))
+        # A model for a multi-turn run gets the tool markers, and Megatron's scaled init of
+        # the residual projections: the agent task is learned from the random model's copies
+        multi_turn = bool(cfg.actor_rollout_ref.rollout.multi_turn.enable)
+        make_tiny_model(model.path, model.make_tiny, tool_tokens=multi_turn,
+                        scaled_residual_init=multi_turn)
     if cfg.data.synthetic_task:
         from megarl.data.synthetic import make_synthetic_task
 

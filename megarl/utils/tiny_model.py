@@ -104,14 +104,17 @@ def make_tiny_model(out_dir: str | os.PathLike, arch: str = "qwen2", *, vocab_si
                     tie_word_embeddings: bool | None = None, rope_theta: float = 10000.0,
                     max_position_embeddings: int = 1024, seed: int = 0,
                     overwrite: bool = False, tool_tokens: bool = False,
-                    head_dim: int | None = None, rope_scaling: dict | None = None) -> Path:
+                    head_dim: int | None = None, rope_scaling: dict | None = None,
+                    scaled_residual_init: bool = False) -> Path:
     """Write config.json, model.safetensors, tokenizer.json (+ tokenizer_config.json).
 
     `vocab_size` is the tokenizer's; the model's embedding has the same size. Defaults tie the
     embeddings for Qwen2 and Qwen3 and untie them for Llama and Qwen3-MoE, as the public checkpoints
     do. `head_dim` (Llama, Qwen3) may differ from hidden_size / num_heads, as in Qwen3. The
     directory is written to a temp dir beside `out_dir` and renamed into place, so a crash never
-    leaves a half-written model behind.
+    leaves a half-written model behind. `scaled_residual_init` draws the projections that write
+    into the residual stream (attention's o_proj, the MLPs' down_proj) at std / sqrt(2 *
+    layers), as Megatron initialises a model from scratch (`output_layer_init_method`).
     """
     import torch
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
@@ -142,6 +145,14 @@ def make_tiny_model(out_dir: str | os.PathLike, arch: str = "qwen2", *, vocab_si
                 p.uniform_(0.5, 1.5)
             elif "bias" in name:
                 p.normal_(0.0, 0.05)
+        if scaled_residual_init:
+            # The token's own embedding then stays a larger part of the last hidden state, so
+            # (embeddings tied) the random model repeats its input token more often: 1.6% of
+            # samples instead of 0.6% for the agent task's keys, which copying is learned from
+            scale = (2 * num_layers) ** -0.5
+            for name, p in model.named_parameters():
+                if name.endswith(("o_proj.weight", "down_proj.weight")):
+                    p.mul_(scale)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
@@ -190,6 +201,8 @@ def main(argv=None) -> None:
     p.add_argument("--rope-theta", type=float, default=10000.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--scaled-residual-init", action="store_true",
+                   help="o_proj and down_proj at std / sqrt(2 * layers), as Megatron inits")
     p.add_argument("--tool-tokens", action="store_true",
                    help="add Qwen's <tool_call>/<tool_response> markers as special tokens")
     a = p.parse_args(argv)
@@ -199,4 +212,5 @@ def main(argv=None) -> None:
                     num_layers=a.layers, num_heads=a.heads, num_kv_heads=a.kv_heads,
                     intermediate_size=a.ffn, tie_word_embeddings=tie, rope_theta=a.rope_theta,
                     seed=a.seed, overwrite=a.overwrite, tool_tokens=a.tool_tokens,
+                    scaled_residual_init=a.scaled_residual_init,
                     head_dim=a.head_dim)

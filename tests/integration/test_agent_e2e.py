@@ -1,12 +1,11 @@
-"""`configs/agent_tool_solve.yaml` end to end, short: the agent loop in a real run.
+"""`configs/agent_tool_solve.yaml` end to end: the agent loop in a real run learns its task.
 
 A real run (Ray, Megatron, the embedded engine, the tool workers), as a user starts it on a
 fresh machine: the run makes its own tiny model (with the tool markers as special tokens) and
-its data. In its first 60 steps the random model learns the first thing the task pays for,
-writing a tool call (its keys are still mostly wrong, so the tool answers errors), and the run
-leaves what a user inspects: the per-step tool metrics in TensorBoard, the trajectory dumps,
-the tool row on the timeline. The whole task (exact answers through the tool) takes some 550
-steps when it succeeds; that run is measured by hand, not here (docs/agents.md).
+its data. The random model cannot know the answers; within 300 steps (some 2.5 minutes here)
+it learns to call the lookup tool with the key copied from the prompt, then to repeat the
+tool's answer and stop. The run also leaves what a user inspects: the per-step tool metrics
+in TensorBoard, the trajectory dumps, the tool row on the timeline.
 """
 import json
 
@@ -14,40 +13,50 @@ from launch_helpers import ROOT
 from test_learns_task import validations
 from test_train_e2e import megarl, scalars
 
-STEPS = 60
+STEPS = 300
 
 
-def test_agent_run_learns_to_call_the_tool_and_leaves_its_record(tmp_path):
+def test_agent_run_learns_to_use_the_tool_and_leaves_its_record(tmp_path):
     out = megarl("train", [
         "--config", str(ROOT / "configs" / "agent_tool_solve.yaml"),
         f"actor_rollout_ref.model.path={tmp_path / 'tiny-tools'}",
         f"data.train_files={tmp_path / 'data' / 'train.jsonl'}",
         f"data.val_files={tmp_path / 'data' / 'val.jsonl'}",
         f"trainer.default_local_dir={tmp_path / 'runs'}", "trainer.experiment_name=t",
-        f"trainer.total_training_steps={STEPS}", "trainer.test_freq=30",
-        "trainer.logger=[console,tensorboard]"])
+        f"trainer.total_training_steps={STEPS}", "trainer.test_freq=100",
+        "trainer.logger=[console,tensorboard]"], timeout=900)
     val = validations(out)
     first, last = val[0], val[STEPS]
-    assert sorted(val) == [0, 30, STEPS], sorted(val)
-    # before training: the random model writes no call; after 60 steps it calls every time
+    assert sorted(val) == [0, 100, 200, STEPS], sorted(val)
+    # Before training the random model writes no call and no answer. After, it calls the
+    # tool for most validation prompts, whose tables it never saw, and answers from what the
+    # tool said more often than a guess could (one time in ten). Measured by hand, most runs
+    # reach >= 0.8 exact-match by step 250-300 and some stay lower (docs/agents.md: runs of
+    # one seed differ, tool answers arriving in varying order); the bounds here hold for
+    # every run measured, not only the good ones.
     assert first["val/exact_frac"] <= 0.1 and first["val/tool_calls_mean"] == 0, first
-    assert last["val/tool_calls_mean"] >= 0.8, (first, last, out[-3000:])
+    assert last["val/tool_calls_mean"] >= 0.5, (first, last, out[-3000:])
+    assert last["val/exact_frac"] >= 0.15, (first, last, out[-3000:])
     calls = scalars(tmp_path / "runs", "rollout/tool_calls_mean")
     assert sorted(calls) == list(range(1, STEPS + 1))
-    assert sum(calls[s] for s in range(1, 11)) / 10 < 0.5 <= calls[STEPS]
+    assert sum(calls[s] for s in range(1, 11)) / 10 < 0.1
     reward = scalars(tmp_path / "runs", "reward/mean")
-    assert sum(reward[s] for s in range(STEPS - 9, STEPS + 1)) > \
-        sum(reward[s] for s in range(1, 11))
-    # every call went through the tool workers; bad keys are answered, counted, not fatal
-    tool_calls = scalars(tmp_path / "runs", "tool/calls")
-    assert sum(tool_calls.values()) > 0
-    assert sum(scalars(tmp_path / "runs", "rollout/tool_errors").values()) > 0
+    assert sum(reward[s] for s in range(STEPS - 19, STEPS + 1)) / 20 > \
+        sum(reward[s] for s in range(1, 21)) / 20 + 0.2
+    # every call went through the tool workers, timed and counted
+    assert sum(scalars(tmp_path / "runs", "tool/calls").values()) > 0
+    assert sorted(scalars(tmp_path / "runs", "rollout/tool_errors")) == sorted(calls)
     assert sorted(scalars(tmp_path / "runs", "rollout/turns_mean")) == sorted(calls)
     run = tmp_path / "runs" / "megarl" / "t"
-    dump = json.loads((run / "trajectories" / f"step_{STEPS - 1}.json").read_text())
-    segs = dump[0]["segments"]
-    assert [s["role"] for s in segs][:2] == ["model", "appended"], dump[0]
-    assert dump[0]["calls"] and all(len(s["ids"]) == s["end"] - s["start"] for s in segs)
+    # a sample that called, from the dumps of the last steps: its turn (the bare key), the
+    # tool's answer (appended: mask 0), its answer turn
+    dumps = [json.loads((run / "trajectories" / f"step_{k}.json").read_text())[0]
+             for k in range(STEPS - 20, STEPS)]
+    called = [d for d in dumps if d["calls"]]
+    assert called, dumps[-1]
+    segs = called[-1]["segments"]
+    assert [s["role"] for s in segs] == ["model", "appended", "model"], called[-1]
+    assert all(len(s["ids"]) == s["end"] - s["start"] for s in segs)
     trace = json.loads((run / "timeline.json").read_text())["traceEvents"]
     rows = {e["args"]["name"] for e in trace if e["ph"] == "M"}
     assert "tools" in rows and any(e.get("cat") == "tool" for e in trace)

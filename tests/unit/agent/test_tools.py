@@ -125,28 +125,43 @@ def test_failing_tools_answer_with_errors_and_the_pool_goes_on(tmp_path):
 
 
 def test_lookup_task_reward_pays_for_tool_use_not_guessing():
+    # "Look up 4": the table says 7
     info = {"key": "4", "finish_reason": "stop", "final_turn": "7<|im_end|>",
-            "tool_calls": [{"name": "lookup", "arguments": {"key": "4"}, "ok": True}]}
-    score = tool_lookup.compute_score
-    assert score(tool_lookup.DATA_SOURCE, "", "7", info) == 1.0
-    guessed = {**info, "tool_calls": []}
-    assert score(tool_lookup.DATA_SOURCE, "", "7", guessed) == pytest.approx(0.2)
-    assert score(tool_lookup.DATA_SOURCE, "4", "7", guessed) == pytest.approx(0.3)
-    wrong_key = {**info, "tool_calls": [{"name": "lookup", "arguments": {"key": "5"},
-                                         "ok": True}]}
-    # a call, then a turn that stopped: the stop pays from the start (0.1)
-    assert score(tool_lookup.DATA_SOURCE, "", "7", wrong_key) == pytest.approx(0.35)
-    wrong_answer = {**info, "final_turn": "3<|im_end|>"}
-    assert score(tool_lookup.DATA_SOURCE, "", "7", wrong_answer) == pytest.approx(0.55)
-    cut = {**info, "finish_reason": "length"}
-    assert score(tool_lookup.DATA_SOURCE, "", "7", cut) == pytest.approx(0.65)
-    for text in ("<tool_call>4</tool_call>", "4</tool_call>", "x<tool_call> 4 </tool_call>"):
-        assert parse_lookup_call(text)[0][0].arguments == {"key": "4"}
+            "tool_calls": [{"name": "lookup", "arguments": {"key": "4"}, "ok": True,
+                            "answer": "7"}]}
+
+    def score(**changes):
+        return tool_lookup.compute_score(tool_lookup.DATA_SOURCE, "", "7", {**info, **changes})
+
+    assert score() == 1.0
+    # without the tool: a guessed answer pays nothing, the key copied pays (less if the
+    # turn goes on after it)
+    assert score(tool_calls=[]) == 0.0
+    assert score(tool_calls=[], final_turn="4") == pytest.approx(0.3)
+    assert score(tool_calls=[], final_turn="4 4<|im_end|>") == pytest.approx(0.2)
+    # a wrong key: copying what the tool said, then stopping, pays; the key does not
+    wrong_key = [{"name": "lookup", "arguments": {"key": "5"}, "ok": True, "answer": "2"}]
+    assert score(tool_calls=wrong_key, final_turn="2<|im_end|>") == pytest.approx(0.35)
+    assert score(tool_calls=wrong_key) == pytest.approx(0.05)
+    # the right key, then: a wrong answer, an answer cut before its stop, an answer that
+    # repeats itself, another call instead of an answer
+    assert score(final_turn="3<|im_end|>") == pytest.approx(0.45)
+    assert score(finish_reason="length", final_turn="7") == pytest.approx(0.65)
+    assert score(final_turn="777<|im_end|>") == pytest.approx(0.5)
+    assert score(final_turn="7</tool_call>") == pytest.approx(0.65)
+    # a call the parser refused: no tool answered, so nothing was copied from it
+    failed = [{"name": None, "arguments": None, "ok": False, "answer": "Error: ..."}]
+    assert score(tool_calls=failed, final_turn="7<|im_end|>") == 0.0
+
+
+def test_lookup_task_parser_reads_the_bare_key_and_the_marked_call():
+    # the form the CPU task learns: one bare character that ends its turn
+    for text in ("4<|im_end|>", " 4<|im_end|>", "<tool_call>4</tool_call>", "4</tool_call>",
+                 "x<tool_call> 4 </tool_call>"):
+        assert parse_lookup_call(text)[0][0].arguments == {"key": "4"}, text
+    # an answer, not a call: longer than a key, or cut before the end of its turn
+    for text in ("7", "77<|im_end|>", "7 3<|im_end|>", "<|im_end|>", "?<|im_end|>"):
+        assert parse_lookup_call(text) == ([], []), text
     assert parse_lookup_call("<tool_call></tool_call>")[1]
-    assert parse_lookup_call("7") == ([], [])
     hermes = '<tool_call>{"name": "lookup", "arguments": {"key": "2"}}</tool_call>'
     assert parse_lookup_call(hermes)[0][0].arguments == {"key": "2"}
-    asked = {**info, "final_turn": "7</tool_call>"}
-    assert score(tool_lookup.DATA_SOURCE, "", "7", asked) == pytest.approx(0.65)
-    failed = {**asked, "tool_calls": [{"name": None, "arguments": None, "ok": False}]}
-    assert score(tool_lookup.DATA_SOURCE, "", "7", failed) == pytest.approx(0.05 + 0.2)
