@@ -20,8 +20,8 @@ right one time in ten and pays nothing):
   was right; without a call, up to ``0.3`` for a turn that starts with ``k`` (the copy);
   after a call, up to ``0.2`` for a last turn that starts with what the tool said (even after
   a wrong key) and ``0.1`` more if it is exactly that and stopped. A copy loses ``0.1`` per
-  character after it, down to ``0.05``: of two right starts the
-  shorter wins, which steers a turn towards stopping right after its copy.
+  character after it, down to ``0.05``: of two right starts the shorter wins, which steers
+  a turn towards stopping right after its copy.
 
 The reward reads what the agent loop adds to ``extra_info``: ``tool_calls`` (name,
 arguments, ok, answer of each), ``final_turn`` (the last turn's text, special tokens kept)
