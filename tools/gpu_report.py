@@ -3,7 +3,9 @@
     python tools/gpu_report.py OUT_DIR
 
 Reads what the check left in OUT_DIR: `pytest.xml` (the `pytest -m gpu` run's JUnit file),
-`quickstart_gpu.json` (the one-GPU quickstart's per-step figures, written by its test),
+`quickstart_gpu.json` and `quickstart_moe.json` (the one-GPU quickstarts' per-step figures,
+dense and mixture-of-experts with routing replay, written by their tests),
+`moe_parity_gpu.json` (the MoE model on CUDA against transformers),
 `bench_train.txt` (tools/bench_train.py's output) and `env.json` (the machine), and writes
 `report.json` and `report.md` beside them (each to a temporary file, then renamed). A figure
 that is missing is reported as not measured, never left out.
@@ -52,6 +54,9 @@ def _quickstart(figures: dict | None) -> dict:
     mem = {k: max(v) for k, v in figures.items() if k.startswith("memory/")}
     if mem:
         out["peak_memory"] = mem
+    mismatch = figures.get("rollout/logp_mismatch_mean", [])
+    if mismatch:  # step 1 is on-policy: the engine's log-probs against the trainer's
+        out["logp_mismatch_step1"] = mismatch[0]
     return out
 
 
@@ -60,6 +65,8 @@ def build(out_dir: Path) -> dict:
     return {"env": _read_json(out_dir / "env.json") or {},
             "tests": _tests(out_dir / "pytest.xml"),
             "quickstart": _quickstart(_read_json(out_dir / "quickstart_gpu.json")),
+            "quickstart_moe": _quickstart(_read_json(out_dir / "quickstart_moe.json")),
+            "moe_parity": _read_json(out_dir / "moe_parity_gpu.json"),
             "bench_train": bench.read_text().strip().splitlines() if bench.is_file() else None}
 
 
@@ -72,16 +79,23 @@ def markdown(report: dict) -> str:
                                   "seconds": 0.0, "why": ""}]:
         lines.append(f"| {t['test'].split('::')[-1]} | {t['outcome']} | {t['seconds']:.1f} "
                      f"| {t['why']} |")
-    q = report["quickstart"]
-    lines += ["", "| quickstart on one GPU | value |", "|---|---|"]
-    if not q["measured"]:
-        lines.append("| all | not measured |")
-    else:
+    for key, title in (("quickstart", "quickstart on one GPU"),
+                       ("quickstart_moe", "MoE quickstart with routing replay on one GPU")):
+        q = report.get(key) or {"measured": False}
+        lines += ["", f"| {title} | value |", "|---|---|"]
+        if not q["measured"]:
+            lines.append("| all | not measured |")
+            continue
         lines.append(f"| steps | {q['steps']} |")
         lines.append(f"| reward first → last | {q['reward_first']} → {q['reward_last']} |")
         lines.append(f"| steps/s (second half) | {q.get('steps_per_s') or 'not measured'} |")
+        if "logp_mismatch_step1" in q:
+            lines.append(f"| log-prob mismatch, step 1 | {q['logp_mismatch_step1']:.3g} |")
         for k, v in (q.get("peak_memory") or {"peak memory": "not measured"}).items():
             lines.append(f"| {k} | {v} |")
+    lines += ["", "MoE against transformers (largest differences): "
+              + (json.dumps(report.get("moe_parity")) if report.get("moe_parity")
+                 else "not measured")]
     lines += ["", "bench_train.py:", "", "```",
               *(report["bench_train"] or ["not run"]), "```", ""]
     return "\n".join(lines)

@@ -78,37 +78,75 @@ def test_cuda_engine_greedy_equals_transformers_generate(tiny_qwen2):
         assert out == want, (ids, out, want)
 
 
-def test_quickstart_on_one_gpu_under_torchrun(tmp_path, quickstart_assets):
+def test_moe_on_the_gpu_matches_transformers(tmp_path, tiny_qwen3_moe):
+    """The tiny Qwen3-MoE in fp32 on CUDA, behind the alltoall token dispatcher (the GPU's
+    default; the CPU tests run allgather), against transformers in fp32 on the CPU: the same
+    experts for every token, so the log-probs agree to fp32's rounding."""
+    out = tmp_path / "parity.json"
+    torchrun(SCRIPTS / "parity.py", 1, out, 1, 1, tiny_qwen3_moe)
+    r = read_json(out)[str(tiny_qwen3_moe)]
+    for key in ("logprobs@1.0", "logprobs@0.7", "entropy@1.0"):
+        assert r[key] < 1e-3, r
+    _report("moe_parity_gpu.json", r)
+
+
+def _report(name: str, figures: dict) -> None:
+    out = os.environ.get("MEGARL_GPU_REPORT_DIR")
+    if out:  # tools/gpu_check.sh collects the runs' figures for its report
+        with open(os.path.join(out, name), "w") as f:
+            json.dump(figures, f)
+
+
+def _quickstart_on_one_gpu(tmp_path, quickstart_assets, name, *extra):
     # 40 steps, as the CPU tests' reward rise: over 10 the reward (~0.05) was noise, and a
     # last-3-against-first-3 check failed on an H100 with nothing wrong
     steps = 40
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="4")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
            "-m", "megarl.cli", "train", "--config", str(ROOT / "configs" / "quickstart.yaml"),
-           f"actor_rollout_ref.model.path={quickstart_assets / 'tiny'}",
            f"data.train_files={quickstart_assets / 'data' / 'train.jsonl'}",
            f"data.val_files={quickstart_assets / 'data' / 'val.jsonl'}",
-           f"trainer.default_local_dir={tmp_path}", "trainer.experiment_name=gpu",
+           f"trainer.default_local_dir={tmp_path}", f"trainer.experiment_name={name}",
            "trainer.device=cuda", "trainer.launcher=torchrun", "trainer.n_gpus_per_node=1",
            "trainer.separated_node_tasks=[[generate,ref_logp,logp,actor-train]]",
            "trainer.separated_node_ratios=[1.0]",
            "actor_rollout_ref.actor.megatron.params_dtype=bfloat16",
            f"trainer.total_training_steps={steps}", "trainer.save_freq=-1",
            "trainer.test_freq=-1", "trainer.val_before_train=False",
-           "trainer.logger=[console,tensorboard]"]
+           "trainer.logger=[console,tensorboard]", *extra]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-8000:]
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    acc = EventAccumulator(str(tmp_path / "megarl" / "gpu" / "tensorboard"))
+    acc = EventAccumulator(str(tmp_path / "megarl" / name / "tensorboard"))
     acc.Reload()
-    reward = [e.value for e in acc.Scalars("reward/mean")]
+    tags = acc.Tags()["scalars"]
+    figures = {t: [e.value for e in acc.Scalars(t)] for t in tags
+               if t.startswith(("reward/", "perf/", "timing/step", "memory/", "actor/moe/",
+                                "rollout/logp_mismatch"))}
+    _report(f"quickstart_{name}.json", figures)
+    reward = figures["reward/mean"]
     assert len(reward) == steps
-    out = os.environ.get("MEGARL_GPU_REPORT_DIR")
-    if out:  # tools/gpu_check.sh collects the run's figures for its report
-        tags = acc.Tags()["scalars"]
-        figures = {t: [e.value for e in acc.Scalars(t)] for t in tags
-                   if t.startswith(("reward/", "perf/", "timing/step", "memory/"))}
-        with open(os.path.join(out, "quickstart_gpu.json"), "w") as f:
-            json.dump(figures, f)
     assert sum(reward[-8:]) / 8 > sum(reward[:8]) / 8 + 0.1, reward
+    return p.stdout + p.stderr, figures
+
+
+def test_quickstart_on_one_gpu_under_torchrun(tmp_path, quickstart_assets):
+    _quickstart_on_one_gpu(tmp_path, quickstart_assets, "gpu",
+                           f"actor_rollout_ref.model.path={quickstart_assets / 'tiny'}")
+
+
+def test_moe_quickstart_with_routing_replay_on_one_gpu(tmp_path, quickstart_assets):
+    """The tiny Qwen3-MoE on one GPU: the engine on CUDA reports each token's experts, the
+    trainer replays them (R3) through the alltoall dispatcher in LOGP and TRAIN, and every
+    weight version, experts included, reaches the engine bit for bit."""
+    out, figures = _quickstart_on_one_gpu(
+        tmp_path, quickstart_assets, "moe",
+        f"actor_rollout_ref.model.path={tmp_path / 'moe'}",
+        "actor_rollout_ref.model.make_tiny=qwen3_moe",
+        "actor_rollout_ref.rollout.enable_rollout_routing_replay=true",
+        "actor_rollout_ref.actor.router_replay.mode=R3",
+        "actor_rollout_ref.rollout.verify_weight_sync=true")
+    assert "tensors equal the trainer's" in out and "differ" not in out, out[-4000:]
+    load = figures["actor/moe/expert_load_max"]
+    assert len(load) == 40 and all(1.0 <= v <= 8.0 for v in load), load
