@@ -433,6 +433,12 @@ def main(cfg, run_driver) -> int:
     `life` (this Control) tells the driver the earlier lives' losses and hears when the
     set-up is done."""
     global _CONTROL
+    if cfg.trainer.device == "cpu" and os.environ.get("CUDA_VISIBLE_DEVICES") != "":
+        # A CPU run on a GPU host: with the GPUs visible, the process groups pick NCCL and every
+        # rank the same GPU ("Duplicate GPU detected", seen on an H100 host). Hidden before
+        # anything here asks CUDA, the run is the CPU one it says it is.
+        logger.info("trainer.device=cpu: CUDA devices hidden from this rank")
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
     _CONTROL = ctl = Control(cfg)
     signal.signal(signal.SIGTERM, ctl._stopped)
     on_torchrun_node(ctl.node_ip)  # the per-rank objects bind and name this node's address
