@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 
 from megarl.rollout.batch import DecodeBatch, Sequence
-from megarl.rollout.protocol import (PAUSE_MODES, BadRequest, GenerateOutput,
+from megarl.rollout.protocol import (PAUSE_MODES, BadRequest, EngineClosed, GenerateOutput,
                                      GenerateRequest, short_repr)
 from megarl.rollout.routing import RoutedBatch, RoutingRecorder
 from megarl.rollout.weights import (LOAD_FORMAT, EngineRanks, WeightStore, bucket_layout,
@@ -151,6 +151,7 @@ class EmbeddedEngine:
                       else RoutedBatch(self.model, self.device, self.routing))
         self._rng = random.Random(seed)
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="megarl-model")
+        self._closed = False
         self._waiting: collections.deque[Sequence] = collections.deque()
         self._seqs: dict[str, Sequence] = {}
         self._futures: dict[str, asyncio.Future] = {}
@@ -198,6 +199,8 @@ class EmbeddedEngine:
         return self._task is not None and not self._task.done()
 
     async def _on_model_thread(self, fn, *args):
+        if self._closed:  # the executor is shut down: refused, not a RuntimeError and a 500
+            raise EngineClosed()
         return await self._loop.run_in_executor(self._executor, fn, *args)
 
     async def _schedule(self) -> None:
@@ -596,6 +599,7 @@ class EmbeddedEngine:
             if self._seqs:
                 await self.abort(abort_all=True, message="engine closed")
             self._task.cancel()
+        self._closed = True
         self._executor.shutdown(wait=True)
         for group in self._groups.values():
             group.close()

@@ -63,6 +63,16 @@ class BadRequest(ValueError):
         self.field = field
 
 
+class EngineClosed(BadRequest):
+    """A call that reaches an engine after its close began (a run shutting down while a
+    trainer still syncs): refused with 503, which a client treats as a lost engine."""
+
+    status = 503
+
+    def __init__(self):
+        super().__init__("engine", "closed (shutting down)")
+
+
 def short_repr(value: Any, limit: int = 80, quote: bool = True) -> str:
     """`repr(value)` (or `str` with quote=False) cut to `limit` characters, for error messages
     that echo client input: a message must not be as large as the body it refuses."""

@@ -6,7 +6,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from megarl.rollout.engine import EmbeddedEngine
-from megarl.rollout.protocol import BadRequest, GenerateRequest, SamplingParams
+from megarl.rollout.protocol import BadRequest, EngineClosed, GenerateRequest, SamplingParams
 
 run = asyncio.run
 
@@ -141,6 +141,22 @@ def test_context_limits(qwen_dir):
     out = run(engine.generate(GenerateRequest(list(range(1, 14)), greedy(10))))
     assert len(out.output_ids) == 3 and out.finish_reason.type == "length"
     run(engine.close())
+
+
+def test_a_call_after_close_is_refused_not_run_on_the_stopped_model_thread(qwen_dir):
+    """A run shutting down while its trainer still syncs: an end_weight_update (or any call
+    that needs the model thread) reaching the closed engine is refused with a 503, not a
+    RuntimeError from the shut-down executor (a 500 and a traceback in the run's log)."""
+    engine = EmbeddedEngine(qwen_dir)
+
+    async def go():
+        await engine.generate(GenerateRequest([11, 12], greedy(2)))
+        await engine.close()
+        await engine.read_weights(lambda get, version: version)
+
+    with pytest.raises(EngineClosed) as e:
+        run(go())
+    assert e.value.status == 503 and e.value.field == "engine"
 
 
 def test_abort_mid_generation_returns_partial_output(engine):
