@@ -281,7 +281,13 @@ class TrajectoryRunner:
         """n samples of every prompt, all to the end, scored as each finishes."""
         jobs = []
         for p in prompts:
-            base = GenerateRequest(list(p.prompt_ids), sp, True, f"{rid_prefix}-{p.uid}")
+            psp = sp
+            if sp.sampling_seed is not None:
+                # each prompt its own random stream (as partial rollout seeds them): from the
+                # step's seed alone, sample i of every prompt of the step drew the same numbers
+                psp = dataclasses.replace(sp, sampling_seed=(
+                    sp.sampling_seed * 1_000_003 + p.index * 4099) % (2**63))
+            base = GenerateRequest(list(p.prompt_ids), psp, True, f"{rid_prefix}-{p.uid}")
             jobs += [self.sample(p, req) for req in base.expand()]
         done = await asyncio.gather(*jobs)
         return StepRollout([t.sample for t in done], [t.future for t in done])

@@ -95,6 +95,27 @@ USER_FN = textwrap.dedent('''
 ''')
 
 
+def test_prompts_of_one_step_draw_their_own_random_streams(engine, scorer):
+    """A step's sampling seed is spread over its prompts: two prompts with the same ids at
+    different places in the batch sample differently (from the step's seed alone, sample i of
+    every prompt drew the same numbers, so equal prompts got equal samples), and the whole
+    step is reproducible from its seed."""
+    runner = TrajectoryRunner(RolloutManager([engine]), engine.tokenizer, scorer)
+    same = [Prompt(index=i, uid=f"p{i}", prompt_ids=[9, 7, 11], raw_prompt="",
+                   data_source="t", ground_truth="0") for i in range(2)]
+    sp = SamplingParams(max_new_tokens=16, temperature=1.0, ignore_eos=True, n=2,
+                        sampling_seed=77)
+
+    async def go():
+        return [[list(s.response_ids) for s in (await runner.prompts(same, sp, f"r{k}")).samples]
+                for k in range(2)]
+
+    first, again = asyncio.run(go())
+    assert first == again  # seeded: the same step samples the same tokens
+    assert first[0] != first[1]  # a prompt's two samples differ
+    assert first[:2] != first[2:]  # and so do the two prompts' samples
+
+
 def test_a_rollout_function_by_import_path_runs_as_the_policy(engine, scorer, tmp_path):
     (tmp_path / "user_rollout.py").write_text(USER_FN)
     cfg = OmegaConf.create({"n": 1, "partial_rollout": False, "over_sample_prompts": None,
