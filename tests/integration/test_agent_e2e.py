@@ -30,10 +30,10 @@ def test_agent_run_learns_to_use_the_tool_and_leaves_its_record(tmp_path):
     assert sorted(val) == [0, 100, 200, STEPS], sorted(val)
     # Before training the random model writes no call and no answer. After, it calls the
     # tool for most validation prompts, whose tables it never saw, and answers from what the
-    # tool said more often than a guess could (one time in ten). Measured by hand, most runs
-    # reach >= 0.8 exact-match by step 250-300 and some stay lower (docs/agents.md: runs of
-    # one seed differ, tool answers arriving in varying order); the bounds here hold for
-    # every run measured, not only the good ones.
+    # tool said more often than a guess could (one time in ten). Measured by hand, half the
+    # runs reach >= 0.8 exact-match by step 300 and the others are at 0.25-0.78 there, with
+    # 0.56 tool calls per sample at the least (docs/agents.md: one seed is a different run on
+    # another machine); the bounds here hold for every run measured, not only the good ones.
     assert first["val/exact_frac"] <= 0.1 and first["val/tool_calls_mean"] == 0, first
     assert last["val/tool_calls_mean"] >= 0.5, (first, last, out[-3000:])
     assert last["val/exact_frac"] >= 0.15, (first, last, out[-3000:])
