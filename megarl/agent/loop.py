@@ -68,8 +68,9 @@ class AgentLoop:
     """Built from ``actor_rollout_ref.rollout.multi_turn``; owns the tool worker pool."""
 
     def __init__(self, mt_cfg, tokenizer, eos_ids: list[int], specs: list[dict],
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, min_turn_tokens: int = 0):
         self.cfg, self.tok, self.clock = mt_cfg, tokenizer, clock
+        self.min_turn_tokens = int(min_turn_tokens)  # rollout.min_new_tokens, per turn
         self.parser = load_parser(mt_cfg.format)
         self.max_turns = int(mt_cfg.max_assistant_turns)
         self.max_calls = int(mt_cfg.max_parallel_calls)
@@ -88,6 +89,11 @@ class AgentLoop:
 
     def close(self) -> None:
         self.pool.close()
+
+    def turn_minimum(self, t) -> int:
+        """`rollout.min_new_tokens` counted from the start of `t`'s current turn, not of its
+        response: the tools' answers and earlier turns do not satisfy a later turn's."""
+        return max(0, self.min_turn_tokens - (len(t.ids) - t.agent.turn_start))
 
     # ------------------------------------------------------------------ one trajectory
     async def extend(self, t, budget: int, generate: Callable[..., Awaitable[bool]],

@@ -169,6 +169,7 @@ RANGES: Dict[str, Range] = {
     f"{_A}.rollout.top_k": OFF_OR_POSITIVE,
     f"{_A}.rollout.n": POSITIVE,
     f"{_A}.rollout.max_new_tokens": POSITIVE,
+    f"{_A}.rollout.min_new_tokens": NON_NEGATIVE,
     f"{_A}.rollout.gpu_memory_utilization": PROBABILITY,
     f"{_A}.rollout.log_prob_micro_batch_size_per_gpu": POSITIVE,
     f"{_A}.rollout.param_update_preduce_bucket_size_mb": POSITIVE,
@@ -550,6 +551,12 @@ class RolloutConfig:
     """Responses sampled per prompt (the GRPO group size)."""
     max_new_tokens: Optional[int] = None
     """Generation budget; null means ``data.max_response_length`` (filled in by the loader)."""
+    min_new_tokens: int = 0
+    """Tokens generated before a stop token may end the output (SGLang's ``min_new_tokens``),
+    in training and validation alike; with ``multi_turn`` per assistant turn, so 1 forbids an
+    empty turn. A token drawn under the ban reports its log-prob among the allowed tokens, as
+    stock SGLang does (the trainer recomputes it unbanned: the truncated importance weight
+    corrects for the difference)."""
     gpu_memory_utilization: float = 0.5
     """Fraction of device memory SGLang may take (weights + KV cache)."""
     log_prob_micro_batch_size_per_gpu: int = 4

@@ -158,6 +158,11 @@ def _check_rollout(cfg: DictConfig) -> None:
             f"{_ARR}.rollout.param_update_preduce_bucket_size_mb="
             f"{r.param_update_preduce_bucket_size_mb} MiB; a received bucket is consumed in "
             "pieces no larger than itself")
+    # max_new_tokens is null until the loader fills in data.max_response_length
+    if r.max_new_tokens is not None and r.min_new_tokens > r.max_new_tokens:
+        raise ConfigError(
+            f"{_ARR}.rollout.min_new_tokens: {r.min_new_tokens} is more than "
+            f"{_ARR}.rollout.max_new_tokens={r.max_new_tokens} (SGLang refuses such a request)")
     _check_servers(r)
 
 

@@ -218,13 +218,13 @@ def _workers(cfg, plan: RunPlan):
     return transport, dgs, rollout, models
 
 
-def _agent(mt, tok, eos_ids):
+def _agent(mt, tok, eos_ids, min_turn_tokens=0):
     if not mt.enable:
         return None
     from megarl.agent.loop import AgentLoop
     from megarl.agent.tools import tool_specs
 
-    return AgentLoop(mt, tok, eos_ids, tool_specs(mt.tools))
+    return AgentLoop(mt, tok, eos_ids, tool_specs(mt.tools), min_turn_tokens=min_turn_tokens)
 
 
 async def setup_run(cfg, val_only: bool) -> Run:
@@ -246,7 +246,7 @@ async def setup_run(cfg, val_only: bool) -> Run:
     rollout_fn = (load_callable(arr.rollout.rollout_fn, "actor_rollout_ref.rollout.rollout_fn")
                   if arr.rollout.rollout_fn else None)
     # ... and the tools (their workers import them: a bad one fails here, named)
-    agent = _agent(arr.rollout.multi_turn, tok, eos_ids)
+    agent = _agent(arr.rollout.multi_turn, tok, eos_ids, int(arr.rollout.min_new_tokens))
     start_step, state, total = _position(cfg, found, loader, val_only)
     plan = make_run_plan(cfg, root=root, start_step=start_step, total_steps=total,
                          val_only=val_only, resumed=state is not None)

@@ -106,6 +106,7 @@ def sampling_params(rollout_cfg, eos_ids: list[int], seed: int | None, *, valida
     return SamplingParams(
         max_new_tokens=max_new_tokens, temperature=0.0 if greedy else float(src.temperature),
         top_p=float(src.top_p), top_k=int(src.top_k), n=int(src.n),
+        min_new_tokens=min(int(rollout_cfg.min_new_tokens), max_new_tokens),
         stop_token_ids=list(eos_ids), sampling_seed=seed)
 
 
@@ -163,6 +164,10 @@ class TrajectoryRunner:
                 t.interrupted += 1
                 return False
             req = request_for(t, attempts)
+            if t.agent is not None and self.agent is not None and self.agent.min_turn_tokens:
+                req = dataclasses.replace(req, sampling=dataclasses.replace(
+                    req.sampling, min_new_tokens=min(self.agent.turn_minimum(t),
+                                                     req.sampling.max_new_tokens)))
             if self.routing is not None:
                 req = dataclasses.replace(req, return_routed_experts=True,
                                           routed_experts_start_len=t.routed_len)

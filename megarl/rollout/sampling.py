@@ -57,12 +57,17 @@ def sample(logits: torch.Tensor, s: RowSampling, banned: torch.Tensor | None = N
     """logits [B, V] (float32) -> (tokens [B] long, logprobs [B] float32).
 
     `banned` [B, V] bool masks tokens a row may not produce yet (stop tokens before
-    min_new_tokens); the log-prob is still taken from the unmasked tempered distribution
-    because that is what the trainer recomputes.
+    min_new_tokens). The log-prob is the drawn token's under the tempered distribution the
+    draw was made from, the ban included (renormalised), as stock SGLang reports it (its
+    min-new-tokens penalty acts on the logits before its log-softmax): the behaviour policy's
+    own probability, which the importance weights against the trainer's need.
     """
     logits = logits.float()
     logp_all = torch.log_softmax(logits / s.temperature, dim=-1)
-    masked = logp_all if banned is None else logp_all.masked_fill(banned, float("-inf"))
+    masked = logp_all
+    if banned is not None:
+        masked = logp_all.masked_fill(banned, float("-inf"))
+        logp_all = masked = masked - masked.logsumexp(dim=-1, keepdim=True)
     greedy_tokens = masked.argmax(dim=-1)
     if s.all_greedy:
         tokens = greedy_tokens

@@ -34,6 +34,7 @@ USED = {"/generate", "/abort_request", "/pause_generation", "/continue_generatio
 class _Rollout:
     """Rollout settings as the driver's config has them."""
     temperature, top_p, top_k, n = 0.8, 0.9, 20, 2
+    min_new_tokens = 1  # on the wire as SGLang's own field
     val_kwargs = type("V", (), {"temperature": 0.0, "top_p": 1.0, "top_k": -1, "n": 1,
                                 "do_sample": False})()
 

@@ -46,11 +46,12 @@ def sampling(seed=1):
                           stop_token_ids=list(range(0, 300, 10)), sampling_seed=seed)
 
 
-def make_agent(tokenizer, eos_id):
+def make_agent(tokenizer, eos_id, min_turn_tokens=0):
     cfg = OmegaConf.merge(OmegaConf.structured(MultiTurnConfig), {
         "enable": True, "tools": ["calculator"], "max_assistant_turns": 4,
         "tool_response_template": HEAD + "{content}" + TAIL, "max_tool_response_length": 6})
-    loop = AgentLoop(cfg, tokenizer, [eos_id], tool_specs(cfg.tools))
+    loop = AgentLoop(cfg, tokenizer, [eos_id], tool_specs(cfg.tools),
+                     min_turn_tokens=min_turn_tokens)
     loop.parser = every_turn_calls
     return loop
 

@@ -64,6 +64,35 @@ def test_multi_turn_samples_are_generated_ids_plus_appended_ids(engine, scorer, 
     assert json.loads(json.dumps(dump))["calls"][0]["name"] == "calculator"
 
 
+def test_min_new_tokens_counts_from_each_turns_start(engine, scorer):
+    """`rollout.min_new_tokens` holds per assistant turn: no turn stops before its third token
+    (a tenth of the vocabulary stops a turn, so unforced some would), and every request asks
+    for what its own turn still lacks, not what the whole response does."""
+    agent = make_agent(engine.tokenizer, engine.tokenizer.eos_token_id, min_turn_tokens=3)
+    manager = Recording([engine])
+    runner = TrajectoryRunner(manager, engine.tokenizer, scorer, agent=agent)
+    policy = PlainRollout(runner, PromptLoader(make_prompts(8), 8, shuffle=False))
+    sp = SamplingParams(**{**sampling(seed=5).__dict__, "n": 2, "min_new_tokens": 3})
+    try:
+        out = asyncio.run(policy.run_step(0, sp, 0))
+    finally:
+        agent.close()
+    eos, later_turns = engine.tokenizer.eos_token_id, 0
+    for j, s in enumerate(out.samples):
+        served = [(q, o) for q, o in manager.log if q.rid.split("+")[0] == f"s0-{s.uid}-{j % 2}"]
+        check_tokens(s, served, engine.tokenizer, eos)
+        turns = runs(s.loss_mask, 1)
+        for a, b in turns:
+            assert b - a >= 3 or b == len(s.response_ids), (s.response_ids, s.loss_mask)
+        for q, _ in served:
+            at = len(q.input_ids) - len(s.prompt_ids)  # response tokens before this request
+            start = max(a for a, _ in turns if a <= at)
+            assert q.sampling.min_new_tokens == min(max(0, 3 - (at - start)),
+                                                    q.sampling.max_new_tokens)
+            later_turns += start > 0
+    assert later_turns > 0, "some requests continue a later turn"
+
+
 def test_syncs_cut_samples_mid_turn_and_they_resume_exactly(engine, scorer, agent):
     """Partial rollout with weight updates aborting every request mid-step and a checkpoint
     round trip of the cache: each sample's tokens still come, in order, from the requests

@@ -143,6 +143,13 @@ def test_consume_bucket_not_larger_than_produce():
     assert f"{ARR}.rollout.param_update_preduce_bucket_size_mb" in msg
 
 
+def test_min_new_tokens_within_the_budget():
+    msg = error_of(f"{ARR}.rollout.min_new_tokens=9", f"{ARR}.rollout.max_new_tokens=8")
+    assert msg.startswith(f"{ARR}.rollout.min_new_tokens:") and "max_new_tokens=8" in msg
+    assert error_of(f"{ARR}.rollout.min_new_tokens=-1").startswith(
+        f"{ARR}.rollout.min_new_tokens:")
+
+
 def test_generate_ahead_steps_at_least_one():
     assert error_of("trainer.generate_ahead_steps=0").startswith("trainer.generate_ahead_steps:")
 

@@ -1,4 +1,5 @@
-"""Sampling: truncation keeps the right tokens, log-probs are the untruncated tempered ones."""
+"""Sampling: truncation keeps the right tokens, log-probs are the untruncated tempered ones
+(with stop tokens banned before min_new_tokens: renormalised over the rest, as stock SGLang)."""
 import math
 
 import torch
@@ -57,7 +58,18 @@ def test_seeded_rows_are_independent_of_batch_neighbours():
     assert together[1] == alone[0]
 
 
-def test_banned_tokens_are_not_drawn_but_keep_their_mass_in_logprobs():
+def test_banned_tokens_are_not_drawn_and_logprobs_are_of_the_distribution_drawn_from():
+    # stock SGLang's min-new-tokens penalty sets the stop ids' logits to -inf before its
+    # log-softmax: the reported log-prob is the drawn token's among the allowed ones
     banned = torch.tensor([[True, False, False, False]])
     tokens, lps = sample(LOGITS, rows(temperature=0.0), banned)
-    assert tokens.tolist() == [1] and math.isclose(lps.item(), math.log(0.3), rel_tol=1e-5)
+    assert tokens.tolist() == [1] and math.isclose(lps.item(), math.log(0.3 / 0.5), rel_tol=1e-5)
+    s = rows(64, temperature=0.7)
+    tokens, lps = sample(LOGITS.expand(64, -1), s, banned.expand(64, -1))
+    assert 0 not in tokens.tolist() and len(set(tokens.tolist())) == 3
+    allowed = torch.log_softmax(LOGITS[0, 1:] / 0.7, dim=-1)
+    assert torch.allclose(lps, allowed[tokens - 1])
+    # rows without a ban are untouched by their neighbours' (one row banned, one not)
+    both = torch.tensor([[True, False, False, False], [False] * 4])
+    tokens, lps = sample(LOGITS.expand(2, -1), rows(2, temperature=0.0), both)
+    assert tokens.tolist() == [1, 0] and math.isclose(lps[1].item(), math.log(0.5), rel_tol=1e-5)
