@@ -45,10 +45,14 @@ class PromptGroup:
     prompt: Any                     # megarl.data.dataset.Prompt
     samples: list[Trajectory]
     first_step: int                 # the step that drew the prompt
+    # the how-manyth group drawn in the run (checkpointed): the same prompt can be in flight
+    # twice (a group cached near an epoch's end beside the next epoch's draw of it, or two
+    # epochs in one step of a small data set), and its requests' ids and seeds must differ
+    serial: int = 0
 
     @classmethod
-    def fresh(cls, prompt, n: int, step: int) -> "PromptGroup":
-        return cls(prompt, [Trajectory() for _ in range(n)], step)
+    def fresh(cls, prompt, n: int, step: int, serial: int = 0) -> "PromptGroup":
+        return cls(prompt, [Trajectory() for _ in range(n)], step, serial)
 
     @property
     def complete(self) -> bool:
@@ -70,7 +74,8 @@ class PromptGroup:
         # The prompt is stored by dataset index + uid, checked on load: the data itself is
         # the dataset's, so a checkpoint cannot resume on a changed data set unnoticed.
         return {"index": self.prompt.index, "uid": self.prompt.uid,
-                "first_step": self.first_step, "samples": [t.to_dict() for t in self.samples]}
+                "first_step": self.first_step, "serial": self.serial,
+                "samples": [t.to_dict() for t in self.samples]}
 
     @classmethod
     def from_dict(cls, d: dict, dataset) -> "PromptGroup":
@@ -80,7 +85,7 @@ class PromptGroup:
                              "in this run's data set at that row; the data changed since the "
                              "checkpoint")
         return cls(dataset[idx], [Trajectory.from_dict(t) for t in d["samples"]],
-                   int(d["first_step"]))
+                   int(d["first_step"]), int(d.get("serial", 0)))
 
 
 class PartialRollout:
@@ -100,10 +105,12 @@ class PartialRollout:
         self.sampling_for = sampling_for
         self.cache: list[PromptGroup] = []
         self._stopping = False
+        self.drawn = 0  # groups drawn so far: the next one's serial
 
     # ------------------------------------------------------------------ checkpoint state
     def state_dict(self) -> dict:
-        return {"version": 1, "n": self.n, "groups": [g.to_dict() for g in self.cache]}
+        return {"version": 1, "n": self.n, "drawn": self.drawn,
+                "groups": [g.to_dict() for g in self.cache]}
 
     def load_state_dict(self, state: dict | None) -> None:
         if not state:
@@ -114,6 +121,12 @@ class PartialRollout:
             raise ValueError(f"partial rollout cache: saved with rollout.n={state['n']}, this "
                              f"run has {self.n}")
         self.cache = [PromptGroup.from_dict(g, self.loader.dataset) for g in state["groups"]]
+        if "drawn" in state:
+            self.drawn = int(state["drawn"])
+        else:  # a checkpoint from before groups had serials: number the restored ones
+            for j, g in enumerate(self.cache):
+                g.serial = j
+            self.drawn = len(self.cache)
         logger.info("partial rollout: %d cached prompt group(s) restored", len(self.cache))
 
     # ------------------------------------------------------------------ one step
@@ -159,7 +172,9 @@ class PartialRollout:
             if not queue:
                 batch = self.loader.next_batch()
                 metrics["rollout/prompts_drawn"] += len(batch)
-                queue.extend(PromptGroup.fresh(p, self.n, step) for p in batch)
+                for p in batch:
+                    queue.append(PromptGroup.fresh(p, self.n, step, self.drawn))
+                    self.drawn += 1
             return queue.popleft()
 
         self._stopping = False
@@ -224,16 +239,17 @@ class PartialRollout:
 
         def request_for(t: Trajectory, attempt: int) -> GenerateRequest:
             seed = sp.sampling_seed
-            if seed is not None:  # reproducible per (step seed, prompt, sample, position)
-                seed = (seed * 1_000_003 + g.prompt.index * 4099 + i * 131 + len(t.ids)) \
-                    % (2**63)
+            if seed is not None:  # reproducible per (step seed, draw, sample, position): two
+                # draws of one prompt in flight together would otherwise repeat each other
+                seed = (seed * 1_000_003 + g.prompt.index * 4099 + g.serial * 65_537
+                        + i * 131 + len(t.ids)) % (2**63)
             return GenerateRequest(
                 list(g.prompt.prompt_ids) + t.ids,
                 dataclasses.replace(sp, n=1, max_new_tokens=sp.max_new_tokens - len(t.ids),
                                     sampling_seed=seed,
                                     min_new_tokens=max(0, sp.min_new_tokens - len(t.ids)),
                                     stop_token_ids=list(sp.stop_token_ids)),
-                True, f"s{step}-{g.prompt.uid}-{i}+{len(t.ids)}.{attempt}")
+                True, f"s{step}-{g.prompt.uid}-{i}+{len(t.ids)}.{attempt}.g{g.serial}")
 
         if await self.runner.extend(t, sp.max_new_tokens, request_for,
                                     lambda: self._stopping, prompt=g.prompt):

@@ -121,6 +121,37 @@ def test_cache_survives_a_checkpoint_round_trip(engine, scorer):
     asyncio.run(go())
 
 
+def test_one_prompt_in_flight_twice_runs_as_two_groups_of_their_own(engine, scorer):
+    """Three prompts, six groups in flight: every prompt is drawn twice in one step (as a
+    group cached at an epoch's end meets the next epoch's draw of its prompt). Each draw's
+    requests have their own ids (the engine refuses an id already in flight, which failed
+    such a run) and their own seeds, so the two groups are not copies of each other; the
+    serials survive a checkpoint."""
+    prompts = _prompts(3)
+    pr = _new(engine, PromptLoader(prompts, 1, shuffle=False), scorer, need=4, over=2)
+
+    async def go():
+        samples, futs, _, _ = await pr.run_step(0, _sp(7), 0)
+        await asyncio.gather(*futs)
+        return samples
+
+    samples = asyncio.run(go())
+    by_uid = {}
+    for s in samples:
+        by_uid.setdefault(s.uid, []).append(tuple(s.response_ids))
+    twice = [groups for groups in by_uid.values() if len(groups) == 2 * N]
+    assert twice, by_uid  # 4 groups of 3 prompts: one prompt trained twice in this step
+    for groups in twice:
+        assert groups[:N] != groups[N:], "two draws of a prompt sampled the same responses"
+    serials = sorted(g.serial for g in pr.cache)
+    assert len(set(serials)) == len(serials) and pr.drawn == 4 + len(pr.cache)
+    state = json.loads(json.dumps(pr.state_dict()))
+    pr2 = _new(engine, PromptLoader(prompts, 1, shuffle=False), scorer, need=4, over=2)
+    pr2.load_state_dict(state)
+    assert [g.serial for g in pr2.cache] == [g.serial for g in pr.cache]
+    assert pr2.drawn == pr.drawn
+
+
 def test_a_changed_data_set_is_refused(engine, scorer):
     prompts = _prompts(32)
     loader = PromptLoader(prompts, 4, shuffle=False)
