@@ -110,6 +110,13 @@ def sampling_params(rollout_cfg, eos_ids: list[int], seed: int | None, *, valida
         stop_token_ids=list(eos_ids), sampling_seed=seed)
 
 
+def ended_before_abort(req: GenerateRequest, out) -> bool:
+    """An aborted output whose last token is one of the request's stop ids, generated where a
+    stop could end it (past `min_new_tokens`)."""
+    ids, sp = out.output_ids, req.sampling
+    return bool(ids) and ids[-1] in sp.stop_token_ids and len(ids) >= sp.min_new_tokens
+
+
 def extra_info_of(prompt) -> dict:
     return dict(getattr(prompt, "extra_info", None) or {})
 
@@ -186,6 +193,11 @@ class TrajectoryRunner:
                 t.agent.mask += [1] * len(out.output_ids)
             if not out.aborted:
                 t.finish = out.finish_reason.type
+            elif ended_before_abort(req, out):
+                # the abort raced the stop token (stock SGLang can answer "abort" with the
+                # stop id already generated): the output is over, and resuming it would
+                # train tokens written after its end
+                t.finish = "stop"
             elif stopping():
                 t.interrupted += 1
                 return False

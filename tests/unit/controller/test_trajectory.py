@@ -1,6 +1,7 @@
 """The trajectory runner and the rollout policies over it, against a real embedded engine:
 resume after an abort, the plain policy, and a user's rollout function named by import path."""
 import asyncio
+import dataclasses
 import textwrap
 
 import pytest
@@ -12,7 +13,7 @@ from megarl.controller.trajectory import (FunctionRollout, PlainRollout, StepRol
 from megarl.data.dataset import Prompt
 from megarl.data.loader import PromptLoader
 from megarl.rollout.manager import RolloutManager
-from megarl.rollout.protocol import GenerateRequest, SamplingParams
+from megarl.rollout.protocol import FinishReason, GenerateRequest, SamplingParams
 from megarl.utils.imports import load_callable
 
 KEY = "actor_rollout_ref.rollout.rollout_fn"
@@ -51,6 +52,37 @@ def test_an_aborted_sample_resumes_to_the_same_tokens_and_keeps_its_versions(eng
     assert 0 < cut < 400 and set(t.versions[:cut]) == {0} and set(t.versions[cut:]) == {1}
     assert t.sample.token_versions == t.versions and t.sample.weight_version == 0
     assert reward == t.sample.reward and runner.running == {}
+
+
+class AbortRacesTheStop(RolloutManager):
+    """The real manager; an output that ended on a stop id comes back as stock SGLang's abort
+    answers when the abort lands in the step that sampled the stop: finish "abort", the stop
+    id already in `output_ids`."""
+
+    async def generate(self, request):
+        out = await super().generate(request)
+        if out.finish_reason.type == "stop":
+            out = dataclasses.replace(out, finish_reason=FinishReason("abort", message="raced"))
+        return out
+
+
+def test_an_abort_that_raced_the_stop_token_ends_the_sample(engine, scorer):
+    """Resuming such an output would generate after its stop id (seen with partial rollout on
+    stock SGLang: 7% of agent turns held a second <|im_end|>); it is finished instead."""
+    runner = TrajectoryRunner(AbortRacesTheStop([engine]), engine.tokenizer, scorer)
+    prompt = _prompts(1)[0]
+    free = asyncio.run(runner.sample(prompt, GenerateRequest(prompt.prompt_ids, greedy(60),
+                                                             True, "free")))
+    stop = free.ids[6]
+    sp = dataclasses.replace(greedy(60), ignore_eos=False, stop_token_ids=[stop])
+    t = asyncio.run(runner.sample(prompt, GenerateRequest(prompt.prompt_ids, sp, True, "r")))
+    first = free.ids.index(stop)
+    assert t.ids == free.ids[:first + 1] and t.finish == "stop" and t.interrupted == 0
+    # with min_new_tokens the stop is banned at first; the stop drawn after it ends the sample
+    late = dataclasses.replace(sp, min_new_tokens=first + 2)
+    t = asyncio.run(runner.sample(prompt, GenerateRequest(prompt.prompt_ids, late, True, "m")))
+    assert t.ids[:first] == free.ids[:first] and t.ids[first] != stop
+    assert t.ids.index(stop) == len(t.ids) - 1 >= first + 1 and t.finish == "stop"
 
 
 def test_plain_policy_draws_the_batch_and_gives_n_scored_samples_each(engine, scorer):
