@@ -32,8 +32,8 @@ def test_agent_run_learns_to_use_the_tool_and_leaves_its_record(tmp_path):
     # Before training the random model writes no call and no answer. Then it learns to call
     # the tool for most validation prompts, whose tables it never saw: every run measured had
     # >= 0.6 calls per sample at some validation by step 200 (docs/agents.md). How far it gets
-    # with the answers varies from run to run (16 prompts x 8 samples: 0.25-0.94 exact-match
-    # at v200 over five seeds; with 8 x 16 before, 0.03-1.0, and one CI run fell back to 0.41
+    # with the answers varies from run to run (16 prompts x 8 samples: 0.25-1.0 exact-match
+    # at v200 over seven seeds; with 8 x 16 before, 0.03-1.0, and one CI run fell back to 0.41
     # calls at v300), so the bounds are on calling and reward:
     assert first["val/exact_frac"] <= 0.1 and first["val/tool_calls_mean"] == 0, first
     best = max(v["val/tool_calls_mean"] for v in val.values())
