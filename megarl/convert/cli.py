@@ -67,10 +67,10 @@ def _run(a: argparse.Namespace, plan_fn, convert_fn) -> int:
 
     # with EP the world can exceed TP×PP: data-parallel ranks the expert groups span
     ensure_world(plan.ranks)
-    from megarl.backends.megatron.parallel import destroy_distributed
+    from megarl.backends.megatron.parallel import rank_program
 
-    convert_fn()
-    destroy_distributed()
+    with rank_program():
+        convert_fn()
     return 0
 
 

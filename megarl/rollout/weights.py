@@ -174,6 +174,12 @@ class UpdateGroup:
         del pg
         self.store = None
 
+    def __enter__(self) -> "UpdateGroup":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
 
 def wait_for_listener(host: str, port: int, timeout_s: float) -> None:
     """Poll until something accepts TCP connections at host:port, for up to `timeout_s`.

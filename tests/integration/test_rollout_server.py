@@ -187,11 +187,10 @@ TRAINER = textwrap.dedent("""
     from safetensors.torch import load_file
     from megarl.rollout.weights import new_update_group
     port, path = int(sys.argv[1]), sys.argv[2]
-    group = new_update_group("127.0.0.1", port, 0, 2, "wug", "gloo", timeout_s=120)
     named = list(load_file(path).items())
-    for _, t in named:  # load_format null: one broadcast per tensor, in list order
-        group.broadcast(t, 0)
-    group.close()
+    with new_update_group("127.0.0.1", port, 0, 2, "wug", "gloo", timeout_s=120) as group:
+        for _, t in named:  # load_format null: one broadcast per tensor, in list order
+            group.broadcast(t, 0)
     print("sent", len(named))
 """)
 

@@ -5,6 +5,7 @@ rank/world/master address, which is how Ray workers and tests start it.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import math
@@ -92,3 +93,18 @@ def destroy_distributed() -> None:
         ps.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def rank_program():
+    """The body of a program that makes process groups (torch.distributed's default group,
+    Megatron's groups): they are destroyed when the body leaves, normally or by an error.
+
+    Left to interpreter exit, gloo's C++ threads are torn down by static destructors in no set
+    order, and a busy machine sometimes aborts the process after its work is done ("terminate
+    called without an active exception", SIGABRT): a passing rank reported as failed. Every
+    rank program the tests spawn runs inside this (tests/unit/test_rank_programs.py checks)."""
+    try:
+        yield
+    finally:
+        destroy_distributed()

@@ -22,6 +22,8 @@ import sys
 import torch
 import torch.distributed as dist
 
+from megarl.backends.megatron.parallel import rank_program
+
 
 def hf_logprobs(hf, ids, forced=None):
     """transformers' log-probs of ids[:, 1:], each layer's router forced to `forced`
@@ -172,6 +174,5 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
-    from megarl.backends.megatron.parallel import destroy_distributed
-    destroy_distributed()
+    with rank_program():
+        main()

@@ -14,6 +14,8 @@ import sys
 import torch
 import torch.distributed as dist
 
+from megarl.backends.megatron.parallel import rank_program
+
 ROWS, WIDTH, STEPS = 11, 24, 10
 
 
@@ -111,6 +113,5 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
-    from megarl.backends.megatron.parallel import destroy_distributed
-    destroy_distributed()
+    with rank_program():
+        main()

@@ -13,6 +13,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megarl.backends.megatron.parallel import rank_program
+
 
 def main():
     out, tp, pp, model_dir, steps = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), \
@@ -48,9 +50,5 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
-    # Join gloo's threads before the interpreter exits: left to static destructors, a
-    # busy machine sometimes aborts the rank ("terminate called without an active
-    # exception") after its work is done.
-    from megarl.backends.megatron.parallel import destroy_distributed
-    destroy_distributed()
+    with rank_program():
+        main()

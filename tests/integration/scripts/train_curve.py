@@ -11,6 +11,8 @@ import sys
 import torch
 import torch.distributed as dist
 
+from megarl.backends.megatron.parallel import rank_program
+
 
 def nll_loss(total_tokens):
     def loss_fn(logprobs, entropy, mb):
@@ -72,9 +74,5 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
-    # Join gloo's threads before the interpreter exits: left to static destructors, a
-    # busy machine sometimes aborts the rank ("terminate called without an active
-    # exception") after its work is done.
-    from megarl.backends.megatron.parallel import destroy_distributed
-    destroy_distributed()
+    with rank_program():
+        main()

@@ -16,6 +16,8 @@ import sys
 import torch
 import torch.distributed as dist
 
+from megarl.backends.megatron.parallel import rank_program
+
 
 def perturb(worker, seed):
     g = torch.Generator().manual_seed(seed + 100 * dist.get_rank())
@@ -137,9 +139,5 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
-    # Join gloo's threads before the interpreter exits: left to static destructors, a
-    # busy machine sometimes aborts the rank ("terminate called without an active
-    # exception") after its work is done.
-    from megarl.backends.megatron.parallel import destroy_distributed
-    destroy_distributed()
+    with rank_program():
+        main()

@@ -148,17 +148,19 @@ from megarl.backends.megatron.model import (ModelArgs, MoESettings, build_gpt_mo
                                             transformer_config)
 from megarl.controller.dryrun import stage_specs
 from megarl.backends.megatron.hf.live import export_hf
+from megarl.backends.megatron.parallel import rank_program
 port, hf, ep, rank = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + port, rank=rank,
-                        world_size=ep)
-ps.initialize_model_parallel(1, 1, expert_model_parallel_size=ep)
-_patches.apply()
-a = ModelArgs.from_hf(hf)
-model = build_gpt_model(a, transformer_config(a, 1, 1, "bfloat16", MoESettings(ep=ep)))
-real = [(n, str(t.dtype)[6:], tuple(t.shape)) for n, t in export_hf(model, a)]
-planned = [(s.name, s.dtype, s.shape) for s in stage_specs(a, 1, "bfloat16", ep)[0]]
-if rank == 0:
-    print(real == planned, real, planned)
+with rank_program():
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + port, rank=rank,
+                            world_size=ep)
+    ps.initialize_model_parallel(1, 1, expert_model_parallel_size=ep)
+    _patches.apply()
+    a = ModelArgs.from_hf(hf)
+    model = build_gpt_model(a, transformer_config(a, 1, 1, "bfloat16", MoESettings(ep=ep)))
+    real = [(n, str(t.dtype)[6:], tuple(t.shape)) for n, t in export_hf(model, a)]
+    planned = [(s.name, s.dtype, s.shape) for s in stage_specs(a, 1, "bfloat16", ep)[0]]
+    if rank == 0:
+        print(real == planned, real, planned)
 """
 
 _MOE = {"architectures": ["Qwen3MoeForCausalLM"], "num_experts": 4, "num_experts_per_tok": 2,
