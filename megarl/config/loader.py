@@ -164,8 +164,12 @@ def to_yaml(cfg: DictConfig) -> str:
 
 
 def _read_yaml(path: str | os.PathLike) -> dict:
-    if not os.path.isfile(path):
+    if os.path.isdir(path):
+        raise ConfigError(f"{path}: is a directory, not a config file (a .yaml file)")
+    if not os.path.exists(path):
         raise ConfigError(f"config file not found: {path}")
+    if not os.path.isfile(path):
+        raise ConfigError(f"{path}: not a regular file, not a config file")
     try:
         with open(path, "rb") as fh:
             raw = fh.read(YAML_LIMITS["bytes"] + 1)

@@ -36,6 +36,8 @@ def load_callable(path: str, key: str) -> Callable:
 def _import_module(spec: str, path: str, key: str):
     if spec.endswith(".py"):
         file = Path(spec)
+        if file.is_dir():
+            raise ConfigError(f"{key}: {path!r}: {file} is a directory, not a Python file")
         if not file.is_file():
             raise ConfigError(f"{key}: {path!r}: no such file {file}")
         name = f"megarl_user_{key.rpartition('.')[2]}_{file.stem}"

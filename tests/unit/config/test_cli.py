@@ -27,6 +27,14 @@ def test_bad_override_exits_2_naming_key(capsys):
     assert "Traceback" not in err
 
 
+def test_config_paths_that_are_not_files_say_what_they_are(capsys, tmp_path):
+    """A directory is not 'not found'; a missing file is."""
+    for path, said in [(tmp_path, f"{tmp_path}: is a directory, not a config file"),
+                       (tmp_path / "nope.yaml", f"config file not found: {tmp_path}/nope.yaml")]:
+        assert main(["train", "--config", str(path)]) == 2
+        assert said in capsys.readouterr().err
+
+
 def test_subprocess_exit_status_and_stderr():
     proc = subprocess.run(
         [sys.executable, "-m", "megarl.cli", "config", "trainer.nnodes=abc"],

@@ -60,6 +60,12 @@ def test_import_path_errors_name_the_key(path, match):
     assert str(err.value).startswith("reward.reward_fn:")
 
 
+def test_a_directory_named_like_a_file_is_said_to_be_one(tmp_path):
+    (tmp_path / "rewards.py").mkdir()
+    with pytest.raises(ConfigError, match="rewards.py is a directory, not a Python file"):
+        load_reward_fn(f"{tmp_path / 'rewards.py'}:fn")
+
+
 def test_module_raising_on_import(tmp_path):
     f = tmp_path / "broken.py"
     f.write_text("raise RuntimeError('boom')\n")
