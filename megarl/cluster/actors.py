@@ -278,9 +278,10 @@ class RolloutRank:
 
     def __init__(self, model_path: str, threads: int, seed: int, context_length: int,
                  log_level: str = "INFO", host: str | None = "127.0.0.1",
-                 routed_experts: bool = False):
+                 routed_experts: bool = False, trust_remote_code: bool = False):
         """`routed_experts`: report each token's experts (routing replay), as stock SGLang
-        with `--enable-return-routed-experts`."""
+        with `--enable-return-routed-experts`; `trust_remote_code`: the model's own code may
+        run (`model.trust_remote_code`)."""
         logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: "
                             "%(message)s")
         _threads(threads)
@@ -289,7 +290,8 @@ class RolloutRank:
 
         engine = EmbeddedEngine(model_path, seed=seed, context_length=context_length,
                                 load_tokenizer=False, weight_version="0",
-                                enable_return_routed_experts=routed_experts)
+                                enable_return_routed_experts=routed_experts,
+                                trust_remote_code=trust_remote_code)
         self.server = ServerThread(engine, host or node_address(), 0).__enter__()
 
     def url(self) -> str:

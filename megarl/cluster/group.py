@@ -328,7 +328,8 @@ class RolloutGroup:
                 routed = bool(r.enable_rollout_routing_replay)
                 self._start = lambda i: transport.spawn(
                     "rollout", devices, i, share, f"rollout{i}", model, threads,
-                    cfg.trainer.seed + i, ctx, host=host, routed_experts=routed)
+                    cfg.trainer.seed + i, ctx, host=host, routed_experts=routed,
+                    trust_remote_code=bool(cfg.actor_rollout_ref.model.trust_remote_code))
             self.actors = [self._start(i) for i in range(count)]
             self.urls = None  # known once ready()
 

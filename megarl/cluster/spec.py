@@ -38,6 +38,7 @@ class ModelSpec:
     transformer_impl: str = "auto"  # auto | local | transformer_engine
     collective_timeout_s: float = 1800.0  # its process groups' (trainer.state_timeout_s)
     moe: MoESettings = MoESettings()  # expert layout and routing (a mixture of experts only)
+    recompute: bool = False  # activations recomputed in backward (a model that trains)
 
 
 @dataclass(frozen=True)
@@ -130,7 +131,8 @@ def megatron_spec(cfg, role: str, schedule_steps: int | None = None) -> Megatron
     model = ModelSpec(arr.model.path, tp, pp, m.params_dtype, m.make_vocab_size_divisible_by,
                       m.seed, optim, transformer_impl=m.transformer_impl,
                       collective_timeout_s=float(cfg.trainer.state_timeout_s),
-                      moe=moe_settings(m, replay))
+                      moe=moe_settings(m, replay),
+                      recompute=trains and arr.model.enable_gradient_checkpointing)
     if not trains:
         return MegatronSpec(role, model, arr.model.path)
     loss = ActorLossSettings.from_config(arr.actor, cfg.data.max_response_length)

@@ -38,6 +38,7 @@ def preflight(cfg) -> None:
     """Raise ``ConfigError`` for the first missing, unreadable or malformed input or
     unwritable output of the run ``cfg`` describes; starts nothing."""
     t = cfg.trainer
+    _check_planning_only(cfg)
     _check_path_texts(cfg)
     _check_writable_dir(Path(t.default_local_dir) / t.project_name / t.experiment_name,
                         "trainer.default_local_dir")
@@ -54,6 +55,22 @@ def preflight(cfg) -> None:
     tokenizer = _load_tokenizer(cfg, tokenizer_dir) if tokenizer_dir is not None else None
     if tokenizer is not None and _lengths_can_fail(cfg.data):
         _check_data(cfg, tokenizer)
+
+
+def _check_planning_only(cfg) -> None:
+    """Keys only ``--dry-run`` reads: a run builds every model (Megatron's, the engines') from
+    the model directory's own config.json, so there they would change nothing."""
+    model = cfg.actor_rollout_ref.model
+    if model.override_config:
+        raise ConfigError(
+            f"{_MODEL}.override_config: applied only when planning (megarl train --dry-run); "
+            f"a run builds the model from {model.path}/config.json as it is, so these keys "
+            f"({', '.join(sorted(map(str, model.override_config)))}) would change nothing. "
+            f"Edit that file (a copy of the model directory) to run a different model")
+    if model.hf_config_path is not None:
+        raise ConfigError(
+            f"{_MODEL}.hf_config_path: read only when planning (megarl train --dry-run); a run "
+            f"reads {model.path}/config.json. Give it on the --dry-run command line only")
 
 
 def _check_sglang_server(cfg) -> None:

@@ -254,8 +254,10 @@ class DataConfig:
     """Longest response in tokens; the default for ``rollout.max_new_tokens``."""
     train_batch_size: int = 4
     """Prompts per training step (each sampled ``rollout.n`` times)."""
-    val_batch_size: int = 8
-    """Prompts per validation generate call."""
+    val_batch_size: Optional[int] = None
+    """Validation prompts in flight at once: the set is generated in rounds of this many
+    prompts, each round started when the one before has finished (bounds what validation
+    holds on the engines beside training's work); null: the whole set at once, as verl."""
     filter_overlong_prompts: bool = True
     """Drop prompts longer than ``max_prompt_length`` when the dataset is loaded."""
     truncation: str = "error"
@@ -278,14 +280,19 @@ class ModelConfig:
     tokenizer_path: Optional[str] = None
     """Tokenizer directory; null means ``path``."""
     trust_remote_code: bool = False
-    """Passed to transformers when loading the config and tokenizer."""
+    """Let transformers run the model's own code: passed wherever megarl loads the model's
+    config, weights or tokenizer, and to launched SGLang servers (``--trust-remote-code``)."""
     enable_gradient_checkpointing: bool = False
-    """Recompute activations in backward to save memory."""
+    """Recompute activations in backward to save memory: the actor's layers keep only their
+    inputs after forward and run again in backward (Megatron's full recompute, one layer at a
+    time); the same step, bit for bit, for about one more forward pass of compute."""
     override_config: Dict[str, Any] = field(default_factory=dict)
-    """Keys that override the model's HF config (e.g. attention_dropout)."""
+    """Keys that override the model's HF config when planning (``--dry-run``: e.g. a longer
+    context, more layers); a run refuses them, since it builds every model from the model
+    directory's config.json as it is."""
     hf_config_path: Optional[str] = None
     """A ``config.json`` to plan with (``--dry-run``) where ``path`` is not on this machine;
-    null means ``path``/config.json."""
+    null means ``path``/config.json. Planning only: a run refuses it."""
 
 
 @dataclass

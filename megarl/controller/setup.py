@@ -185,7 +185,8 @@ def _data(cfg):
     from megarl.data.loader import PromptLoader
 
     model = cfg.actor_rollout_ref.model
-    tok = AutoTokenizer.from_pretrained(model.tokenizer_path or model.path)
+    tok = AutoTokenizer.from_pretrained(model.tokenizer_path or model.path,
+                                        trust_remote_code=model.trust_remote_code)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     loader = PromptLoader(load_split(cfg.data, tok, "train"), cfg.data.train_batch_size,
                           shuffle=cfg.data.shuffle, seed=cfg.data.seed)

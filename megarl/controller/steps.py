@@ -331,7 +331,8 @@ async def val_generate(st: RunState, version: int) -> None:
     await engines_at(st, version)
     sp = sampling_params(st.cfg.actor_rollout_ref.rollout, stop_ids(r), st.cfg.trainer.seed,
                          validation=True, max_new_tokens=r.plan.max_new_tokens)
-    out = await st.runner.prompts(list(r.val_dataset), sp, f"v{version}")
+    out = await st.runner.prompts(list(r.val_dataset), sp, f"v{version}",
+                                  round_size=st.cfg.data.val_batch_size)
     if r.agent is not None:
         r.agent.pop_spans()  # the timeline's tool row is training's
     st.val[version] = {"samples": out.samples, "scores": out.scores}

@@ -294,8 +294,22 @@ class TrajectoryRunner:
         self.finish(prompt, t, request.input_ids)
         return t
 
-    async def prompts(self, prompts, sp: SamplingParams, rid_prefix: str) -> StepRollout:
-        """n samples of every prompt, all to the end, scored as each finishes."""
+    async def prompts(self, prompts, sp: SamplingParams, rid_prefix: str,
+                      round_size: int | None = None) -> StepRollout:
+        """n samples of every prompt, all to the end, scored as each finishes; `round_size`
+        prompts at a time (None: all at once), each round started when the one before has
+        finished. Seeds and request ids come from each prompt's own index and uid, so rounds
+        sample exactly what one call over all prompts would."""
+        prompts = list(prompts)
+        size = round_size or max(1, len(prompts))
+        samples, scores = [], []
+        for start in range(0, len(prompts), size):
+            out = await self._round(prompts[start:start + size], sp, rid_prefix)
+            samples += out.samples
+            scores += out.scores
+        return StepRollout(samples, scores)
+
+    async def _round(self, prompts, sp: SamplingParams, rid_prefix: str) -> StepRollout:
         jobs = []
         for p in prompts:
             psp = sp

@@ -88,17 +88,20 @@ class UpdateRefused(BadRequest):
         super().__init__("weights", message)
 
 
-def load_model(model_path: str, device: str, dtype: str | None, load_format: str):
+def load_model(model_path: str, device: str, dtype: str | None, load_format: str,
+               trust_remote_code: bool = False):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch_dtype = getattr(torch, dtype) if dtype and dtype != "auto" else None
     if load_format == "dummy":
         # SGLang's dummy format: the architecture with random weights, for engines whose real
         # weights arrive from the trainer before the first rollout.
-        cfg = AutoConfig.from_pretrained(model_path)
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch_dtype or torch.float32)
+        cfg = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch_dtype or torch.float32,
+                                                 trust_remote_code=trust_remote_code)
     elif load_format == "auto":
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype or "auto")
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype or "auto",
+                                                     trust_remote_code=trust_remote_code)
     else:
         raise ValueError(f"load_format: {load_format!r} is not supported; use auto or dummy")
     text_cfg = model.config.get_text_config()
@@ -118,10 +121,10 @@ class EmbeddedEngine:
                  load_tokenizer: bool = True, weight_version: str = "default",
                  tp_size: int = 1, live_updates: bool = False, honour_seeds: bool = True,
                  fail_update_at: int | None = None, update_group_timeout_s: float = 300.0,
-                 enable_return_routed_experts: bool = False):
+                 enable_return_routed_experts: bool = False, trust_remote_code: bool = False):
         self.model_path = str(model_path)
         self.device = torch.device(device)
-        self.model = load_model(self.model_path, device, dtype, load_format)
+        self.model = load_model(self.model_path, device, dtype, load_format, trust_remote_code)
         cfg = self.model.config.get_text_config()
         self.vocab_size = cfg.vocab_size
         self.context_length = context_length or cfg.max_position_embeddings
@@ -129,7 +132,8 @@ class EmbeddedEngine:
         self.tokenizer = None
         if load_tokenizer:
             from transformers import AutoTokenizer
-            self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+            self.tokenizer = AutoTokenizer.from_pretrained(self.model_path,
+                                                           trust_remote_code=trust_remote_code)
         gen = getattr(self.model, "generation_config", None)
         eos = getattr(gen, "eos_token_id", None) if gen is not None else None
         eos = cfg.eos_token_id if eos is None else eos

@@ -454,7 +454,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
                     help="with --device cuda, the GPU to use")
     ap.add_argument("--mem-fraction-static", type=float, default=None, help="ignored")
     ap.add_argument("--nccl-port", type=int, default=None, help="ignored")
-    ap.add_argument("--trust-remote-code", action="store_true", help="ignored")
+    ap.add_argument("--trust-remote-code", action="store_true",
+                    help="let transformers run the model's and tokenizer's own code")
     return ap
 
 
@@ -482,7 +483,8 @@ def main(argv: list[str] | None = None) -> int:
                                           or args.enable_deterministic_inference),
                             fail_update_at=args.fail_update_at,
                             update_group_timeout_s=args.update_group_timeout,
-                            enable_return_routed_experts=args.enable_return_routed_experts)
+                            enable_return_routed_experts=args.enable_return_routed_experts,
+                            trust_remote_code=args.trust_remote_code)
     app = RolloutServer(engine, skip_tokenizer_init=args.skip_tokenizer_init).app
 
     async def close_engine(_app):

@@ -6,7 +6,11 @@ CPU, gloo):
 - `torch.cuda.synchronize()` is called around pipeline communication;
 - `pipeline_parallel/schedules.py` counts tokens in `torch.zeros(..., device="cuda")`;
 - `LanguageModule.setup_embeddings_and_output_layer` moves the tied embedding to `.cuda()`
-  before syncing it across the first and last pipeline stages.
+  before syncing it across the first and last pipeline stages;
+- activation recompute (`tensor_parallel.random.CheckpointFunction`, what
+  `enable_gradient_checkpointing` turns on) saves and restores the CUDA generator's state
+  around each recomputed layer: on the CPU there is none, and the CPU generator's state, which
+  it saves and restores as well, is the one that matters.
 `apply()` redirects those to the CPU. It is a no-op when CUDA is available, so GPU runs use
 Megatron exactly as shipped.
 
@@ -101,6 +105,10 @@ def apply() -> None:
         module.torch = _CpuTorchShim()
     LanguageModule.setup_embeddings_and_output_layer = _tensor_cuda_is_identity(
         LanguageModule.setup_embeddings_and_output_layer)
+    from megatron.core.tensor_parallel import random as tp_random
+
+    tp_random._get_cuda_rng_state = lambda *a, **k: None
+    tp_random._set_cuda_rng_state = lambda *a, **k: None
     _applied = True
     logger.debug("megatron-core CPU patches applied (megatron-core %s)", version)
 

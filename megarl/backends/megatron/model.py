@@ -178,7 +178,11 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
 
 
 def transformer_config(args: ModelArgs, tp: int, pp: int, params_dtype: str = "float32",
-                       moe: MoESettings | None = None, **overrides):
+                       moe: MoESettings | None = None, recompute: bool = False, **overrides):
+    """Megatron's TransformerConfig of `args`. `recompute` (the model's
+    `enable_gradient_checkpointing`): every layer's activations are dropped after forward and
+    recomputed in backward from its input, Megatron's full/uniform recompute one layer at a
+    time; what stays is one [s, b, h] input per layer (controller/memory.py counts that)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     dtype = DTYPES[params_dtype]
@@ -224,6 +228,9 @@ def transformer_config(args: ModelArgs, tp: int, pp: int, params_dtype: str = "f
                 "alltoall" if on_gpu else "allgather"),
             moe_enable_routing_replay=moe.routing_replay,
             moe_grouped_gemm=False)
+    if recompute:
+        kw.update(recompute_granularity="full", recompute_method="uniform",
+                  recompute_num_layers=1)
     kw.update(overrides)
     return TransformerConfig(**kw)
 

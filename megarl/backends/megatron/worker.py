@@ -74,7 +74,8 @@ class MegatronWorker:
                  optim: OptimConfig | None = None, make_vocab_size_divisible_by: int = 128,
                  seed: int = 1234, load_hf: bool = True, trainable: bool = True,
                  value_model: bool = False, transformer_impl: str = "auto",
-                 collective_timeout_s: float = 600.0, moe: mmodel.MoESettings | None = None):
+                 collective_timeout_s: float = 600.0, moe: mmodel.MoESettings | None = None,
+                 recompute: bool = False):
         # The converter's checks and layout rules, before any collective: a model that cannot
         # split over TP×PP fails here with the converter's message, not a Megatron assertion.
         self.args = read_model_args(model_dir)
@@ -86,7 +87,8 @@ class MegatronWorker:
 
         self.ps = ps
         self.model_dir = model_dir
-        self.config = mmodel.transformer_config(self.args, tp, pp, params_dtype, moe)
+        self.config = mmodel.transformer_config(self.args, tp, pp, params_dtype, moe,
+                                                recompute=recompute)
         self.value_model = value_model
         self.model = mmodel.build_gpt_model(self.args, self.config, make_vocab_size_divisible_by,
                                             value_head=value_model,
@@ -120,7 +122,8 @@ class MegatronWorker:
                    optim=spec.optim, make_vocab_size_divisible_by=spec.make_vocab_size_divisible_by,
                    seed=spec.seed, trainable=spec.optim is not None,
                    value_model=spec.value_model, transformer_impl=spec.transformer_impl,
-                   collective_timeout_s=spec.collective_timeout_s, moe=spec.moe)
+                   collective_timeout_s=spec.collective_timeout_s, moe=spec.moe,
+                   recompute=spec.recompute)
 
     # ---------------------------------------------------------------- forward plumbing
     def _device(self):

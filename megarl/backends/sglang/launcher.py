@@ -54,6 +54,7 @@ class ServerArgs:
     # stock's --enable-return-routed-experts (the embedded server takes it too): requests may
     # then ask for the experts each token was routed to (rollout.enable_rollout_routing_replay)
     enable_return_routed_experts: bool = False
+    trust_remote_code: bool = False  # the model's own code may run (model.trust_remote_code)
     device: str = "cuda"  # "cpu": stock sglang gets the CPU engine, shims and flags
     python: str | None = None  # the server's interpreter; None: this one
     extra_args: list[str] = field(default_factory=list)
@@ -93,7 +94,7 @@ def replica_server_args(cfg, index: int, *, host: str, port: int,
         r, cfg.actor_rollout_ref.model.path, port=port, base_gpu_id=base_gpu_id, host=host,
         random_seed=cfg.trainer.seed + index, context_length=ctx, weight_version="0",
         dtype=rollout_dtype(cfg), enable_return_routed_experts=r.enable_rollout_routing_replay,
-        load_format=load_format,
+        load_format=load_format, trust_remote_code=cfg.actor_rollout_ref.model.trust_remote_code,
         device=cfg.trainer.device, python=python, extra_args=list(r.server_extra_args))
 
 
@@ -134,6 +135,8 @@ def build_command(args: ServerArgs, module: str = SGLANG_MODULE,
         cmd.append("--skip-tokenizer-init")
     if args.enable_return_routed_experts:
         cmd.append("--enable-return-routed-experts")
+    if args.trust_remote_code:
+        cmd.append("--trust-remote-code")
     return cmd + list(args.extra_args)
 
 

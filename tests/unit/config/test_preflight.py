@@ -149,3 +149,17 @@ def test_a_models_experts_are_checked_against_its_expert_layout(tmp_path, qwen_d
                    f"{arr}.ref.megatron.expert_model_parallel_size=2",
                    f"{arr}.rollout.enable_rollout_routing_replay=true",
                    f"{arr}.actor.router_replay.mode=R3"))
+
+
+@pytest.mark.parametrize("key,said", [
+    ("actor_rollout_ref.model.override_config.num_hidden_layers=4",
+     "actor_rollout_ref.model.override_config: applied only when planning"),
+    ("actor_rollout_ref.model.hf_config_path=/x/config.json",
+     "actor_rollout_ref.model.hf_config_path: read only when planning")])
+def test_planning_only_keys_are_refused_by_a_run(tmp_path, qwen_dir, data, key, said):
+    """A run builds its models from the model's own config.json: these keys, which only the
+    dry run reads, would change nothing there."""
+    train, val = data
+    with pytest.raises(ConfigError, match=said):
+        preflight(_cfg(tmp_path, qwen_dir, f"data.train_files={train}",
+                       f"data.val_files={val}", key))

@@ -148,6 +148,32 @@ def test_prompts_of_one_step_draw_their_own_random_streams(engine, scorer):
     assert first[:2] != first[2:]  # and so do the two prompts' samples
 
 
+def test_prompts_in_rounds_sample_what_one_call_does_with_a_round_in_flight(engine, scorer):
+    """data.val_batch_size: validation's prompts in rounds of that many; never more than a
+    round's samples in flight, and the same tokens as one call over all the prompts."""
+    runner = TrajectoryRunner(RolloutManager([engine]), engine.tokenizer, scorer)
+    sp = SamplingParams(max_new_tokens=8, temperature=1.0, ignore_eos=True, n=2,
+                        sampling_seed=5)
+    most = []
+
+    async def watch():
+        while True:
+            most.append(len(runner.running))
+            await asyncio.sleep(0)
+
+    async def go(size):
+        w = asyncio.ensure_future(watch())
+        out = await runner.prompts(_prompts(5), sp, "v0", round_size=size)
+        w.cancel()
+        return [list(s.response_ids) for s in out.samples], len(out.scores)
+
+    whole, _ = asyncio.run(go(None))
+    peak_whole, most[:] = max(most), []
+    rounds, n_scores = asyncio.run(go(2))
+    assert rounds == whole and n_scores == len(whole) == 10
+    assert max(most) == 4 < peak_whole == 10  # two prompts of two samples at a time
+
+
 def test_a_rollout_function_by_import_path_runs_as_the_policy(engine, scorer, tmp_path):
     (tmp_path / "user_rollout.py").write_text(USER_FN)
     cfg = OmegaConf.create({"n": 1, "partial_rollout": False, "over_sample_prompts": None,

@@ -85,3 +85,31 @@ def test_routing_replay_launches_servers_that_return_routed_experts():
     off = replica_server_args(load_config(None, []), 0, host="127.0.0.1", port=1,
                               base_gpu_id=None)
     assert "--enable-return-routed-experts" not in build_command(off, python="py")
+
+
+def test_trust_remote_code_reaches_the_launched_servers_and_the_embedded_engine(tiny_qwen2):
+    """actor_rollout_ref.model.trust_remote_code: stock SGLang's flag on the command line, which
+    the embedded server takes to its engine's transformers loads."""
+    cfg = load_config(None, ["actor_rollout_ref.model.trust_remote_code=true"])
+    args = replica_server_args(cfg, 0, host="127.0.0.1", port=1, base_gpu_id=None)
+    assert "--trust-remote-code" in build_command(args, python="py")
+    assert build_arg_parser().parse_args(build_command(args, EMBEDDED_MODULE)[3:]) \
+        .trust_remote_code
+    off = replica_server_args(load_config(None, []), 0, host="127.0.0.1", port=1,
+                              base_gpu_id=None)
+    assert "--trust-remote-code" not in build_command(off, python="py")
+    from unittest import mock
+
+    import transformers
+
+    from megarl.rollout.engine import EmbeddedEngine
+    seen = []
+    real = transformers.AutoTokenizer.from_pretrained
+
+    def spy(*a, **k):
+        seen.append(k.get("trust_remote_code"))
+        return real(*a, **k)
+
+    with mock.patch.object(transformers.AutoTokenizer, "from_pretrained", spy):
+        EmbeddedEngine(tiny_qwen2, trust_remote_code=True)
+    assert seen == [True]
