@@ -317,6 +317,18 @@ def _lengths_can_fail(d) -> bool:
     return not d.filter_overlong_prompts and d.truncation == "error"
 
 
+def _check_data_sources(d) -> None:
+    """With no ``reward.reward_fn``, every row's ``data_source`` has a built-in scorer: one
+    without would score ``failure_score`` on every sample, and the run would train on it."""
+    from megarl.data.dataset import split_data_sources
+    from megarl.reward.registry import builtin_for, no_builtin_message
+
+    for split in ("train", "val"):
+        for source, where in split_data_sources(d, split).items():
+            if builtin_for(source) is None:
+                raise ConfigError(f"data.{split}_files: {where}: {no_builtin_message(source)}")
+
+
 def _check_data(cfg, tokenizer) -> None:
     """Read every row of the train and val files (the run loads both, even to validate);
     with a tokenizer, tokenize them too.
@@ -335,6 +347,8 @@ def _check_data(cfg, tokenizer) -> None:
         # so "not both there yet" is the state to leave alone.)
         _check_writable_dir(Path(str(d.train_files)).parent, "data.train_files")
         return
+    if cfg.reward.reward_fn is None and tokenizer is None:
+        _check_data_sources(d)
     for split in ("train", "val"):
         if tokenizer is not None:
             ds = load_split(d, tokenizer, split)

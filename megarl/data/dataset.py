@@ -404,6 +404,20 @@ def scan_split(data_cfg, split: str = "train") -> int:
     return len(read_rows(paths, args["config_key"], args["prompt_key"], args["bad_rows"])[0])
 
 
+def split_data_sources(data_cfg, split: str = "train") -> dict[str, str]:
+    """Each ``data_source`` of the usable rows of the ``train`` or ``val`` files, with where
+    it is first seen (``file:row``); empty for ``val`` with no files."""
+    args = _split_args(data_cfg, split)
+    if args is None:
+        return {}
+    paths = _as_paths(args["files"], args["config_key"])
+    seen: dict[str, str] = {}
+    for _, where, row in read_rows(paths, args["config_key"], args["prompt_key"],
+                                   args["bad_rows"])[0]:
+        seen.setdefault(row["data_source"], where)
+    return seen
+
+
 def load_split(data_cfg, tokenizer, split: str = "train") -> Optional[RLDataset]:
     """The ``train`` or ``val`` dataset described by the ``data`` config section.
 

@@ -10,10 +10,12 @@ pool with per-call timeouts lives in ``megarl.reward.pool``, the code sandbox in
 """
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 from typing import Callable, Optional, Sequence
 
+from megarl.utils.errors import ConfigError
 from megarl.utils.imports import load_callable
 from megarl.reward import code_exec, last_digit, math_exact, quickstart, tool_lookup
 
@@ -36,19 +38,29 @@ DATA_SOURCES: dict[str, RewardFn] = {
 }
 
 
-def default_compute_score(data_source: str, solution_str: str, ground_truth,
-                          extra_info=None) -> float:
-    """Dispatch on ``data_source``: the table above, then any name containing math/gsm8k
-    (exact-match) or code (sandboxed test cases)."""
+def builtin_for(data_source: str) -> Optional[RewardFn]:
+    """The built-in scorer of ``data_source``: the table above, then any name containing
+    math/gsm8k (exact-match) or code (sandboxed test cases); None where there is none."""
     fn = DATA_SOURCES.get(data_source)
     if fn is None and any(k in data_source.lower() for k in ("math", "gsm8k")):
         fn = math_exact.compute_score
     if fn is None and "code" in data_source.lower():
         fn = code_exec.compute_score
+    return fn
+
+
+def no_builtin_message(data_source: str) -> str:
+    return (f"no built-in reward for data_source {data_source!r} (known: {sorted(DATA_SOURCES)}"
+            f", or a name containing math, gsm8k or code); set reward.reward_fn to "
+            f"'module:function'")
+
+
+def default_compute_score(data_source: str, solution_str: str, ground_truth,
+                          extra_info=None) -> float:
+    """Dispatch on ``data_source`` (``builtin_for``)."""
+    fn = builtin_for(data_source)
     if fn is None:
-        raise ValueError(
-            f"no built-in reward for data_source {data_source!r} (known: "
-            f"{sorted(DATA_SOURCES)}); set reward.reward_fn to 'module:function'")
+        raise ValueError(no_builtin_message(data_source))
     return fn(data_source, solution_str, ground_truth, extra_info)
 
 
@@ -59,8 +71,25 @@ def load_reward_fn(path: Optional[str | RewardFn]) -> RewardFn:
     if callable(path):
         return path
     fn = load_callable(path, "reward.reward_fn")
+    _check_signature(fn, path)
     logger.info("reward function: %s", path)
     return fn
+
+
+def _check_signature(fn: RewardFn, path: str) -> None:
+    """A run calls the function with verl's four arguments (extra_info always holds at least
+    the finish reason), as verl does: one that cannot take them would fail every call."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin or C function: nothing to read
+        return
+    try:
+        sig.bind("data_source", "solution_str", "ground_truth", {})
+    except TypeError as err:
+        raise ConfigError(f"reward.reward_fn: {path!r}: {fn.__name__}{sig} cannot be called "
+                          f"as fn(data_source, solution_str, ground_truth, extra_info), "
+                          f"verl's signature ({err}); add an extra_info=None parameter"
+                          ) from None
 
 
 def _as_score(value, fn: RewardFn, uid: str) -> float:

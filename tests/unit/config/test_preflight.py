@@ -163,3 +163,18 @@ def test_planning_only_keys_are_refused_by_a_run(tmp_path, qwen_dir, data, key, 
     with pytest.raises(ConfigError, match=said):
         preflight(_cfg(tmp_path, qwen_dir, f"data.train_files={train}",
                        f"data.val_files={val}", key))
+
+
+def test_a_data_source_without_a_reward_is_refused_naming_file_and_row(tmp_path, qwen_dir, data):
+    """With no reward.reward_fn, a data_source the built-ins do not score would fail every
+    call and the run would train on failure_score; with a reward_fn it is the function's."""
+    train, val = data
+    rows = [_row(i) for i in range(5)]
+    rows[3]["data_source"] = "my/new_task"
+    train.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    args = (f"data.train_files={train}", f"data.val_files={val}")
+    with pytest.raises(ConfigError, match=rf"data.train_files: {train}:4: no built-in reward "
+                                          r"for data_source 'my/new_task'"):
+        preflight(_cfg(tmp_path, qwen_dir, *args))
+    preflight(_cfg(tmp_path, qwen_dir, *args,
+                   "reward.reward_fn=megarl.reward.testing:length_score"))

@@ -60,6 +60,17 @@ def test_import_path_errors_name_the_key(path, match):
     assert str(err.value).startswith("reward.reward_fn:")
 
 
+def test_a_function_that_cannot_take_extra_info_is_refused_at_load(tmp_path):
+    """A run always passes extra_info (the finish reason at least), as verl does."""
+    f = tmp_path / "three.py"
+    f.write_text("def score(data_source, solution_str, ground_truth):\n    return 1.0\n")
+    with pytest.raises(ConfigError, match=r"reward.reward_fn: .*score\(data_source, "
+                                          r"solution_str, ground_truth\) cannot be called"):
+        load_reward_fn(f"{f}:score")
+    f.write_text("def score(*args, **kwargs):\n    return 1.0\n")
+    assert load_reward_fn(f"{f}:score")("d", "s", "g", {}) == 1.0
+
+
 def test_a_directory_named_like_a_file_is_said_to_be_one(tmp_path):
     (tmp_path / "rewards.py").mkdir()
     with pytest.raises(ConfigError, match="rewards.py is a directory, not a Python file"):
