@@ -85,9 +85,11 @@ def prepare_assets(cfg) -> None:
     if cfg.data.synthetic_task:
         from megarl.data.synthetic import make_synthetic_task
 
+        # under the names the config gives (it keeps both files when both are there)
         train = Path(str(cfg.data.train_files))
-        if not train.is_file():
-            make_synthetic_task(cfg.data.synthetic_task, train.parent)
+        val = cfg.data.val_files if isinstance(cfg.data.val_files, str) else None
+        make_synthetic_task(cfg.data.synthetic_task, train.parent, train_file=train,
+                            val_file=val)
     if not (Path(model.path) / "config.json").is_file():
         raise ConfigError(f"actor_rollout_ref.model.path: {model.path} has no config.json "
                           "(set actor_rollout_ref.model.make_tiny to make a tiny one)")

@@ -65,3 +65,24 @@ def test_last_digit_task(tmp_path, tokenizer):
     # the plain-text prompt ends with the answer's token, which the engine continues from
     ds = RLDataset(str(paths["val"]), tokenizer, max_prompt_length=64)
     assert tokenizer.decode(ds[0].prompt_ids[-1:]).strip() == digits[-1]
+
+
+def test_a_run_writes_the_synthetic_task_under_the_configs_file_names(tmp_path):
+    """prepare_assets: data.train_files / data.val_files name the files it writes (it wrote
+    train.jsonl and val.jsonl beside train_files whatever they were called), and a missing
+    val file is written though the train file is there."""
+    from megarl.config import load_config
+    from megarl.controller.setup import prepare_assets
+
+    train, val = tmp_path / "d" / "my_train.jsonl", tmp_path / "e" / "my_val.jsonl"
+    cfg = load_config(None, ["data.synthetic_task=last_digit", f"data.train_files={train}",
+                             f"data.val_files={val}",
+                             f"actor_rollout_ref.model.path={tmp_path / 'm'}",
+                             "actor_rollout_ref.model.make_tiny=qwen2"])
+    prepare_assets(cfg)
+    assert train.is_file() and val.is_file()
+    assert not (tmp_path / "d" / "train.jsonl").exists()
+    val.unlink()
+    before = train.read_bytes()
+    prepare_assets(cfg)
+    assert val.is_file() and train.read_bytes() == before
