@@ -770,7 +770,8 @@ class TrainerConfig:
     nnodes: int = 1
     """Nodes in the cluster."""
     n_gpus_per_node: int = 1
-    """Devices per node; on CPU, the number of worker processes per node."""
+    """Devices per node; on CPU, devices that share the node's cores (each model placed on a
+    device, and its rollout engines, run in a process of their own)."""
     launcher: str = "ray"
     """How worker processes start: ``ray`` (placement groups, the default) or ``torchrun``
     (one process per device started by ``launch/torchrun.sh``; no Ray; see docs/launch.md)."""
