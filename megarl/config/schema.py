@@ -537,10 +537,12 @@ class RolloutConfig:
     """How long a launched server, or a replacement engine of either backend, may take to
     answer before the run stops (a replacement: before its slot is given up)."""
     engine_health_interval_s: float = 2.0
-    """While requests are in flight, each engine's /health is polled this often; an engine
-    whose process died, whose connection broke or whose health check fails is replaced."""
+    """While requests are in flight, each engine is asked for its ``/model_info`` this often
+    (the health check); an engine whose process died, whose connection broke or whose health
+    check fails is replaced."""
     engine_health_timeout_s: float = 10.0
-    """A /health answer slower than this marks the engine dead (wedged)."""
+    """A health check (``/model_info``) answered slower than this marks the engine dead
+    (wedged)."""
     engine_max_restarts: int = 3
     """Replacements per engine slot (0: none); past them the run goes on with fewer engines
     and stops with an error naming each engine once none is left. A replacement gets the
