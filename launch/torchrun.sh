@@ -17,6 +17,11 @@
 # Restarts: torchrun's `--max-restarts` is the config's `trainer.max_restarts` (read from
 # CONFIG and the overrides): when a process fails, every node's agent restarts its processes
 # and the run resumes from its newest checkpoint (docs/checkpoints.md).
+#
+# The ranks sign their commands with MEGARL_CONTROL_SECRET (docs/security.md): a one-node job
+# gets a fresh one here; a multi-node job needs the same one exported on every node, e.g.
+#   export MEGARL_CONTROL_SECRET=$(python -c 'import secrets; print(secrets.token_hex(32))')
+# once, kept in a file only the job's user can read.
 set -euo pipefail
 
 NNODES=${NNODES:-1}
@@ -27,7 +32,7 @@ NPROC_PER_NODE=${NPROC_PER_NODE:-1}
 RDZV_BACKEND=${RDZV_BACKEND:-static}
 PYTHON=${PYTHON:-python}
 
-usage() { sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+usage() { sed -n '2,24p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 
 while [[ $# -gt 0 ]]; do
   case "$1" in
@@ -50,6 +55,16 @@ for v in NNODES NODE_RANK MASTER_PORT NPROC_PER_NODE; do
   [[ "${!v}" =~ ^[0-9]+$ ]] || { echo "launch/torchrun.sh: $v=${!v} is not a number" >&2; exit 2; }
 done
 (( NODE_RANK < NNODES )) || { echo "launch/torchrun.sh: NODE_RANK=$NODE_RANK but NNODES=$NNODES" >&2; exit 2; }
+
+if [[ -z "${MEGARL_CONTROL_SECRET:-}" ]]; then
+  if (( NNODES > 1 )); then
+    echo "launch/torchrun.sh: MEGARL_CONTROL_SECRET is not set; a job of $NNODES nodes needs" \
+      "the same secret exported on every node (see the top of this script)" >&2
+    exit 2
+  fi
+  MEGARL_CONTROL_SECRET=$("$PYTHON" -c 'import secrets; print(secrets.token_hex(32))')
+fi
+export MEGARL_CONTROL_SECRET
 
 # Keep the repository importable however the package was installed.
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)

@@ -9,7 +9,9 @@ that builds and calls the same per-rank objects the Ray actors wrap (`MegatronRa
 (cluster/group.py) run over it as they run over Ray's. Ray is never imported here.
 
 The control plane is the TCPStore that torchrun's agents already host (MASTER_ADDR:MASTER_PORT):
-rank 0 writes `cmd/<rank>/<seq>` (pickled), the rank executes it and writes `res/<rank>/<seq>`.
+rank 0 writes `cmd/<rank>/<seq>` (pickled and signed: cluster/control_auth.py; a value that is
+not signed with the job's secret is refused unread), the rank executes it and writes
+`res/<rank>/<seq>`, signed the same way.
 Commands to one rank run in order, one at a time, like calls on a Ray actor; different ranks
 run concurrently. Nothing here touches the default process group of the torchrun world: an
 actor rank's default group must be its *model's* world (Megatron's parallel_state assumes so),
@@ -39,7 +41,6 @@ import concurrent.futures as cf
 import datetime
 import logging
 import os
-import pickle
 import signal
 import sys
 import threading
@@ -50,6 +51,7 @@ from megarl.utils.errors import ConfigError, lost_too_often
 from megarl.utils.net import route_address
 
 from .actors import MegatronRank, RolloutRank, ServerRank, on_torchrun_node
+from .control_auth import ForgedMessage, Sealer
 from .transport import Transport, thread_budget
 
 logger = logging.getLogger(__name__)
@@ -120,6 +122,7 @@ class Control:
                 f"--max-restarts {agent_max}: the agent restarts the processes, so the two must "
                 "agree (launch/torchrun.sh passes the key's value)")
         self.max_restarts, self.placement_timeout_s = t.max_restarts, t.placement_timeout_s
+        self.sealer = Sealer.from_env()
         self.life = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         self.master = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
         # With the agent's store, torchrun would make *every* env:// init_process_group a
@@ -286,7 +289,8 @@ class Control:
             seq = self._seq[rank]
             self._seq[rank] += 1
             self._pending[f"res/{rank}/{seq}"] = (fut, f"rank {rank}: {name}.{method}")
-        self.store.set(f"cmd/{rank}/{seq}", pickle.dumps(msg, pickle.HIGHEST_PROTOCOL))
+        key = f"cmd/{rank}/{seq}"
+        self.store.set(key, self.sealer.seal(self._prefix + key, msg))
         if self._collector is None:
             self._collector = threading.Thread(target=self._collect, daemon=True,
                                                name="megarl-results")
@@ -308,8 +312,15 @@ class Control:
             for key in keys:
                 if not store.check([key]):
                     continue
-                status, value = pickle.loads(store.get(key))
+                blob = store.get(key)
                 store.delete_key(key)
+                try:
+                    status, value = self.sealer.open(self._prefix + key, blob)
+                except ForgedMessage as err:
+                    # someone else wrote there; the rank's own result is still to come
+                    logger.error("rank 0: refused a result (%s); still waiting for the rank's",
+                                 err)
+                    continue
                 with self._lock:
                     fut, what = self._pending.pop(key)
                 if status == "ok":
@@ -374,10 +385,18 @@ class Control:
                 if time.monotonic() - checked > 1.0:
                     checked = time.monotonic()
                     self._check_driver()
-            msg = pickle.loads(self.store.get(key))
+            blob = self.store.get(key)
             self.store.delete_key(key)
+            try:
+                msg = self.sealer.open(self._prefix + key, blob)
+            except ForgedMessage as err:
+                # not rank 0's: refused unread; its command for this slot is still to come
+                logger.error("rank %d: refused a command (%s); still waiting for rank 0's",
+                             self.rank, err)
+                continue
+            res = f"res/{self.rank}/{seq}"
             if msg[1] == "__exit__":
-                self.store.set(f"res/{self.rank}/{seq}", pickle.dumps(("ok", None)))
+                self.store.set(res, self.sealer.seal(self._prefix + res, ("ok", None)))
                 failed = bool(msg[2] and msg[2][0])
                 break
             fut = work.submit(_execute, self.objects, msg)
@@ -388,7 +407,7 @@ class Control:
             except Exception:  # noqa: BLE001 - the failure belongs to rank 0's caller
                 logger.exception("rank %d: %s.%s failed", self.rank, msg[0], msg[1])
                 out = ("error", traceback.format_exc())
-            self.store.set(f"res/{self.rank}/{seq}", pickle.dumps(out, pickle.HIGHEST_PROTOCOL))
+            self.store.set(res, self.sealer.seal(self._prefix + res, out))
             seq += 1
         self._stop.set()
         work.shutdown(wait=False)

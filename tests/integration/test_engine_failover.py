@@ -343,9 +343,9 @@ def test_torchrun_run_replaces_a_killed_stock_sglang_server(quickstart_assets, t
 
     from test_train_e2e import _args
 
-    from launch_helpers import ROOT
+    from launch_helpers import CONTROL_SECRET, ROOT
 
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), **CONTROL_SECRET)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            "-m", "megarl.cli", "train", *_args(
                quickstart_assets, tmp_path, *RUN, "trainer.launcher=torchrun",

@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from launch_helpers import ROOT, SCRIPTS, read_json, torchrun
+from launch_helpers import CONTROL_SECRET, ROOT, SCRIPTS, read_json, torchrun
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -101,7 +101,7 @@ def _quickstart_on_one_gpu(tmp_path, quickstart_assets, name, *extra):
     # 40 steps, as the CPU tests' reward rise: over 10 the reward (~0.05) was noise, and a
     # last-3-against-first-3 check failed on an H100 with nothing wrong
     steps = 40
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="4")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="4", **CONTROL_SECRET)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
            "-m", "megarl.cli", "train", "--config", str(ROOT / "configs" / "quickstart.yaml"),
            f"data.train_files={quickstart_assets / 'data' / 'train.jsonl'}",

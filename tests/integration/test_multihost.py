@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from hosts import Hosts, unavailable
-from launch_helpers import ROOT, munged_command, slurm_conf
+from launch_helpers import CONTROL_SECRET, ROOT, munged_command, slurm_conf
 
 pytestmark = [pytest.mark.skipif(unavailable() is not None, reason=str(unavailable())),
               pytest.mark.multihost]
@@ -61,7 +61,7 @@ def _torchrun(hs: Hosts, nodes: int, assets, run_dir, steps, *extra, tag="", **e
     for node in range(nodes):
         env = dict(os.environ, NNODES=str(nodes), NODE_RANK=str(node), MASTER_ADDR=hs.addr(0),
                    MASTER_PORT="29500", NPROC_PER_NODE="1", OMP_NUM_THREADS="1",
-                   PYTHON=sys.executable, **NO_RAY, **env_extra)
+                   PYTHON=sys.executable, **NO_RAY, **CONTROL_SECRET, **env_extra)
         with open(run_dir / f"node{node}{tag}.log", "w") as log:
             procs.append(hs.popen(node, ["bash", str(SCRIPT),
                                          str(ROOT / "configs" / "quickstart.yaml"),

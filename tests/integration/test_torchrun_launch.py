@@ -13,7 +13,7 @@ import time
 import psutil
 import pytest
 
-from launch_helpers import ROOT
+from launch_helpers import CONTROL_SECRET, ROOT
 
 SCRIPT = ROOT / "launch" / "torchrun.sh"
 
@@ -37,7 +37,7 @@ def _launch(assets, run_dir, steps, port, **env_extra):
     for node in (0, 1):
         env = dict(os.environ, NNODES="2", NODE_RANK=str(node), MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=str(port), NPROC_PER_NODE="1", OMP_NUM_THREADS="1",
-                   PYTHON=sys.executable, **env_extra)
+                   PYTHON=sys.executable, **CONTROL_SECRET, **env_extra)
         log = open(run_dir / f"node{node}.log", "w")
         procs.append(subprocess.Popen(
             ["bash", str(SCRIPT), str(ROOT / "configs" / "quickstart.yaml"),
@@ -212,13 +212,18 @@ def test_bad_launch_settings_fail_before_any_work(tmp_path, monkeypatch):
     p = subprocess.run(["bash", str(SCRIPT), str(tmp_path / "missing.yaml")],
                        env=env, capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and "missing.yaml not found" in p.stderr
+    # several nodes must share the secret their ranks sign commands with: none is made up
+    env = {k: v for k, v in env.items() if k != "MEGARL_CONTROL_SECRET"}
+    p = subprocess.run(["bash", str(SCRIPT), str(ROOT / "configs" / "quickstart.yaml")],
+                       env=dict(env, NODE_RANK="1"), capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "MEGARL_CONTROL_SECRET is not set; a job of 2 nodes" in p.stderr
 
 
 def test_sglang_backend_under_torchrun(quickstart_assets, tmp_path):
     """`rollout.name=sglang` without Ray: the first rank of the rollout replica launches the
     server (here megarl's embedded server in SGLang-contract mode, TP 2 over ranks 2-3), the
     trainer's update group counts its two TP ranks, and the run trains."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), **CONTROL_SECRET)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
            "-m", "megarl.cli", "train", "--config", str(ROOT / "configs" / "quickstart.yaml"),
            *_overrides(quickstart_assets, tmp_path, 3)[:-2], "trainer.launcher=torchrun",

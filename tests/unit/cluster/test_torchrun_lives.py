@@ -24,6 +24,7 @@ def agent_store(monkeypatch):
            "TORCHELASTIC_MAX_RESTARTS": "2"}
     for k, v in env.items():
         monkeypatch.setenv(k, v)
+    monkeypatch.setenv("MEGARL_CONTROL_SECRET", "s" * 64)
     yield dist.PrefixStore("megarl/t/life/", store)
 
 
