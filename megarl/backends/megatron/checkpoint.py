@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pickle
 import queue
 import shutil
 from pathlib import Path
@@ -135,8 +136,7 @@ def _load_optimizer(worker, path: Path, meta: dict) -> None:
         why = "the checkpoint has none"
     if why is None:
         try:
-            # onto this worker's device: state saved on a GPU loads on a CPU and the reverse
-            state = torch.load(optim, map_location=worker._device(), weights_only=False)
+            state = load_optimizer_file(optim, worker._device())
             worker.optimizer.load_state_dict(state)
             return
         except ValueError as e:  # another optimizer, or distributed vs not: checked first
@@ -146,6 +146,25 @@ def _load_optimizer(worker, path: Path, meta: dict) -> None:
     # Megatron's optimizer steps fp32 copies of bf16 weights; they must be the loaded ones.
     worker.optimizer.reload_model_params()
     worker.optimizer.resume_schedule(meta.get("optimizer_steps", 0))
+
+
+def load_optimizer_file(path: Path, device) -> dict:
+    """One rank's optimizer state, as data: tensors, numbers and containers only
+    (``weights_only``), never objects that unpickling would build, so a checkpoint from
+    elsewhere cannot run code here. Onto `device`: state saved on a GPU loads on a CPU and the
+    reverse. Raises `CheckpointError` naming the file when it holds anything else."""
+    try:
+        return torch.load(path, map_location=device, weights_only=True)
+    except pickle.UnpicklingError as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise CheckpointError(
+            f"{path}: refused: the optimizer state holds something other than tensors, numbers "
+            f"and containers ({first}); megarl saves only those, so this file was not written "
+            f"by it or was altered") from None
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint file that megarl will not load."""
 
 
 def hf_side_dir(path) -> str:
