@@ -16,6 +16,7 @@ from typing import Callable, Optional, Sequence
 
 from megarl.config import ConfigError, load_config, to_yaml
 from megarl.config.preflight import preflight
+from megarl.rollout import auth as rollout_auth
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130  # the shell's status for a command ended by SIGINT
@@ -75,6 +76,7 @@ def _train(args: argparse.Namespace) -> int:
         # No file checks: a dry run plans, often on a laptop, a run whose model and data
         # live on the cluster.
         return _dry_run(cfg, args.gpu_memory_gib)
+    rollout_auth.establish(cfg)  # before any server or worker: they inherit it
     preflight(cfg)  # every rank, before Ray or a torchrun rendezvous: files fail here
     if cfg.trainer.launcher == "torchrun":
         # Every process of the torchrun world lands here; rank 0 drives, the others serve it.
@@ -89,6 +91,7 @@ def _train(args: argparse.Namespace) -> int:
 def _validate(args: argparse.Namespace) -> int:
     # Validate as val_only so a config with no data.val_files fails here, not in the driver.
     cfg = load_config(args.config, [*args.overrides, "trainer.val_only=True"])
+    rollout_auth.establish(cfg)
     preflight(cfg)
     if cfg.trainer.launcher == "torchrun":
         from megarl.cluster import torchrun

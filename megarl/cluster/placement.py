@@ -13,6 +13,8 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from megarl.rollout import auth as rollout_auth
+
 from .actors import MegatronRank, RolloutRank, ServerRank
 from .topology import GroupPlan
 from .transport import Transport
@@ -27,14 +29,17 @@ def init_ray(cfg) -> None:
     t = cfg.trainer
     kw = dict(include_dashboard=False, ignore_reinit_error=True, logging_level=logging.WARNING,
               log_to_driver=True)
+    # the run's rollout token reaches the workers with their environment, not in any call
+    token = {rollout_auth.API_KEY_ENV: rollout_auth.api_key()} if rollout_auth.api_key() else {}
     if os.environ.get("RAY_ADDRESS"):
-        ray.init(address=os.environ["RAY_ADDRESS"], **kw)
+        ray.init(address=os.environ["RAY_ADDRESS"], runtime_env={"env_vars": token}, **kw)
         return
     if t.device == "cpu":
         kw["num_cpus"] = t.nnodes * t.n_gpus_per_node
     env = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
            "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(),
-                                                       os.environ.get("PYTHONPATH")]))}
+                                                       os.environ.get("PYTHONPATH")])),
+           **token}
     # megarl runs only actors, each in a worker process of its own: the idle workers a new
     # Ray prestarts for tasks (one per CPU, ~0.3 s of CPU each) would never be used
     ray.init(runtime_env={"env_vars": env}, _system_config={"prestart_worker_first_driver": False},

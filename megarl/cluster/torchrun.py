@@ -9,7 +9,7 @@ that builds and calls the same per-rank objects the Ray actors wrap (`MegatronRa
 (cluster/group.py) run over it as they run over Ray's. Ray is never imported here.
 
 The control plane is the TCPStore that torchrun's agents already host (MASTER_ADDR:MASTER_PORT):
-rank 0 writes `cmd/<rank>/<seq>` (pickled and signed: cluster/control_auth.py; a value that is
+rank 0 writes `cmd/<rank>/<seq>` (pickled and signed: utils/control_auth.py; a value that is
 not signed with the job's secret is refused unread), the rank executes it and writes
 `res/<rank>/<seq>`, signed the same way.
 Commands to one rank run in order, one at a time, like calls on a Ray actor; different ranks
@@ -47,11 +47,11 @@ import threading
 import time
 import traceback
 
+from megarl.utils.control_auth import ForgedMessage, Sealer
 from megarl.utils.errors import ConfigError, lost_too_often
 from megarl.utils.net import route_address
 
 from .actors import MegatronRank, RolloutRank, ServerRank, on_torchrun_node
-from .control_auth import ForgedMessage, Sealer
 from .transport import Transport, thread_budget
 
 logger = logging.getLogger(__name__)

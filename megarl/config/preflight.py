@@ -106,11 +106,16 @@ def check_user_servers(urls: list[str], tp: int, timeout_s: float = 30.0) -> Non
     import json
     import urllib.request
 
+    from megarl.rollout.auth import api_key
+
     key = "actor_rollout_ref.rollout"
+    token = api_key()
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
     for i, url in enumerate(urls):
         try:
-            with urllib.request.urlopen(url.rstrip("/") + "/server_info",
-                                        timeout=timeout_s) as resp:
+            with urllib.request.urlopen(urllib.request.Request(
+                    url.rstrip("/") + "/server_info", headers=headers),
+                    timeout=timeout_s) as resp:
                 info = json.loads(resp.read())
         except (OSError, ValueError) as e:
             raise ConfigError(f"{key}.server_urls[{i}]: {url} does not answer /server_info "

@@ -518,6 +518,12 @@ class RolloutConfig:
     server_urls: Optional[List[str]] = None
     """Use these already-running SGLang-API servers (``http://host:port``, one per rollout
     replica) instead of launching any; their TP is ``tensor_model_parallel_size``."""
+    api_key: Optional[str] = None
+    """The token every rollout server of the run requires (stock SGLang's ``--api-key``; the
+    embedded server's too) on every endpoint but ``/health``, and that megarl sends: give the
+    ``--api-key`` of the ``server_urls`` servers here. null: a fresh random token per run (under
+    torchrun, derived from ``MEGARL_CONTROL_SECRET``), for the servers the run launches
+    (docs/security.md)."""
     server_module: Optional[str] = None
     """Module run as ``python -m MODULE`` for each launched server; null means
     ``sglang.launch_server`` for ``sglang`` (``megarl.rollout.server`` serves the same

@@ -36,6 +36,7 @@ import threading
 
 from aiohttp import web
 
+from megarl.rollout import auth as rollout_auth
 from megarl.rollout.engine import EmbeddedEngine
 from megarl.rollout.protocol import (I64_MAX, PAUSE_MODES, BadRequest, GenerateRequest,
                                      SamplingParams, short_repr)
@@ -83,8 +84,13 @@ class RolloutServer:
 
     def __init__(self, engine: EmbeddedEngine, skip_tokenizer_init: bool = False,
                  record: list | None = None, max_body_bytes: int = 256 << 20,
-                 max_weights_body_bytes: int = 1 << 34, max_samples_per_call: int = 16384):
+                 max_weights_body_bytes: int = 1 << 34, max_samples_per_call: int = 16384,
+                 api_key: str | None = None):
+        """`api_key`: the token every request but /health must bring (`Authorization:
+        Bearer`), as stock SGLang with `--api-key`; None: the run's (megarl.rollout.auth), or
+        none where this process has none."""
         self.engine = engine
+        self.api_key = api_key if api_key is not None else rollout_auth.api_key()
         self.skip_tokenizer_init = skip_tokenizer_init or engine.tokenizer is None
         self.max_body_bytes, self.max_weights_body_bytes = max_body_bytes, max_weights_body_bytes
         self.max_samples_per_call = max_samples_per_call  # n × prompts of one /generate
@@ -92,6 +98,7 @@ class RolloutServer:
         # tests that check what megarl sends against stock SGLang's own request types.
         self.record = record
         middlewares = [self._errors] if record is None else [self._record, self._errors]
+        middlewares.insert(0, self._auth)
         # Bodies are read by read_body under the limits above; aiohttp's own cap stays out of
         # the way.
         self.app = web.Application(client_max_size=max(max_body_bytes, max_weights_body_bytes),
@@ -146,6 +153,15 @@ class RolloutServer:
             out = None
         self.record.append((request.path, sent, resp.status, out))
         return resp
+
+    @web.middleware
+    async def _auth(self, request, handler):
+        # before a byte of the body is read: a caller without the token gets nothing done
+        if not rollout_auth.authorized(request.path, request.headers.get("Authorization"),
+                                       self.api_key):
+            logger.warning("401 on %s from %s: no valid token", request.path, request.remote)
+            return web.json_response({"error": "Unauthorized"}, status=401)
+        return await handler(request)
 
     @web.middleware
     async def _errors(self, request, handler):
@@ -444,6 +460,10 @@ def build_arg_parser() -> argparse.ArgumentParser:
     ap.add_argument("--fail-update-at", type=int, default=None,
                     help="fault injection for tests: refuse the Nth weight-update call")
     ap.add_argument("--log-level", default="info")
+    ap.add_argument("--api-key", default=None,
+                    help="the token every request but /health must bring (Authorization: "
+                    "Bearer), as stock SGLang's; default: $MEGARL_ROLLOUT_API_KEY, which keeps "
+                    "it off the command line (readable by every user of the node)")
     ap.add_argument("--update-group-timeout", type=float, default=300.0,
                     help="seconds a weight-update group's rendezvous, and each of its "
                     "operations, may take")
@@ -485,7 +505,8 @@ def main(argv: list[str] | None = None) -> int:
                             update_group_timeout_s=args.update_group_timeout,
                             enable_return_routed_experts=args.enable_return_routed_experts,
                             trust_remote_code=args.trust_remote_code)
-    app = RolloutServer(engine, skip_tokenizer_init=args.skip_tokenizer_init).app
+    app = RolloutServer(engine, skip_tokenizer_init=args.skip_tokenizer_init,
+                        api_key=args.api_key).app
 
     async def close_engine(_app):
         await engine.close()

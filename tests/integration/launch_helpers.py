@@ -14,7 +14,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = ROOT / "tests" / "integration" / "scripts"
-# The secret a torchrun launch's ranks sign their commands with (cluster/control_auth.py):
+# The secret a torchrun launch's ranks sign their commands with (utils/control_auth.py):
 # launch/torchrun.sh makes one for one node; plain torchrun, and every node of a multi-node
 # launch, take it from the environment.
 CONTROL_SECRET = {"MEGARL_CONTROL_SECRET": secrets.token_hex(32)}

@@ -17,6 +17,8 @@ from typing import Any
 
 import aiohttp
 
+from megarl.rollout import auth as rollout_auth
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_GROUP = "weight_update_group"
@@ -32,8 +34,12 @@ class SGLangClient:
     """`async with SGLangClient("http://127.0.0.1:30000") as c: await c.generate(...)`."""
 
     def __init__(self, base_url: str, timeout_s: float | None = None,
-                 session: aiohttp.ClientSession | None = None):
+                 session: aiohttp.ClientSession | None = None, api_key: str | None = None):
+        """`api_key`: sent as `Authorization: Bearer` on every call (stock SGLang's
+        `--api-key`); None: the run's token (megarl.rollout.auth), if this process has one."""
         self.base_url = base_url.rstrip("/")
+        key = api_key if api_key is not None else rollout_auth.api_key()
+        self._headers = {"Authorization": f"Bearer {key}"} if key else None
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._session = session
         self._own_session = session is None
@@ -59,7 +65,8 @@ class SGLangClient:
 
     async def _call(self, method: str, endpoint: str, payload: dict | None = None,
                     *, want: str = "json") -> Any:
-        async with self._sess().request(method, self.base_url + endpoint, json=payload) as resp:
+        async with self._sess().request(method, self.base_url + endpoint, json=payload,
+                                        headers=self._headers) as resp:
             body = await resp.read()
             if resp.status != 200:
                 raise _error(endpoint, resp.status, body)

@@ -13,8 +13,10 @@ embedded server with the same arguments (it accepts and ignores the GPU-only one
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -25,6 +27,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from megarl.rollout import auth as rollout_auth
 # the port a launched server binds: one below the ephemeral range (see free_port)
 from megarl.utils.launch import free_port as find_free_port  # noqa: F401
 
@@ -215,9 +218,23 @@ class ServerProcess:
         self.stop()
 
 
+def _private_config(beside: Path, values: dict) -> Path:
+    """A YAML file of `values` that only this user can read (created 0600, never widened)."""
+    path = beside.with_name(beside.name + f".{secrets.token_hex(4)}.config.yaml")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write("".join(f"{k}: {json.dumps(v)}\n" for k, v in values.items()))
+    return path
+
+
 def launch_server(args: ServerArgs, *, module: str = SGLANG_MODULE, timeout_s: float = 600,
                   env: dict | None = None, log_path: str | Path | None = None) -> ServerProcess:
-    """Start the server and block until /health answers; on failure the process is stopped."""
+    """Start the server and block until /health answers; on failure the process is stopped.
+
+    The run's token (megarl.rollout.auth), where this process has one, reaches the server
+    without appearing on its command line (which every user of the node can read): megarl's
+    embedded server reads it from the environment it inherits; stock SGLang from a
+    `--config` file only this user can read, removed once the server is up."""
     cmd = build_command(args, module)
     log_path = Path(log_path or tempfile.mkstemp(prefix=f"rollout-{args.port}-", suffix=".log")[1])
     full_env = {**os.environ, **(env or {})}
@@ -225,15 +242,28 @@ def launch_server(args: ServerArgs, *, module: str = SGLANG_MODULE, timeout_s: f
         from megarl.backends.sglang.cpu_env import server_env
 
         full_env.update(server_env(full_env, args.tp_size))
+    key = full_env.get(rollout_auth.API_KEY_ENV)
+    secret_file = None
+    if key and module == SGLANG_MODULE:
+        if "--config" in cmd:
+            raise ValueError("actor_rollout_ref.rollout.server_extra_args: --config is megarl's "
+                             "to pass (it carries the run's API key to the server); give those "
+                             "settings as flags instead")
+        secret_file = _private_config(log_path, {"api-key": key})
+        cmd += ["--config", str(secret_file)]
     logger.info("starting %s (log %s)", " ".join(cmd), log_path)
-    with open(log_path, "ab") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env,
-                                start_new_session=True, preexec_fn=_die_with_parent)
-    server = ServerProcess(args, proc, log_path)
     try:
-        waited = wait_for_health(args.url, timeout_s, proc, log_path)
-    except BaseException:
-        server.stop()
-        raise
+        with open(log_path, "ab") as log:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env,
+                                    start_new_session=True, preexec_fn=_die_with_parent)
+        server = ServerProcess(args, proc, log_path)
+        try:
+            waited = wait_for_health(args.url, timeout_s, proc, log_path)
+        except BaseException:
+            server.stop()
+            raise
+    finally:
+        if secret_file is not None:
+            secret_file.unlink(missing_ok=True)
     logger.info("%s healthy after %.1f s", args.url, waited)
     return server

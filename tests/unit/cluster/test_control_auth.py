@@ -1,5 +1,5 @@
 """The torchrun control plane takes commands and results only from the job itself: values in
-the store are signed with the job's secret (cluster/control_auth.py), and one that is not is
+the store are signed with the job's secret (utils/control_auth.py), and one that is not is
 refused before a byte of it is unpickled; the rank goes on serving. A real TCPStore stands in
 for the one torchrun's agent hosts; two real `Control`s are ranks 0 and 1 of a 3-rank world."""
 import datetime
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from megarl.cluster.control_auth import ForgedMessage, Sealer
+from megarl.utils.control_auth import ForgedMessage, Sealer
 from megarl.config import ConfigError, load_config
 
 
