@@ -322,16 +322,14 @@ def _lengths_can_fail(d) -> bool:
     return not d.filter_overlong_prompts and d.truncation == "error"
 
 
-def _check_data_sources(d) -> None:
+def _check_data_sources(split: str, sources: dict[str, str]) -> None:
     """With no ``reward.reward_fn``, every row's ``data_source`` has a built-in scorer: one
     without would score ``failure_score`` on every sample, and the run would train on it."""
-    from megarl.data.dataset import split_data_sources
     from megarl.reward.registry import builtin_for, no_builtin_message
 
-    for split in ("train", "val"):
-        for source, where in split_data_sources(d, split).items():
-            if builtin_for(source) is None:
-                raise ConfigError(f"data.{split}_files: {where}: {no_builtin_message(source)}")
+    for source, where in sources.items():
+        if builtin_for(source) is None:
+            raise ConfigError(f"data.{split}_files: {where}: {no_builtin_message(source)}")
 
 
 def _check_data(cfg, tokenizer) -> None:
@@ -347,19 +345,20 @@ def _check_data(cfg, tokenizer) -> None:
     d = cfg.data
     made = [f for f in (d.train_files, d.val_files) if isinstance(f, str)]
     if d.synthetic_task and not all(Path(f).exists() for f in made):
-        # The run writes the synthetic task next to train_files before it loads it. (Under
-        # torchrun, rank 0 may be writing it now: train, then val, each renamed into place,
-        # so "not both there yet" is the state to leave alone.)
+        # The run writes the synthetic task to train_files and val_files before it loads
+        # it. (Under torchrun, rank 0 may be writing it now: train, then val, each renamed
+        # into place, so "not both there yet" is the state to leave alone.)
         _check_writable_dir(Path(str(d.train_files)).parent, "data.train_files")
         return
-    if cfg.reward.reward_fn is None and tokenizer is None:
-        _check_data_sources(d)
     for split in ("train", "val"):
         if tokenizer is not None:
             ds = load_split(d, tokenizer, split)
             n = 0 if ds is None else len(ds)
         else:
-            n = scan_split(d, split)
+            sources: dict[str, str] = {}
+            n = scan_split(d, split, sources)
+            if cfg.reward.reward_fn is None:
+                _check_data_sources(split, sources)
         if split == "train" and n < d.train_batch_size:
             raise ConfigError(f"data.train_batch_size: {d.train_batch_size} is larger than the "
                               f"{n} usable prompt(s) in data.train_files, so no full batch "

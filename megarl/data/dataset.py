@@ -393,29 +393,20 @@ def _split_args(data_cfg, split: str) -> Optional[dict]:
                 config_key=f"data.{key}")
 
 
-def scan_split(data_cfg, split: str = "train") -> int:
+def scan_split(data_cfg, split: str = "train", sources: dict | None = None) -> int:
     """Read and check every row of the ``train`` or ``val`` files without tokenizing them;
     returns the number of usable rows (0 for ``val`` with no files). Raises what loading
-    would raise, except for prompt lengths (which need the tokenizer)."""
+    would raise, except for prompt lengths (which need the tokenizer). `sources`, if given,
+    gets each ``data_source`` of the usable rows with where it is first seen (``file:row``)."""
     args = _split_args(data_cfg, split)
     if args is None:
         return 0
     paths = _as_paths(args["files"], args["config_key"])
-    return len(read_rows(paths, args["config_key"], args["prompt_key"], args["bad_rows"])[0])
-
-
-def split_data_sources(data_cfg, split: str = "train") -> dict[str, str]:
-    """Each ``data_source`` of the usable rows of the ``train`` or ``val`` files, with where
-    it is first seen (``file:row``); empty for ``val`` with no files."""
-    args = _split_args(data_cfg, split)
-    if args is None:
-        return {}
-    paths = _as_paths(args["files"], args["config_key"])
-    seen: dict[str, str] = {}
-    for _, where, row in read_rows(paths, args["config_key"], args["prompt_key"],
-                                   args["bad_rows"])[0]:
-        seen.setdefault(row["data_source"], where)
-    return seen
+    rows = read_rows(paths, args["config_key"], args["prompt_key"], args["bad_rows"])[0]
+    if sources is not None:
+        for _, where, row in rows:
+            sources.setdefault(row["data_source"], where)
+    return len(rows)
 
 
 def load_split(data_cfg, tokenizer, split: str = "train") -> Optional[RLDataset]:
