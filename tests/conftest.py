@@ -2,6 +2,7 @@
 integration/launch_helpers.py)."""
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 
@@ -28,6 +29,19 @@ _WHOLE_MODULES = {
     "test_multihost.py": "ray-start-heads", "test_slurm_launch.py": "ray-start-heads",
     "test_rollout_server.py": None, "test_weight_sync.py": None,
 }
+
+
+@pytest.fixture(autouse=True)
+def _no_run_token_in_the_environment():
+    """Each test starts without a rollout token and leaves none behind. A test that runs
+    `megarl train` in this process settles one in os.environ (megarl.rollout.auth.establish,
+    as the CLI must, for the run's children to inherit); left there, every server a later test
+    of this worker starts would require it, and clients that send none would get 401."""
+    from megarl.rollout.auth import API_KEY_ENV
+
+    os.environ.pop(API_KEY_ENV, None)
+    yield
+    os.environ.pop(API_KEY_ENV, None)
 
 
 # tryfirst: xdist's own hook turns the xdist_group marks into groups, so they must be there
