@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from omegaconf import OmegaConf
 
 from megarl.algo.actor_loss import ActorLossSettings
-from megarl.backends.megatron.model import MoESettings
+from megarl.backends.megatron.model import MoESettings, recompute_settings
 from megarl.backends.megatron.optim import OptimConfig
 from megarl.backends.sglang.launcher import ServerArgs, module_for, replica_server_args
 from megarl.utils.errors import ConfigError
@@ -38,7 +38,7 @@ class ModelSpec:
     transformer_impl: str = "auto"  # auto | local | transformer_engine
     collective_timeout_s: float = 1800.0  # its process groups' (trainer.state_timeout_s)
     moe: MoESettings = MoESettings()  # expert layout and routing (a mixture of experts only)
-    recompute: bool = False  # activations recomputed in backward (a model that trains)
+    recompute: dict | None = None  # Megatron's recompute settings (a model that trains)
 
 
 @dataclass(frozen=True)
@@ -114,7 +114,8 @@ def megatron_spec(cfg, role: str, schedule_steps: int | None = None) -> Megatron
                           _optim(cfg, "critic", schedule_steps), value_model=True,
                           transformer_impl=m.transformer_impl,
                           collective_timeout_s=float(cfg.trainer.state_timeout_s),
-                          moe=moe_settings(m))
+                          moe=moe_settings(m),
+                          recompute=recompute_settings(m.override_transformer_config, False))
         loss = CriticLossSpec(float(c.cliprange_value),
                               c.loss_agg_mode or arr.actor.loss_agg_mode,
                               int(cfg.data.max_response_length))
@@ -132,7 +133,9 @@ def megatron_spec(cfg, role: str, schedule_steps: int | None = None) -> Megatron
                       m.seed, optim, transformer_impl=m.transformer_impl,
                       collective_timeout_s=float(cfg.trainer.state_timeout_s),
                       moe=moe_settings(m, replay),
-                      recompute=trains and arr.model.enable_gradient_checkpointing)
+                      recompute=recompute_settings(m.override_transformer_config,
+                                                   arr.model.enable_gradient_checkpointing)
+                      if trains else None)
     if not trains:
         return MegatronSpec(role, model, arr.model.path)
     loss = ActorLossSettings.from_config(arr.actor, cfg.data.max_response_length)

@@ -59,6 +59,10 @@ for _section in MEGATRON_SECTIONS:
         None, "alltoall", "allgather")
     CHOICES[f"{_section}.override_transformer_config.moe_token_drop_policy"] = (
         "probs", "position")
+    CHOICES[f"{_section}.override_transformer_config.recompute_granularity"] = (
+        None, "full", "selective")
+    CHOICES[f"{_section}.override_transformer_config.recompute_method"] = (
+        None, "uniform", "block")
     CHOICES[f"{_section}.optimizer"] = ("megatron", "torch")
 for _section in ("actor_rollout_ref.actor.optim", "critic.optim"):
     CHOICES[f"{_section}.lr_decay_style"] = ("constant", "linear", "cosine")
@@ -205,7 +209,8 @@ RANGES: Dict[str, Range] = {
     "trainer.critic_warmup": NON_NEGATIVE,
     **{f"{section}.{key}": POSITIVE for section in MEGATRON_SECTIONS
        for key in ("expert_model_parallel_size", "expert_tensor_parallel_size",
-                   "override_transformer_config.moe_expert_capacity_factor")},
+                   "override_transformer_config.moe_expert_capacity_factor",
+                   "override_transformer_config.recompute_num_layers")},
     **{f"{section}.override_transformer_config.{key}": NON_NEGATIVE
        for section in MEGATRON_SECTIONS for key in ("moe_aux_loss_coeff", "moe_z_loss_coeff")},
     "algorithm.gamma": UNIT,
@@ -320,9 +325,10 @@ class OptimConfig:
 
 @dataclass
 class TransformerOverrides:
-    """A mixture of experts' router settings, under verl's path for them
-    (``megatron.override_transformer_config``) and Megatron's names. Only these keys: any
-    other is refused by name, not passed through unchecked. A dense model ignores them."""
+    """Settings of Megatron's TransformerConfig under verl's path for them
+    (``megatron.override_transformer_config``) and Megatron's names: a mixture of experts'
+    router (a dense model ignores those) and activation recompute. Only these keys: any other
+    is refused by name, not passed through unchecked."""
     moe_aux_loss_coeff: float = 0.0
     """Load-balancing (auxiliary) loss coefficient; 0: none. It adds to the RL loss a term
     the RL objective does not have, so RL runs (verl's too) leave it off."""
@@ -339,6 +345,18 @@ class TransformerOverrides:
     moe_token_drop_policy: str = "probs"
     """Which tokens a full expert drops: ``probs`` (lowest routing probability) or
     ``position`` (latest)."""
+    recompute_granularity: Optional[str] = None
+    """Activation recompute in a model that trains: ``full`` (whole layers: only their inputs
+    are kept) or ``selective`` (the core attention of every layer); null: what
+    ``model.enable_gradient_checkpointing`` says (full, uniform, one layer at a time, for the
+    actor). Steps are the same with or without; only memory and time change."""
+    recompute_method: Optional[str] = None
+    """With ``full``: ``uniform`` (the layers in groups of ``recompute_num_layers``, each group
+    recomputed from its input) or ``block`` (the first ``recompute_num_layers`` layers of each
+    pipeline stage recomputed, the rest kept); null: uniform. Not with ``selective``."""
+    recompute_num_layers: Optional[int] = None
+    """With ``full``: layers per recomputed group (uniform) or recomputed layers per stage
+    (block); null: 1. Not with ``selective``."""
 
 
 @dataclass

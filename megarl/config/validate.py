@@ -53,6 +53,7 @@ def validate_config(cfg: DictConfig) -> None:
     _check_staleness(cfg)
     _check_transformer_impl(cfg)
     _check_moe(cfg)
+    _check_recompute(cfg)
     _check_optimizers(cfg)
     plans = plan_task_groups(cfg)
     _check_critic(cfg, plans)
@@ -360,6 +361,20 @@ def _check_transformer_impl(cfg: DictConfig) -> None:
                 cfg.trainer.device != "cuda":
             raise ConfigError(f"{key}.transformer_impl: transformer_engine runs on CUDA only, "
                               f"but trainer.device={cfg.trainer.device} (use auto or local)")
+
+
+def _check_recompute(cfg: DictConfig) -> None:
+    """Megatron's rules for its recompute settings, said by key before anything is built."""
+    for key in MEGATRON_SECTIONS:
+        o = _get(cfg, key).override_transformer_config
+        key = f"{key}.override_transformer_config"
+        given = [k for k in ("recompute_method", "recompute_num_layers") if o[k] is not None]
+        if o.recompute_granularity == "selective" and given:
+            raise ConfigError(f"{key}.{given[0]}: applies to recompute_granularity=full only, "
+                              f"but it is selective (every layer's core attention recomputed)")
+        if o.recompute_granularity is None and given:
+            raise ConfigError(f"{key}.{given[0]}: does nothing while "
+                              f"{key}.recompute_granularity is null (set it to full)")
 
 
 def _check_moe(cfg: DictConfig) -> None:

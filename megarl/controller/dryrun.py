@@ -168,8 +168,14 @@ def _hosting(groups: list[GroupPlan], task: str) -> GroupPlan:
 
 def _notes(cfg: DictConfig) -> list[str]:
     notes = []
-    if cfg.actor_rollout_ref.model.enable_gradient_checkpointing:
-        notes.append("activations assume full recompute (model.enable_gradient_checkpointing)")
+    from megarl.backends.megatron.model import recompute_settings
+
+    arr = cfg.actor_rollout_ref
+    rc = recompute_settings(arr.actor.megatron.override_transformer_config,
+                            arr.model.enable_gradient_checkpointing)
+    if rc is not None:
+        notes.append("the actor recomputes activations in backward: " +
+                     ", ".join(f"{k.removeprefix('recompute_')}={v}" for k, v in rc.items()))
     if cfg.trainer.launcher == "torchrun":
         notes.append("trainer.launcher=torchrun: one process per device, started by "
                      "launch/torchrun.sh; global rank = device index")

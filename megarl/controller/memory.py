@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig, OmegaConf
 
-from megarl.backends.megatron.model import ModelArgs, padded_vocab_size
+from megarl.backends.megatron.model import ModelArgs, padded_vocab_size, recompute_settings
 from megarl.cluster.topology import GroupPlan
 from megarl.config import ConfigError
 from megarl.convert.plan import itemsize, stage_param_counts
@@ -117,8 +117,18 @@ def _activation_bytes(cfg: DictConfig, a: ModelArgs) -> int:
     sbh = micro_batch_tokens(cfg, "actor") * a.hidden_size
     layer = sbh * (10 + 24 / tp) * e / 2
     layers = a.num_layers // pp
-    stack = (layers * sbh * e + layer) if arr.model.enable_gradient_checkpointing \
-        else layers * layer
+    rc = recompute_settings(m.override_transformer_config,
+                            arr.model.enable_gradient_checkpointing)
+    if rc is None or rc["recompute_granularity"] == "selective":
+        # (`layer` leaves out the attention scores already: SDPA keeps none, which is
+        # what selective recompute would save)
+        stack = layers * layer
+    elif rc["recompute_method"] == "uniform":  # each group's input kept, one group live
+        n = min(rc["recompute_num_layers"], layers)
+        stack = -(-layers // n) * sbh * e + n * layer
+    else:  # block: the first n layers kept as inputs, the others whole
+        n = min(rc["recompute_num_layers"], layers)
+        stack = n * sbh * e + (layers - n) * layer + layer
     train = stack * pp + 2 * _logits_bytes(a, m, micro_batch_tokens(cfg, "actor"))
     logp = _logits_bytes(a, m, micro_batch_tokens(cfg, "logp"))
     return int(max(train, logp))

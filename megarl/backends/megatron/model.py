@@ -177,12 +177,32 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
     return int(math.ceil(vocab_size / multiple) * multiple)
 
 
+# `enable_gradient_checkpointing`: every layer's activations dropped after forward and
+# recomputed in backward from its input; what stays is one [s, b, h] input per layer
+# (controller/memory.py counts that)
+FULL_RECOMPUTE = {"recompute_granularity": "full", "recompute_method": "uniform",
+                  "recompute_num_layers": 1}
+
+
+def recompute_settings(overrides, gradient_checkpointing: bool) -> dict | None:
+    """Megatron's recompute settings of a model that trains, from its section's
+    `override_transformer_config` (verl's keys, Megatron's names) or, where those leave it
+    null, the model's `enable_gradient_checkpointing` (FULL_RECOMPUTE); None: no recompute."""
+    granularity = overrides.recompute_granularity
+    if granularity == "selective":
+        return {"recompute_granularity": "selective"}
+    if granularity == "full":
+        return {"recompute_granularity": "full",
+                "recompute_method": overrides.recompute_method or "uniform",
+                "recompute_num_layers": overrides.recompute_num_layers or 1}
+    return dict(FULL_RECOMPUTE) if gradient_checkpointing else None
+
+
 def transformer_config(args: ModelArgs, tp: int, pp: int, params_dtype: str = "float32",
-                       moe: MoESettings | None = None, recompute: bool = False, **overrides):
-    """Megatron's TransformerConfig of `args`. `recompute` (the model's
-    `enable_gradient_checkpointing`): every layer's activations are dropped after forward and
-    recomputed in backward from its input, Megatron's full/uniform recompute one layer at a
-    time; what stays is one [s, b, h] input per layer (controller/memory.py counts that)."""
+                       moe: MoESettings | None = None, recompute: dict | bool | None = None,
+                       **overrides):
+    """Megatron's TransformerConfig of `args`. `recompute`: Megatron's recompute settings
+    (`recompute_settings`; True: FULL_RECOMPUTE), None or False for none."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     dtype = DTYPES[params_dtype]
@@ -229,8 +249,7 @@ def transformer_config(args: ModelArgs, tp: int, pp: int, params_dtype: str = "f
             moe_enable_routing_replay=moe.routing_replay,
             moe_grouped_gemm=False)
     if recompute:
-        kw.update(recompute_granularity="full", recompute_method="uniform",
-                  recompute_num_layers=1)
+        kw.update(FULL_RECOMPUTE if recompute is True else recompute)
     kw.update(overrides)
     return TransformerConfig(**kw)
 

@@ -75,7 +75,7 @@ class MegatronWorker:
                  seed: int = 1234, load_hf: bool = True, trainable: bool = True,
                  value_model: bool = False, transformer_impl: str = "auto",
                  collective_timeout_s: float = 600.0, moe: mmodel.MoESettings | None = None,
-                 recompute: bool = False):
+                 recompute: dict | bool | None = None):
         # The converter's checks and layout rules, before any collective: a model that cannot
         # split over TP×PP fails here with the converter's message, not a Megatron assertion.
         self.args = read_model_args(model_dir)

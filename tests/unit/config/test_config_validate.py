@@ -316,3 +316,21 @@ def test_expert_parallel_ranks_must_divide_a_stages_ranks():
         "unknown-router-key", "EP-with-torch-optimizer"])
 def test_moe_settings_are_refused_by_key(overrides, key):
     assert key in error_of(*overrides)
+
+
+_OTC = f"{ARR}.actor.megatron.override_transformer_config"
+
+
+@pytest.mark.parametrize("overrides,said", [
+    ([f"{_OTC}.recompute_granularity=selective", f"{_OTC}.recompute_method=uniform"],
+     f"{_OTC}.recompute_method: applies to recompute_granularity=full only"),
+    ([f"critic.megatron.override_transformer_config.recompute_num_layers=2"],
+     "critic.megatron.override_transformer_config.recompute_num_layers: does nothing while "
+     "critic.megatron.override_transformer_config.recompute_granularity is null"),
+    ([f"{_OTC}.recompute_granularity=partial"], f"{_OTC}.recompute_granularity"),
+    ([f"{_OTC}.recompute_granularity=full", f"{_OTC}.recompute_num_layers=0"],
+     f"{_OTC}.recompute_num_layers"),
+], ids=["selective-with-method", "layers-without-granularity", "unknown-granularity",
+        "zero-layers"])
+def test_recompute_settings_are_refused_by_key(overrides, said):
+    assert said in error_of(*overrides)
