@@ -182,8 +182,12 @@ def run(a) -> None:
             b_times.append(t2 - t1)
     if rank == 0:
         seq = tokens / a.batch  # the mean real length: attention's share of the FLOPs
+        # what the Megatron step computes: every position of its padded micro-batches (the
+        # last one filled up with zero rows to the micro-batch size)
+        slots = -(-a.batch // a.micro_batch) * a.micro_batch * a.seq
         report(a, world, tokens, m_res, m_times, b_res, b_times,
-               flops_per_token(hf_config, seq))
+               flops_per_token(hf_config, seq), slots, flops_per_token(hf_config, a.seq),
+               hf_config["vocab_size"])
     dist.barrier()
     destroy_distributed()
 
@@ -203,9 +207,11 @@ def flops_per_token(cfg: dict, seq: float) -> float:
     return 6.0 * (L * per_layer + V * d) + 12.0 * L * seq * heads * hd
 
 
-def report(a, world, tokens, m_res, m_times, b_res, b_times, fpt: float) -> None:
+def report(a, world, tokens, m_res, m_times, b_res, b_times, fpt: float, slots: int,
+           slot_fpt: float, vocab: int) -> None:
     """m_res/b_res: per-step (loss, grad norm), warmup steps included; `fpt`: model FLOPs
-    per token."""
+    per real token (attention at the mean real length); `slots`, `slot_fpt`: the token
+    positions the Megatron step computes, padding included, and their FLOPs each."""
     m_step = sum(m_times) / len(m_times)
     m_tps = tokens / m_step
     print(f"model {a.model}  batch {a.batch}x{a.seq} ({tokens} real tokens)  "
@@ -222,11 +228,14 @@ def report(a, world, tokens, m_res, m_times, b_res, b_times, fpt: float) -> None
         tps = tokens / step_s
         print(f"{name:<24}{step_s:>8.3f}{min(times):>8.3f}{tps:>10.0f}{res[0][0]:>10.5f}"
               f"{res[0][1]:>10.4f}{res[-1][0]:>11.5f}")
-    mfu = ""
-    if a.peak_tflops:
-        mfu = f"  MFU {100 * m_tps * fpt / (world * a.peak_tflops * 1e12):.1f}%"
-    print(f"megatron model FLOPs: {fpt / 1e9:.2f} GFLOP/token, "
-          f"{m_tps * fpt / world / 1e12:.2f} TFLOP/s per device{mfu}")
+    # Twice: on the real tokens (what a run learns from) and on every position the step
+    # computes (what the device did); padding makes the first smaller.
+    m_slots = slots / m_step
+    for what, rate, per in (("real tokens", m_tps, fpt), ("executed slots", m_slots, slot_fpt)):
+        tflops = rate * per / world / 1e12
+        mfu = f"  MFU {100 * tflops / a.peak_tflops:.1f}%" if a.peak_tflops else ""
+        print(f"megatron on {what} ({rate:.0f}/s): {per / 1e9:.2f} GFLOP each at vocabulary "
+              f"{vocab}, {tflops:.2f} TFLOP/s per device{mfu}")
     if a.no_baseline:
         return
     b_tps = tokens / (sum(b_times) / len(b_times))
@@ -248,9 +257,11 @@ def launch(a, argv: list[str]) -> int:
         from megarl.utils.tiny_model import make_tiny_model
 
         tmp = tempfile.mkdtemp(prefix="bench_train-")
+        # the model's vocabulary is --vocab whatever the tiny tokenizer reaches (it stops at a
+        # few thousand tokens): the output layer is the largest matmul at a real vocabulary
         a.model = str(make_tiny_model(
-            os.path.join(tmp, f"tiny-{a.arch}"), a.arch, vocab_size=a.vocab,
-            hidden_size=a.hidden, num_layers=a.layers, num_heads=a.heads,
+            os.path.join(tmp, f"tiny-{a.arch}"), a.arch, vocab_size=min(a.vocab, 4096),
+            model_vocab_size=a.vocab, hidden_size=a.hidden, num_layers=a.layers, num_heads=a.heads,
             num_kv_heads=a.kv_heads, intermediate_size=a.ffn or 3 * a.hidden, seed=a.seed))
         argv = [*argv, "--model", a.model]
     try:

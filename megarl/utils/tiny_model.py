@@ -105,10 +105,14 @@ def make_tiny_model(out_dir: str | os.PathLike, arch: str = "qwen2", *, vocab_si
                     max_position_embeddings: int = 1024, seed: int = 0,
                     overwrite: bool = False, tool_tokens: bool = False,
                     head_dim: int | None = None, rope_scaling: dict | None = None,
-                    scaled_residual_init: bool = False) -> Path:
+                    scaled_residual_init: bool = False,
+                    model_vocab_size: int | None = None) -> Path:
     """Write config.json, model.safetensors, tokenizer.json (+ tokenizer_config.json).
 
-    `vocab_size` is the tokenizer's; the model's embedding has the same size. Defaults tie the
+    `vocab_size` is the tokenizer's (at most: the merges its small corpus allows stop at a few
+    thousand); the model's embedding has the tokenizer's size, or `model_vocab_size` rows where
+    that is larger, as released models pad theirs (Qwen2.5: 151,936 rows for 151,665 tokens):
+    a benchmark at a real model's vocabulary asks for it there. Defaults tie the
     embeddings for Qwen2 and Qwen3 and untie them for Llama and Qwen3-MoE, as the public checkpoints
     do. `head_dim` (Llama, Qwen3) may differ from hidden_size / num_heads, as in Qwen3. The
     directory is written to a temp dir beside `out_dir` and renamed into place, so a crash never
@@ -129,7 +133,8 @@ def make_tiny_model(out_dir: str | os.PathLike, arch: str = "qwen2", *, vocab_si
         tok.add_special_tokens(TOOL_TOKENS)
     eos = tok.token_to_id("<|im_end|>")
     pad = tok.token_to_id("<|pad|>")
-    cfg = hf_config(arch, tok.get_vocab_size(), hidden_size, num_layers, num_heads, num_kv_heads,
+    rows = max(tok.get_vocab_size(), model_vocab_size or 0)
+    cfg = hf_config(arch, rows, hidden_size, num_layers, num_heads, num_kv_heads,
                     intermediate_size, tie_word_embeddings, rope_theta, max_position_embeddings,
                     eos, pad, head_dim, rope_scaling)
     torch.manual_seed(seed)
