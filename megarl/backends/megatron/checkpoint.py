@@ -72,6 +72,10 @@ def save_checkpoint(worker, path, **meta) -> Path:
                        "tp": worker.ps.get_tensor_model_parallel_world_size(),
                        "pp": worker.ps.get_pipeline_model_parallel_world_size(),
                        **_expert_layout(worker),
+                       # the dtype and vocab padding the model was built with: conversion
+                       # rebuilds it from these (it fell back to float32 and 128 without them)
+                       "params_dtype": worker.params_dtype,
+                       "make_vocab_size_divisible_by": worker.vocab_divisor,
                        "world": dist.get_world_size(), **meta,
                        # where the LR schedule resumes when the optimizer state cannot be used
                        **({"optimizer_steps": worker.optimizer.steps}

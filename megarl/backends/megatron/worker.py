@@ -87,6 +87,8 @@ class MegatronWorker:
 
         self.ps = ps
         self.model_dir = model_dir
+        # what a checkpoint of this worker records, for conversion to rebuild the same model
+        self.params_dtype, self.vocab_divisor = params_dtype, make_vocab_size_divisible_by
         self.config = mmodel.transformer_config(self.args, tp, pp, params_dtype, moe,
                                                 recompute=recompute)
         self.value_model = value_model

@@ -42,8 +42,7 @@ def main():
     mine = sum(p.numel() * p.element_size() for p in w.model.parameters())
     per_rank = [None] * dist.get_world_size()
     dist.all_gather_object(per_rank, mine)
-    w.save(out / "ckpt", source=model_dir, params_dtype="float32",
-           make_vocab_size_divisible_by=128)
+    w.save(out / "ckpt", source=model_dir)  # dtype and vocab padding: the worker records them
     if dist.get_rank() == 0:
         torch.save({"input_ids": probe, "before": before, "after": after}, out / "logits.pt")
         (out / "rank_bytes.json").write_text(json.dumps(per_rank))
