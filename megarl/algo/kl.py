@@ -67,8 +67,9 @@ def apply_kl_in_reward(rewards: torch.Tensor, logp: torch.Tensor, ref_logp: torc
     """Token rewards [N, T] = token_rewards(rewards) - coef * kl_penalty(logp, ref_logp, kind).
 
     `rewards` is [N] (each score lands on its sample's last response token) or [N, T]; the
-    penalty applies on every response token and nothing outside the response. Log-probs are
-    the *behaviour-time* ones that the rollout's tokens were scored with (no gradient).
+    penalty applies on every response token and nothing outside the response. `logp` is the
+    proximal policy's (LOGP's recompute of the weights the step trains from, as verl's
+    `old_log_probs`), without gradient.
     Metrics: ``reward/kl_penalty`` (the mean over samples of each sample's token-mean KL,
     i.e. the ``current_kl`` that `adaptive_kl_coef` wants) and ``reward/kl_coef``."""
     mask = response_mask.float()

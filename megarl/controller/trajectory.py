@@ -10,8 +10,9 @@ how many in flight, when to stop, and how each request is formed (rid, seed):
 - `megarl.controller.partial.PartialRollout`: a fixed number of groups in flight, the tail cut
   off and cached for later steps.
 - a user's function, named by import path in `actor_rollout_ref.rollout.rollout_fn`
-  (`module:function`, as `reward.reward_fn`): `async fn(ctx, step, sampling) -> list[Sample]`
-  with a `RolloutContext`; see `load_rollout_fn`.
+  (`module:function`, as `reward.reward_fn`): `async fn(ctx, sampling) -> StepRollout`,
+  `ctx` a `RolloutContext` (the runner, the loader, n, the step, the trainer's version);
+  see `FunctionRollout`.
 
 Every policy's `run_step(step, sampling, trainer_version)` returns a `StepRollout`.
 """

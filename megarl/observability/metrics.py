@@ -12,7 +12,7 @@ Names:
   perf/idle_ratio/<group>    1 - busy / period
   weight_sync/time_s         seconds of SYNC (the trainer's part: the snapshot with dual buffer)
   rollout/staleness_min|mean|max   trainer version - sample version, over the step's samples
-  perf/throughput_tokens_per_s     tokens (prompt + response) / step period
+  perf/throughput_tokens_per_s     tokens (prompt + response) / seconds of the step's TRAIN
   reward/mean, response/length_mean, actor/* (kl, entropy, clip fraction, log-prob mismatch)
 """
 from __future__ import annotations
