@@ -30,7 +30,8 @@ def init_ray(cfg) -> None:
     kw = dict(include_dashboard=False, ignore_reinit_error=True, logging_level=logging.WARNING,
               log_to_driver=True)
     # the run's rollout token reaches the workers with their environment, not in any call
-    token = {rollout_auth.API_KEY_ENV: rollout_auth.api_key()} if rollout_auth.api_key() else {}
+    key = rollout_auth.api_key()
+    token = {rollout_auth.API_KEY_ENV: key} if key else {}
     if os.environ.get("RAY_ADDRESS"):
         ray.init(address=os.environ["RAY_ADDRESS"], runtime_env={"env_vars": token}, **kw)
         return

@@ -106,15 +106,13 @@ def check_user_servers(urls: list[str], tp: int, timeout_s: float = 30.0) -> Non
     import json
     import urllib.request
 
-    from megarl.rollout.auth import api_key
+    from megarl.rollout.auth import headers
 
     key = "actor_rollout_ref.rollout"
-    token = api_key()
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
     for i, url in enumerate(urls):
         try:
             with urllib.request.urlopen(urllib.request.Request(
-                    url.rstrip("/") + "/server_info", headers=headers),
+                    url.rstrip("/") + "/server_info", headers=headers()),
                     timeout=timeout_s) as resp:
                 info = json.loads(resp.read())
         except (OSError, ValueError) as e:

@@ -29,6 +29,12 @@ def api_key() -> str | None:
     return os.environ.get(API_KEY_ENV) or None
 
 
+def headers(key: str | None = None) -> dict[str, str]:
+    """The request headers that carry `key` (None: this process's token), or none."""
+    key = key if key is not None else api_key()
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
 def establish(cfg) -> str:
     """Settle the run's token in this process's environment (see the module doc); returns
     it. Call before any worker starts, in every process that `megarl train` starts."""

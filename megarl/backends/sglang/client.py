@@ -38,8 +38,7 @@ class SGLangClient:
         """`api_key`: sent as `Authorization: Bearer` on every call (stock SGLang's
         `--api-key`); None: the run's token (megarl.rollout.auth), if this process has one."""
         self.base_url = base_url.rstrip("/")
-        key = api_key if api_key is not None else rollout_auth.api_key()
-        self._headers = {"Authorization": f"Bearer {key}"} if key else None
+        self._headers = rollout_auth.headers(api_key) or None
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._session = session
         self._own_session = session is None
