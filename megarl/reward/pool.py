@@ -206,9 +206,11 @@ class RewardPool:
         extra = getattr(sample, "extra_info", None)
         finish = getattr(sample, "finish", None)
         if extra is not None and finish is not None:
-            # how the response ended ("stop": a stop token; "length": cut at the cap), for
-            # rewards that demand a stop; verl adds keys to extra_info the same way (num_turns)
-            extra = {**extra, "finish_reason": finish}
+            # how the response ended ("stop": a stop token; "length": cut at the cap) and its
+            # length in tokens (the stop token included), for rewards that demand a stop or
+            # count tokens; verl adds keys to extra_info the same way (num_turns)
+            extra = {**extra, "finish_reason": finish,
+                     "response_length": len(getattr(sample, "response_ids", ()) or ())}
         self._enqueue((sample.data_source, sample.response_text, sample.ground_truth, extra),
                       done)
         return fut

@@ -5,8 +5,11 @@ from megarl.reward.last_digit import DATA_SOURCE, compute_score
 from megarl.reward.registry import default_compute_score
 
 
-def score(text, finish="stop", gt="9"):
-    return compute_score(DATA_SOURCE, text, gt, {"finish_reason": finish})
+def score(text, finish="stop", gt="9", n_tokens=None):
+    info = {"finish_reason": finish}
+    if n_tokens is not None:
+        info["response_length"] = n_tokens
+    return compute_score(DATA_SOURCE, text, gt, info)
 
 
 def test_tiers():
@@ -17,6 +20,18 @@ def test_tiers():
     assert score("8") == 0.0 and score("") == 0.0 and score("x9") == 0.0
     # no finish_reason (a bare string scored offline): the text alone decides
     assert compute_score(DATA_SOURCE, "9", 9) == 1.0
+
+
+def test_with_the_token_count_tokens_after_the_digit_cost_what_they_show_or_not():
+    # the trap of a character count: "9" and whitespace (or special tokens decoding to
+    # nothing) to the cap earned the full 0.5, more than running on by a visible character
+    assert score("9   ", finish="length", n_tokens=4) == pytest.approx(0.2)
+    assert score("9", finish="length", n_tokens=4) == pytest.approx(0.2)
+    assert score("9xyz", finish="length", n_tokens=4) == pytest.approx(0.2)
+    # ending sooner with the stop token, anywhere, earns more (the stop token not counted)
+    assert score("9x", n_tokens=3) == pytest.approx(0.4)
+    assert score("9 ", n_tokens=3) == 1.0 and score("9", n_tokens=2) == 1.0  # exact
+    assert score("8", n_tokens=2) == 0.0
 
 
 def test_a_constant_answer_earns_a_tenth_of_the_right_start_credit():

@@ -148,11 +148,12 @@ def test_close_leaves_no_processes_and_is_idempotent():
         pool.score("d", "x", None)
 
 
-def test_finish_reason_reaches_the_reward_in_extra_info():
+def test_finish_reason_and_length_reach_the_reward_in_extra_info():
     # the last-digit reward pays 1.0 only when the response ended with the stop token
     stopped, cut = sample("3", "3", "megarl/last_digit"), sample("3", "3", "megarl/last_digit")
-    cut.finish = "length"
+    cut.finish, cut.response_ids = "length", [2, 5, 5, 5]  # the digit and three more tokens
     stopped.extra_info = cut.extra_info = {"index": 1}
     with RewardPool(None, num_workers=1, timeout_s=30) as pool:
-        assert asyncio.run(score_all(pool, [stopped, cut])) == [1.0, 0.5]
+        # and the length in tokens: a right start cut at the cap loses 0.1 per token after it
+        assert asyncio.run(score_all(pool, [stopped, cut])) == [1.0, pytest.approx(0.2)]
     assert cut.extra_info == {"index": 1}  # the sample's own dict is left as the data had it
