@@ -19,6 +19,8 @@ PY=${PYTHON:-python3}
 python -m pip install -q --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
 python -c "import torch" 2>/dev/null || python -m pip install -q "torch==2.13.0" 2>&1 | grep -v "^WARNING: Location" || true
 python -m pip install -q -e ".[test]" 2>&1 | grep -v "^WARNING: Location" || true
+# verl 0.9.1's code, beside (not in) the environment: the tests that compare with it
+bash tools/setup_verl_ref.sh
 bash tools/install_slurm.sh || echo "setup_env: Slurm not installed; the Slurm launch test needs it (see above)" >&2
 python -c "import torch, megatron.core, megarl; print('env ok: torch', torch.__version__, 'megatron-core', megatron.core.__version__)"
 if [ "$SGLANG" = 1 ]; then
