@@ -42,6 +42,10 @@ CHOICES: Dict[str, tuple] = {
     "algorithm.kl_penalty": KL_TYPES,
     "algorithm.kl_ctrl.type": ("fixed", "adaptive"),
     "algorithm.stale_policy": ("drop", "regenerate"),
+    # what megarl's reward gives: one score per response (keys of a returned dict other than
+    # "score" are not kept), so verl's names of that score; "acc" and other reward_extra_info
+    # fields are refused by name (megarl/config/validate.py)
+    "algorithm.filter_groups.metric": ("reward", "score", "seq_reward"),
     "trainer.device": ("cpu", "cuda"),
     "trainer.launcher": ("ray", "torchrun"),
     "trainer.resume_mode": ("auto", "disable", "resume_path"),
@@ -219,6 +223,7 @@ RANGES: Dict[str, Range] = {
     "algorithm.kl_ctrl.target_kl": POSITIVE,
     "algorithm.kl_ctrl.horizon": POSITIVE,
     "algorithm.max_staleness": NON_NEGATIVE,
+    "algorithm.filter_groups.max_num_gen_batches": Range(),  # <= 0: no limit (verl's meaning)
     "reward.num_workers": POSITIVE,
     "reward.timeout_s": POSITIVE,
     "reward.failure_score": Range(),
@@ -751,6 +756,21 @@ class KLCtrlConfig:
 
 
 @dataclass
+class FilterGroupsConfig:
+    enable: bool = False
+    """DAPO's dynamic sampling: drop each prompt group whose ``metric`` is the same for all of
+    its samples (no advantage to learn from) and generate groups of new prompts until the step
+    has ``data.train_batch_size`` groups that differ (docs/algorithms.md)."""
+    metric: str = "reward"
+    """What must differ within a group: ``reward`` (the score; ``score`` and ``seq_reward``
+    name the same number in megarl, whose reward functions give one score per response)."""
+    max_num_gen_batches: int = 0
+    """Most batches of ``data.train_batch_size`` prompts one step may draw before the run
+    stops with an error naming this key; 0 or less: no limit. With partial rollout the
+    over-sampled draws count too."""
+
+
+@dataclass
 class AlgorithmConfig:
     adv_estimator: str = "grpo"
     """Advantage estimator."""
@@ -773,6 +793,8 @@ class AlgorithmConfig:
     stale_policy: str = "drop"
     """What happens to a sample group over ``max_staleness``: ``drop`` it (counted, its prompt
     is not trained) or ``regenerate`` it from the prompt under the current weights."""
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+    """Dynamic sampling (DAPO): groups without spread are dropped and replaced."""
 
 
 @dataclass

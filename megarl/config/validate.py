@@ -43,6 +43,7 @@ _PARALLEL_KEYS = {
 def validate_config(cfg: DictConfig) -> None:
     """Raise ``ConfigError`` naming the offending key if ``cfg`` cannot run."""
     _check_values(_resolved(cfg))
+    _check_filter_groups(cfg)
     _check_choices(cfg)
     _check_rollout(cfg)
     _check_actor(cfg, cfg.actor_rollout_ref.actor)
@@ -241,6 +242,28 @@ def _check_rollout_fn(rollout: DictConfig) -> None:
         raise ConfigError(f"{_ARR}.rollout.rollout_fn: a rollout function replaces the built-in "
                           f"policies; {_ARR}.rollout.partial_rollout=true is one of them (set one "
                           "or the other)")
+
+
+def _check_filter_groups(cfg: DictConfig) -> None:
+    fg = cfg.algorithm.filter_groups
+    key = "algorithm.filter_groups"
+    if fg.metric not in CHOICES[f"{key}.metric"]:
+        # before the generic choices check: say why verl's other names have no counterpart
+        raise ConfigError(
+            f"{key}.metric: {fg.metric!r} is not a number megarl keeps per response; a reward "
+            "function gives one score (keys of a returned dict other than 'score' are not "
+            f"kept), which {key}.metric names as one of "
+            f"{', '.join(CHOICES[f'{key}.metric'])}")
+    if not fg.enable:
+        return
+    rollout = cfg.actor_rollout_ref.rollout
+    if rollout.rollout_fn is not None:
+        raise ConfigError(f"{key}.enable: a rollout function ({_ARR}.rollout.rollout_fn) "
+                          "replaces the built-in policies that filter groups; filter in the "
+                          "function, or leave the function out")
+    if int(rollout.n) < 2:
+        raise ConfigError(f"{key}.enable: with {_ARR}.rollout.n={rollout.n} a group has one "
+                          "sample and nothing to compare; dynamic sampling needs n >= 2")
 
 
 def _check_multi_turn(mt: DictConfig) -> None:

@@ -24,7 +24,8 @@ class StepRecord:
 
     GENERATE's start sets `resume_before` (where a checkpoint taken before this step resumes:
     the loader position and the partial-rollout cache before its prompts), then `samples`,
-    `scores` (the streaming reward's pending results) and `dropped`; REWARD builds `batch`,
+    `scores` (the streaming reward's pending results), `dropped` (too stale), `filtered`
+    and `surplus` (dynamic sampling: no spread, or kept beyond the batch); REWARD builds `batch`,
     the tensors REF_LOGP, VALUES and LOGP add to (`ref_logprobs`, `values`, `old_logprobs`)
     and TRAIN reads, with `advantages` (and `returns`) computed at its start. When SYNC has
     finished, the data is released and, with a checkpoint due, `resume_after` holds what
@@ -34,6 +35,8 @@ class StepRecord:
     samples: list["Sample"] = dataclasses.field(default_factory=list)
     scores: list = dataclasses.field(default_factory=list)
     dropped: list[str] = dataclasses.field(default_factory=list)
+    filtered: list[str] = dataclasses.field(default_factory=list)
+    surplus: list[str] = dataclasses.field(default_factory=list)
     batch: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
     resume_after: dict | None = None
 

@@ -20,6 +20,11 @@ any of its tokens (TRAIN(k) starts from version k). Before a cached group is res
 checked against `algorithm.max_staleness`; an over-limit group is dropped (counted, its prompt
 recorded as dropped) or regenerated from its prompt (``stale_policy``). A group completed in
 this step is never over the limit: the config check keeps the limit >= generate_ahead - 1.
+
+Dynamic sampling (``algorithm.filter_groups``, `megarl.controller.filter_groups`). A group
+whose samples all got the same reward is dropped when its last sample is scored; its slot
+goes to a new group, as a completed group's does. Only complete groups are judged, so a group
+cut off by the step's end is judged by the step that completes it.
 """
 from __future__ import annotations
 
@@ -94,7 +99,8 @@ class PartialRollout:
 
     def __init__(self, runner: TrajectoryRunner, loader, *, n: int, need: int, over: int,
                  max_staleness: int | None = None, stale_policy: str = "drop",
-                 sampling_for: Callable | None = None):
+                 sampling_for: Callable | None = None,
+                 filter_max_gen_batches: int | None = None):
         if need <= 0 or n <= 0 or over < 0:
             raise ValueError(f"partial rollout: need={need}, n={n}, over={over}")
         self.runner, self.loader = runner, loader
@@ -103,6 +109,9 @@ class PartialRollout:
         # optional (prompt, sample index, step params) -> params of that one sample, e.g. a
         # per-prompt length budget from the data
         self.sampling_for = sampling_for
+        # dynamic sampling: None is off; else the most loader draws one step may make (<= 0:
+        # no limit)
+        self.filter_max = filter_max_gen_batches
         self.cache: list[PromptGroup] = []
         self._stopping = False
         self.drawn = 0  # groups drawn so far: the next one's serial
@@ -154,6 +163,8 @@ class PartialRollout:
         metrics = collections.Counter()
         queue: collections.deque[PromptGroup] = collections.deque()
         dropped: list[str] = []
+        filtered: list[str] = []
+        draws = 0
         over, samples_over = self._over_limit(trainer_version)
         if over:  # in samples, as `staleness_mask` counts them
             metrics["rollout/stale_regenerated" if self.stale_policy == "regenerate"
@@ -169,7 +180,13 @@ class PartialRollout:
         resumed = sum(g.started for g in queue)
 
         def next_group() -> PromptGroup:
+            nonlocal draws
             if not queue:
+                if self.filter_max is not None and 0 < self.filter_max <= draws:
+                    from .filter_groups import FilterGroupsExhausted
+
+                    raise FilterGroupsExhausted(step, draws, len(complete), self.need)
+                draws += 1
                 batch = self.loader.next_batch()
                 metrics["rollout/prompts_drawn"] += len(batch)
                 for p in batch:
@@ -193,8 +210,10 @@ class PartialRollout:
                 done, _ = await asyncio.wait(active, return_when=asyncio.FIRST_COMPLETED)
                 for t in done:
                     g = active.pop(t)
-                    t.result()
-                    complete.append(g)
+                    if t.result():
+                        complete.append(g)
+                    else:  # no spread: consumed, not trained; its slot goes to a new group
+                        filtered.append(g.prompt.uid)
                 # one new group for each that completed: the engines stay full
                 while len(complete) < self.need and len(active) < target:
                     launch(next_group())
@@ -226,11 +245,23 @@ class PartialRollout:
             "rollout/partial/cached_started_groups": float(sum(g.started
                                                                for g in self.cache)),
         })
-        return StepRollout(samples, futures, out, dropped)
+        if self.filter_max is not None:
+            from .filter_groups import filter_metrics
 
-    async def _run_group(self, g: PromptGroup, step: int, sp: SamplingParams) -> None:
+            out.update(filter_metrics(len(complete), len(filtered), draws,
+                                      int(metrics["rollout/prompts_drawn"])))
+        return StepRollout(samples, futures, out, dropped, filtered=filtered)
+
+    async def _run_group(self, g: PromptGroup, step: int, sp: SamplingParams) -> bool:
+        """Run the group's samples; False when dynamic sampling drops it (complete, and
+        every reward the same)."""
         await asyncio.gather(*[self._run_sample(g, i, step, sp)
                                for i in range(len(g.samples))])
+        if self.filter_max is None or not g.complete:
+            return True
+        from .filter_groups import has_spread
+
+        return await has_spread([t.future for t in g.samples])
 
     async def _run_sample(self, g: PromptGroup, i: int, step: int, sp: SamplingParams) -> None:
         t = g.samples[i]

@@ -64,7 +64,8 @@ class RunState:
         rollout = make_policy(cfg.actor_rollout_ref.rollout, runner, run.loader,
                               need=cfg.data.train_batch_size,
                               max_staleness=cfg.algorithm.max_staleness,
-                              stale_policy=cfg.algorithm.stale_policy, rollout_fn=run.rollout_fn)
+                              stale_policy=cfg.algorithm.stale_policy, rollout_fn=run.rollout_fn,
+                              filter_groups=cfg.algorithm.filter_groups)
         rollout.load_state_dict(saved.get("partial"))
         # the adaptive controller's coefficient survives a resume
         kl = float(saved.get("kl_coef", cfg.algorithm.kl_ctrl.kl_coef))
@@ -94,6 +95,7 @@ async def generate(st: RunState, rec: StepRecord) -> None:
     samples = out.samples
     tokens = sum(len(s.response_ids) for s in samples)
     rec.samples, rec.scores, rec.dropped = samples, out.scores, out.dropped
+    rec.filtered, rec.surplus = out.filtered, out.surplus
     st.metrics.update(k, {"timing/wait_for_weights_s": waited, **out.metrics})
     # engines alive, failed, replaced and requests sent again during this GENERATE
     st.metrics.update(k, r.manager.pop_metrics())
@@ -285,6 +287,10 @@ def _record_prompts(st: RunState, rec: StepRecord) -> None:
     line = {"step": rec.step, "uids": sorted({s.uid for s in rec.samples})}
     if rec.dropped:
         line["dropped"] = sorted(rec.dropped)  # over max_staleness
+    if rec.filtered:  # dynamic sampling: consumed, not trained (no spread; beyond the batch)
+        line["filtered"] = sorted(rec.filtered)
+    if rec.surplus:
+        line["surplus"] = sorted(rec.surplus)
     st.run.plan.ckpt_root.mkdir(parents=True, exist_ok=True)
     with open(st.run.plan.ckpt_root / "trained_prompts.jsonl", "a") as f:
         f.write(json.dumps(line) + "\n")

@@ -88,11 +88,15 @@ class Trajectory:
 @dataclasses.dataclass
 class StepRollout:
     """What GENERATE(k) produced: samples in group order, their reward awaitables (same
-    order), metrics, and the uids of prompts dropped as too stale."""
+    order), metrics, the uids of prompts dropped as too stale, and with dynamic sampling
+    (`megarl.controller.filter_groups`) those whose group had no spread (`filtered`) or was
+    kept beyond the batch (`surplus`): consumed, not trained."""
     samples: list[Sample]
     scores: list[Awaitable[float]]
     metrics: dict[str, float] = dataclasses.field(default_factory=dict)
     dropped: list[str] = dataclasses.field(default_factory=list)
+    filtered: list[str] = dataclasses.field(default_factory=list)
+    surplus: list[str] = dataclasses.field(default_factory=list)
 
     def __iter__(self):
         """Unpacks as (samples, scores, metrics, dropped)."""
@@ -383,19 +387,29 @@ class FunctionRollout(_Stateless):
 
 
 def make_policy(rollout_cfg, runner: TrajectoryRunner, loader, *, need: int,
-                max_staleness: int | None, stale_policy: str, rollout_fn: Callable | None):
-    """The GENERATE state's policy for this run's `actor_rollout_ref.rollout`."""
+                max_staleness: int | None, stale_policy: str, rollout_fn: Callable | None,
+                filter_groups=None):
+    """The GENERATE state's policy for this run's `actor_rollout_ref.rollout` (and
+    `algorithm.filter_groups`, dynamic sampling, when enabled)."""
     if rollout_fn is not None:
         return FunctionRollout(rollout_fn, rollout_cfg.rollout_fn, runner, loader,
                                int(rollout_cfg.n))
+    max_batches = None
+    if filter_groups is not None and filter_groups.enable:
+        max_batches = int(filter_groups.max_num_gen_batches)
     if not rollout_cfg.partial_rollout:
+        if max_batches is not None:
+            from .filter_groups import FilteredRollout
+
+            return FilteredRollout(runner, loader, need=need, max_num_gen_batches=max_batches)
         return PlainRollout(runner, loader)
     from .partial import PartialRollout
 
     over = rollout_cfg.over_sample_prompts
     return PartialRollout(runner, loader, n=int(rollout_cfg.n), need=need,
                           over=over if over is not None else max(1, need // 2),
-                          max_staleness=max_staleness, stale_policy=stale_policy)
+                          max_staleness=max_staleness, stale_policy=stale_policy,
+                          filter_max_gen_batches=max_batches)
 
 
 def _store_reward(t: Trajectory) -> Callable:

@@ -42,3 +42,9 @@ def hard_exit(data_source, solution_str, ground_truth, extra_info=None) -> float
 
 def returns_junk(data_source, solution_str, ground_truth, extra_info=None):
     return {"score": float("nan")} if solution_str == "nan" else "not a number"
+
+
+def constant_for_even(data_source, solution_str, ground_truth, extra_info=None) -> float:
+    """1.0 whatever the response when ``ground_truth`` is an even number (every group of such a
+    prompt has no spread), else the response's length: for dynamic sampling's tests."""
+    return 1.0 if int(ground_truth) % 2 == 0 else float(len(solution_str))

@@ -46,13 +46,14 @@ def scalars(run_dir, tag):
     return {e.step: e.value for e in acc.Scalars(tag)} if tag in acc.Tags()["scalars"] else {}
 
 
-def trained(run_dir):
-    """step -> uids of the last record for that step (a killed run may have written more)."""
+def trained(run_dir, field="uids"):
+    """step -> uids of the last record for that step (a killed run may have written more);
+    `field="filtered"`: the prompts dynamic sampling dropped in that step."""
     out = {}
     f = Path(run_dir) / "megarl" / "t" / "trained_prompts.jsonl"
     for line in f.read_text().splitlines():
         rec = json.loads(line)
-        out[rec["step"]] = rec["uids"]
+        out[rec["step"]] = rec.get(field, [])
     return out
 
 
@@ -332,19 +333,22 @@ def MOE_R3(where) -> list[str]:
 def test_a_lost_trainer_worker_restarts_the_run_which_trains_every_prompt_once(
         quickstart_assets, tmp_path):
     """`trainer.max_restarts=2`, with partial rollout (unfinished groups cached across steps
-    and checkpoints), on a mixture of experts at EP=2 with routing replay (`MOE_R3`): a
+    and checkpoints) and dynamic sampling (`algorithm.filter_groups`: groups whose rewards
+    are all the same dropped), on a mixture of experts at EP=2 with routing replay (`MOE_R3`): a
     trainer worker SIGKILLed once the checkpoint of step 2 exists, and
     another (of the restarted run) wedged by SIGSTOP once that of step 4 does: alive, so
     nothing reports it lost, its state runs past `trainer.state_timeout_s` and fails by name.
     The same `megarl train` restarts itself from its newest checkpoint each time and
-    finishes: every prompt it drew trained exactly once (trained + still cached = drawn),
+    finishes: every prompt it drew trained or dropped exactly once (trained + dropped + still
+    cached = drawn),
     each restart a metric and an incident. (The same losses under torchrun, each life new
     processes resuming as a run started again by hand: test_torchrun_launch.py.)"""
     extra = ["trainer.total_training_steps=8", "trainer.save_freq=2", "trainer.test_freq=-1",
              "trainer.val_before_train=False", "actor_rollout_ref.rollout.partial_rollout=True",
              "actor_rollout_ref.rollout.over_sample_prompts=6", "trainer.max_restarts=2",
              "trainer.restart_backoff_s=1", "trainer.state_timeout_s=15",
-             "trainer.state_min_tokens_per_s=1e9", *MOE_R3(tmp_path)]
+             "trainer.state_min_tokens_per_s=1e9", "algorithm.filter_groups.enable=true",
+             *MOE_R3(tmp_path)]
     proc = megarl("train", _args(quickstart_assets, tmp_path, *extra), start_new_session=True)
     out, code = _kill_a_trainer_worker_after_checkpoints(proc, tmp_path, [2, 4],
                                                           [signal.SIGKILL, signal.SIGSTOP])
@@ -374,6 +378,10 @@ def test_a_lost_trainer_worker_restarts_the_run_which_trains_every_prompt_once(
     uids = [u for k in range(8) for u in steps[k]]
     assert all(len(steps[k]) == 8 for k in range(8))
     assert len(uids) == len(set(uids)), "a prompt was trained twice"
+    dropped = [u for k, us in trained(tmp_path, "filtered").items() for u in us]
+    assert len(dropped) == len(set(dropped)) and not set(dropped) & set(uids)
+    counts = scalars(tmp_path, "rollout/filter_groups/filtered_groups")
+    assert sorted(counts) == list(range(1, 9)) and sum(counts.values()) == len(dropped)
     final = json.loads((tmp_path / "megarl" / "t" / "global_step_8" /
                         "driver_state.json").read_text())
     cached = {g["uid"] for g in final["partial"]["groups"]}
@@ -384,7 +392,7 @@ def test_a_lost_trainer_worker_restarts_the_run_which_trains_every_prompt_once(
     while (loader.state_dict()["epoch"], loader.state_dict()["offset"]) != \
             (final["loader"]["epoch"], final["loader"]["offset"]):
         drawn |= {p.uid for p in loader.next_batch()}
-    assert set(uids) | cached == drawn
+    assert set(uids) | set(dropped) | cached == drawn
     assert scalars(tmp_path, "rollout/partial/ratio")
     # (whether a continued sample also spans two versions depends on how fast generation runs
     # against the syncs: on 2 loaded cores none did; test_sglang_backend_trains_on_stock_servers
