@@ -42,10 +42,10 @@ CHOICES: Dict[str, tuple] = {
     "algorithm.kl_penalty": KL_TYPES,
     "algorithm.kl_ctrl.type": ("fixed", "adaptive"),
     "algorithm.stale_policy": ("drop", "regenerate"),
-    # what megarl's reward gives: one score per response (keys of a returned dict other than
-    # "score" are not kept), so verl's names of that score; "acc" and other reward_extra_info
-    # fields are refused by name (megarl/config/validate.py)
-    "algorithm.filter_groups.metric": ("reward", "score", "seq_reward"),
+    # what megarl keeps per response: the reward that trains (reward, seq_reward) and the
+    # reward function's score before an overlong penalty (acc, score: verl's DAPO manager's
+    # names of it); other reward_extra_info fields are refused by name (config/validate.py)
+    "algorithm.filter_groups.metric": ("reward", "seq_reward", "acc", "score"),
     "trainer.device": ("cpu", "cuda"),
     "trainer.launcher": ("ray", "torchrun"),
     "trainer.resume_mode": ("auto", "disable", "resume_path"),
@@ -227,6 +227,9 @@ RANGES: Dict[str, Range] = {
     "reward.num_workers": POSITIVE,
     "reward.timeout_s": POSITIVE,
     "reward.failure_score": Range(),
+    "reward.reward_kwargs.max_resp_len": POSITIVE,
+    "reward.reward_kwargs.overlong_buffer_cfg.len": NON_NEGATIVE,
+    "reward.reward_kwargs.overlong_buffer_cfg.penalty_factor": NON_NEGATIVE,
     "trainer.nnodes": POSITIVE,
     "trainer.n_gpus_per_node": POSITIVE,
     "trainer.separated_node_ratios": POSITIVE,   # the layout checks that they sum to 1
@@ -762,8 +765,8 @@ class FilterGroupsConfig:
     its samples (no advantage to learn from) and generate groups of new prompts until the step
     has ``data.train_batch_size`` groups that differ (docs/algorithms.md)."""
     metric: str = "reward"
-    """What must differ within a group: ``reward`` (the score; ``score`` and ``seq_reward``
-    name the same number in megarl, whose reward functions give one score per response)."""
+    """What must differ within a group: ``reward`` or ``seq_reward`` (what trains: the score
+    plus any overlong penalty), ``acc`` or ``score`` (the reward function's score alone)."""
     max_num_gen_batches: int = 0
     """Most batches of ``data.train_batch_size`` prompts one step may draw before the run
     stops with an error naming this key; 0 or less: no limit. With partial rollout the
@@ -798,6 +801,27 @@ class AlgorithmConfig:
 
 
 @dataclass
+class OverlongBufferConfig:
+    enable: bool = False
+    """DAPO's overlong penalty (megarl/reward/overlong.py): the last ``len`` tokens of the
+    response budget cost up to ``penalty_factor``, linearly, added to the score."""
+    len: int = 0
+    """Tokens at the end of the budget over which the penalty grows (> 0 when enabled)."""
+    penalty_factor: float = 1.0
+    """The penalty at the budget's end."""
+    log: bool = False
+    """Log ``reward/overlong_penalty_mean`` and ``reward/overlong_frac`` each step."""
+
+
+@dataclass
+class RewardKwargsConfig:
+    max_resp_len: Optional[int] = None
+    """The budget the overlong penalty counts from; null: ``data.max_response_length``."""
+    overlong_buffer_cfg: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
+    """DAPO's overlong reward shaping (verl's keys)."""
+
+
+@dataclass
 class RewardConfig:
     reward_fn: Optional[str] = None
     """Import path ``module:function`` of the reward function; null picks one by data source."""
@@ -809,6 +833,8 @@ class RewardConfig:
     failure_score: float = 0.0
     """Score given to a reward call that raises, times out, returns a non-number or whose
     worker dies; such calls are logged and counted in ``reward/failures``."""
+    reward_kwargs: RewardKwargsConfig = field(default_factory=RewardKwargsConfig)
+    """verl's DAPO reward settings: the overlong penalty."""
 
 
 @dataclass

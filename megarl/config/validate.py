@@ -48,7 +48,7 @@ def validate_config(cfg: DictConfig) -> None:
     _check_rollout(cfg)
     _check_actor(cfg, cfg.actor_rollout_ref.actor)
     _check_trainer(cfg.trainer, cfg.data)
-    _check_reward(cfg.reward)
+    _check_reward(cfg.reward, cfg.data.max_response_length)
     _check_rollout_fn(cfg.actor_rollout_ref.rollout)
     _check_multi_turn(cfg.actor_rollout_ref.rollout.multi_turn)
     _check_staleness(cfg)
@@ -229,9 +229,12 @@ def _check_trainer(t: DictConfig, data: DictConfig) -> None:
                               f"{', '.join(KNOWN)}){hint}")
 
 
-def _check_reward(reward: DictConfig) -> None:
+def _check_reward(reward: DictConfig, max_response_length: int) -> None:
     if reward.reward_fn is not None:
         check_import_path(reward.reward_fn, "reward.reward_fn")
+    from megarl.reward.overlong import OverlongPenalty
+
+    OverlongPenalty.from_config(reward, max_response_length)  # its errors name the key
 
 
 def _check_rollout_fn(rollout: DictConfig) -> None:
@@ -252,8 +255,8 @@ def _check_filter_groups(cfg: DictConfig) -> None:
         raise ConfigError(
             f"{key}.metric: {fg.metric!r} is not a number megarl keeps per response; a reward "
             "function gives one score (keys of a returned dict other than 'score' are not "
-            f"kept), which {key}.metric names as one of "
-            f"{', '.join(CHOICES[f'{key}.metric'])}")
+            "kept): reward or seq_reward name what trains (the score plus any overlong "
+            "penalty), acc or score the function's score alone")
     if not fg.enable:
         return
     rollout = cfg.actor_rollout_ref.rollout

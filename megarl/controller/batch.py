@@ -58,7 +58,8 @@ class Sample:
     ground_truth: Any = None
     data_source: str = ""
     response_text: str = ""
-    reward: float = 0.0
+    reward: float = 0.0           # what trains: the score plus any overlong penalty
+    score: float | None = None    # the reward function's own score (verl's "acc")
     extra_info: dict = dataclasses.field(default_factory=dict)  # the prompt's, for rewards
     # multi-turn: 1 on the model's own tokens, 0 on what the agent loop appended (tool
     # answers, template); None: every response token is the model's

@@ -49,10 +49,20 @@ class FilterGroupsExhausted(RuntimeError):
             "for no limit")
 
 
-async def has_spread(scores: Sequence[Awaitable[float]]) -> bool:
-    """False when every sample of the group got the same reward. A group of one sample is
-    kept (nothing to compare; verl keeps it too)."""
-    values = [float(await s) for s in scores]
+# verl's names of the reward function's own score (its DAPO manager's "acc"), before an
+# overlong penalty; "reward" and "seq_reward" name what trains
+RAW_SCORE_METRICS = ("acc", "score")
+
+
+async def has_spread(scores: Sequence[Awaitable[float]], samples: Sequence,
+                     metric: str = "reward") -> bool:
+    """False when every sample of the group has the same `metric` (once all are scored). A
+    group of one sample is kept (nothing to compare; verl keeps it too)."""
+    rewards = [float(await s) for s in scores]
+    if metric in RAW_SCORE_METRICS:
+        values = [s.score if s.score is not None else r for s, r in zip(samples, rewards)]
+    else:
+        values = rewards
     return len(values) < 2 or len(set(values)) > 1
 
 
@@ -70,9 +80,9 @@ class FilteredRollout:
     dropped and replaced from further generation batches (see the module doc)."""
 
     def __init__(self, runner: TrajectoryRunner, loader, *, need: int,
-                 max_num_gen_batches: int = 0):
+                 max_num_gen_batches: int = 0, metric: str = "reward"):
         self.runner, self.loader, self.need = runner, loader, need
-        self.max_batches = max_num_gen_batches
+        self.max_batches, self.metric = max_num_gen_batches, metric
 
     def state_dict(self) -> None:  # nothing carries over between steps
         return None
@@ -102,7 +112,7 @@ class FilteredRollout:
             for j, p in enumerate(batch):
                 samples = out.samples[j * n:(j + 1) * n]
                 scores = out.scores[j * n:(j + 1) * n]
-                if await has_spread(scores):
+                if await has_spread(scores, samples, self.metric):
                     kept.append((samples, scores))
                 else:
                     filtered.append(p.uid)

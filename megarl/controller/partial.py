@@ -100,7 +100,7 @@ class PartialRollout:
     def __init__(self, runner: TrajectoryRunner, loader, *, n: int, need: int, over: int,
                  max_staleness: int | None = None, stale_policy: str = "drop",
                  sampling_for: Callable | None = None,
-                 filter_max_gen_batches: int | None = None):
+                 filter_max_gen_batches: int | None = None, filter_metric: str = "reward"):
         if need <= 0 or n <= 0 or over < 0:
             raise ValueError(f"partial rollout: need={need}, n={n}, over={over}")
         self.runner, self.loader = runner, loader
@@ -111,7 +111,7 @@ class PartialRollout:
         self.sampling_for = sampling_for
         # dynamic sampling: None is off; else the most loader draws one step may make (<= 0:
         # no limit)
-        self.filter_max = filter_max_gen_batches
+        self.filter_max, self.filter_metric = filter_max_gen_batches, filter_metric
         self.cache: list[PromptGroup] = []
         self._stopping = False
         self.drawn = 0  # groups drawn so far: the next one's serial
@@ -261,7 +261,8 @@ class PartialRollout:
             return True
         from .filter_groups import has_spread
 
-        return await has_spread([t.future for t in g.samples])
+        return await has_spread([t.future for t in g.samples], [t.sample for t in g.samples],
+                                self.filter_metric)
 
     async def _run_sample(self, g: PromptGroup, i: int, step: int, sp: SamplingParams) -> None:
         t = g.samples[i]

@@ -244,7 +244,7 @@ async def setup_run(cfg, val_only: bool) -> Run:
     prepare_assets(cfg)
     tok, eos_ids, pad_id, loader, val = _data(cfg)
     # Loads the reward function once here, so a bad reward.reward_fn fails before Ray starts.
-    reward_pool = RewardPool.from_config(cfg.reward)
+    reward_pool = RewardPool.from_config(cfg.reward, int(cfg.data.max_response_length))
     # ... and the rollout function, likewise
     rollout_fn = (load_callable(arr.rollout.rollout_fn, "actor_rollout_ref.rollout.rollout_fn")
                   if arr.rollout.rollout_fn else None)

@@ -161,6 +161,12 @@ async def reward(st: RunState, rec: StepRecord) -> None:
     st.metrics.update(rec.step, {"reward/mean": rw.mean().item(), "reward/max": rw.max().item(),
                                  "reward/min": rw.min().item(),
                                  "reward/exact_frac": (rw >= 1.0).float().mean().item()})
+    if st.cfg.reward.reward_kwargs.overlong_buffer_cfg.log:  # DAPO's overlong penalty
+        pen = [s.reward - s.score for s in rec.samples if s.score is not None]
+        if pen:
+            st.metrics.update(rec.step, {
+                "reward/overlong_penalty_mean": sum(pen) / len(pen),
+                "reward/overlong_frac": sum(p < 0 for p in pen) / len(pen)})
 
 
 # ------------------------------------------------------------------ the models' passes

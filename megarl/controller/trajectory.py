@@ -43,6 +43,7 @@ class Trajectory:
     versions: list[int] = dataclasses.field(default_factory=list)
     finish: str | None = None
     reward: float | None = None
+    score: float | None = None    # the reward function's own (before an overlong penalty)
     interrupted: int = 0          # times the policy stopped it before it finished
     text: str = ""
     agent: Any = None             # megarl.agent.loop.AgentState of a multi-turn sample
@@ -61,6 +62,8 @@ class Trajectory:
              "versions": list(self.versions),
              "finish": self.finish, "reward": self.reward, "interrupted": self.interrupted,
              "text": self.text}
+        if self.score is not None and self.score != self.reward:
+            d["score"] = self.score
         if self.agent is not None:
             d["agent"] = self.agent.to_dict()
         if self.routed:
@@ -81,7 +84,8 @@ class Trajectory:
             routed = [np.frombuffer(raw, dtype="<i2").reshape(d["routed"]["shape"]).copy()]
         return cls(ids=list(d["ids"]), logprobs=[float(x) for x in d["logprobs"]],
                    versions=[int(v) for v in d["versions"]], finish=d["finish"],
-                   reward=d["reward"], interrupted=int(d["interrupted"]), text=d["text"],
+                   reward=d["reward"], score=d.get("score", d["reward"]),
+                   interrupted=int(d["interrupted"]), text=d["text"],
                    agent=agent, routed=routed, routed_len=sum(len(c) for c in routed))
 
 
@@ -269,6 +273,7 @@ class TrajectoryRunner:
                           agent=agent, routed_experts=routed)
         if t.reward is not None:
             t.sample.reward = t.reward
+            t.sample.score = t.score if t.score is not None else t.reward
             t.future = _done(t.reward)
         elif self.scorer is not None:
             fut = asyncio.ensure_future(self.scorer.submit(t.sample))
@@ -394,14 +399,15 @@ def make_policy(rollout_cfg, runner: TrajectoryRunner, loader, *, need: int,
     if rollout_fn is not None:
         return FunctionRollout(rollout_fn, rollout_cfg.rollout_fn, runner, loader,
                                int(rollout_cfg.n))
-    max_batches = None
+    max_batches, metric = None, "reward"
     if filter_groups is not None and filter_groups.enable:
-        max_batches = int(filter_groups.max_num_gen_batches)
+        max_batches, metric = int(filter_groups.max_num_gen_batches), str(filter_groups.metric)
     if not rollout_cfg.partial_rollout:
         if max_batches is not None:
             from .filter_groups import FilteredRollout
 
-            return FilteredRollout(runner, loader, need=need, max_num_gen_batches=max_batches)
+            return FilteredRollout(runner, loader, need=need, max_num_gen_batches=max_batches,
+                                   metric=metric)
         return PlainRollout(runner, loader)
     from .partial import PartialRollout
 
@@ -409,13 +415,14 @@ def make_policy(rollout_cfg, runner: TrajectoryRunner, loader, *, need: int,
     return PartialRollout(runner, loader, n=int(rollout_cfg.n), need=need,
                           over=over if over is not None else max(1, need // 2),
                           max_staleness=max_staleness, stale_policy=stale_policy,
-                          filter_max_gen_batches=max_batches)
+                          filter_max_gen_batches=max_batches, filter_metric=metric)
 
 
 def _store_reward(t: Trajectory) -> Callable:
     def cb(fut: asyncio.Future) -> None:
         if not fut.cancelled() and fut.exception() is None:
             t.reward = float(fut.result())
+            t.score = t.sample.score if t.sample is not None else None
     return cb
 
 

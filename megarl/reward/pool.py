@@ -148,7 +148,7 @@ class RewardPool:
         load_reward_fn(spec)  # fail here, naming reward.reward_fn, not in every worker
 
     def __init__(self, spec: Optional[str], num_workers: int, timeout_s: float,
-                 failure_score: float = 0.0):
+                 failure_score: float = 0.0, overlong=None):
         if not isinstance(num_workers, int) or num_workers < 1:
             raise ConfigError(f"reward.num_workers must be an integer >= 1, got {num_workers!r}")
         if not timeout_s > 0:
@@ -159,6 +159,9 @@ class RewardPool:
         self._check_spec(spec)
         self.spec, self.num_workers = spec, num_workers
         self.timeout_s, self.failure_score = float(timeout_s), float(failure_score)
+        # megarl.reward.overlong.OverlongPenalty (DAPO's), added to a generated response's
+        # score by its length; None: the reward is the score
+        self.overlong = overlong
         self._ctx = mp.get_context("spawn")
         self._lock = threading.Lock()
         self._queue: collections.deque[_Job] = collections.deque()
@@ -180,22 +183,33 @@ class RewardPool:
         atexit.register(self._atexit)
 
     @classmethod
-    def from_config(cls, reward_cfg) -> "RewardPool":
+    def from_config(cls, reward_cfg, max_response_length: int | None = None) -> "RewardPool":
+        overlong = None
+        if max_response_length is not None:
+            from megarl.reward.overlong import OverlongPenalty
+
+            overlong = OverlongPenalty.from_config(reward_cfg, max_response_length)
         return cls(reward_cfg.reward_fn, int(reward_cfg.num_workers), float(reward_cfg.timeout_s),
-                   float(getattr(reward_cfg, "failure_score", 0.0)))
+                   float(getattr(reward_cfg, "failure_score", 0.0)), overlong)
 
     # ---- submitting -------------------------------------------------------------------------
 
     def submit(self, sample) -> asyncio.Future:
-        """Score ``sample`` in a worker; the future (of the running loop) resolves to the score,
-        which is also stored in ``sample.reward``. Never raises for a failing reward function."""
+        """Score ``sample`` in a worker; the future (of the running loop) resolves to its
+        reward, the score plus any overlong penalty, stored in ``sample.reward`` (the score
+        alone in ``sample.score``). Never raises for a failing reward function."""
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
 
+        penalty = 0.0
+        if self.overlong is not None:
+            penalty = self.overlong(len(getattr(sample, "response_ids", ()) or ()))
+
         def resolve(score: float):
-            sample.reward = score
+            sample.score = score
+            sample.reward = score + penalty
             if not fut.done():
-                fut.set_result(score)
+                fut.set_result(sample.reward)
 
         def done(score: float, _error):
             try:

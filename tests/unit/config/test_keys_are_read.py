@@ -26,8 +26,6 @@ NOT_READ_BY_A_RUN = {
     # verl's keys naming the training backend; megatron is their only allowed value (CHOICES)
     "actor_rollout_ref.actor.strategy": "one value: megatron",
     "critic.strategy": "one value: megatron",
-    # verl's names of one number (the score); validation refuses the rest by name
-    "algorithm.filter_groups.metric": "its choices all name the reward",
     # planning only: preflight refuses them in a run (test_preflight.py)
     "actor_rollout_ref.model.override_config": "--dry-run only",
     "actor_rollout_ref.model.hf_config_path": "--dry-run only",

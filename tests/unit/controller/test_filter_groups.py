@@ -154,8 +154,8 @@ def test_the_config_key_picks_the_policy_a_run_builds(engine, parity_scorer):
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["algorithm.filter_groups.metric=acc"],
-     r"algorithm\.filter_groups\.metric: 'acc' is not a number megarl keeps per response"),
+    (["algorithm.filter_groups.metric=overlong"],
+     r"algorithm\.filter_groups\.metric: 'overlong' is not a number megarl keeps per "),
     (["algorithm.filter_groups.enable=true", "actor_rollout_ref.rollout.n=1"],
      r"algorithm\.filter_groups\.enable: with actor_rollout_ref\.rollout\.n=1 a group has one"),
     (["algorithm.filter_groups.enable=true",
@@ -165,3 +165,34 @@ def test_the_config_key_picks_the_policy_a_run_builds(engine, parity_scorer):
 def test_bad_settings_are_refused_by_key(overrides, message):
     with pytest.raises(ConfigError, match=message):
         validate_config(_cfg(*overrides))
+
+
+def _scored(rewards, scores):
+    """Samples as the reward pool leaves them: `reward` (what trains), `score` (the
+    function's own), and their done futures."""
+    from megarl.controller.batch import Sample
+
+    async def make():
+        loop = asyncio.get_running_loop()
+        samples, futs = [], []
+        for r, s in zip(rewards, scores):
+            samples.append(Sample(uid="u", prompt_ids=[1], response_ids=[2], rollout_logprobs=[0.0],
+                                  weight_version=0, token_versions=[0], finish="stop", reward=r,
+                                  score=s))
+            futs.append(loop.create_future())
+            futs[-1].set_result(r)
+        return samples, futs
+    return make
+
+
+@pytest.mark.parametrize("metric, kept", [("reward", True), ("seq_reward", True),
+                                          ("acc", False), ("score", False)])
+def test_the_metric_names_the_reward_or_the_score_before_the_overlong_penalty(metric, kept):
+    from megarl.controller.filter_groups import has_spread
+
+    async def go():
+        # every answer right (score 1), one run into the overlong buffer (reward 0.5)
+        samples, futs = await _scored([1.0, 0.5, 1.0], [1.0, 1.0, 1.0])()
+        return await has_spread(futs, samples, metric)
+
+    assert asyncio.run(go()) is kept
