@@ -99,6 +99,26 @@ def behaviour_weight(old_logp: torch.Tensor, behav_logp: torch.Tensor, cap: floa
     return torch.exp(capped), log_w, truncated
 
 
+def behaviour_correction(old_logp: torch.Tensor, behav_logp: torch.Tensor, cap: float | None,
+                         mask: torch.Tensor, level: str, smode: str,
+                         stats_denom: float | torch.Tensor | None
+                         ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """(w, its stats): the detached weight `behaviour_weight` gives, and the diagnostics of the
+    correction (``tis_weight_mean``, ``tis_truncated_frac``, ``logp_mismatch`` as shares under
+    `smode` / `stats_denom`, ``tis_weight_max`` the raw weight's maximum). One place for them,
+    so every policy loss mode (`megarl.algo.policy_losses`) reports the correction alike."""
+    old_logp = old_logp.detach().float()
+    behav_logp = behav_logp.detach().float()
+    w, log_w, truncated = behaviour_weight(old_logp, behav_logp, cap, mask, level)
+    stats = {"tis_weight_mean": aggregate(w, mask, smode, stats_denom),
+             "tis_truncated_frac": aggregate(truncated.to(mask.dtype), mask, smode,
+                                             stats_denom),
+             "logp_mismatch": aggregate((old_logp - behav_logp).abs(), mask, smode,
+                                        stats_denom),
+             "tis_weight_max": _masked_max(torch.exp(log_w.clamp(max=_LOG_CLAMP)), mask)}
+    return w, stats
+
+
 def ppo_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor,
                     mask: torch.Tensor, clip_low: float, clip_high: float,
                     clip_c: float | None = None, behav_logp: torch.Tensor | None = None,
@@ -149,15 +169,9 @@ def ppo_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tenso
         stats_denom = denom
     stats: dict[str, torch.Tensor] = {}
     if behav_logp is not None:
-        behav_logp = behav_logp.detach().float()
-        w, log_w, truncated = behaviour_weight(old_logp, behav_logp, tis_cap, mask, level)
+        w, stats = behaviour_correction(old_logp, behav_logp, tis_cap, mask, level, smode,
+                                        stats_denom)
         per_token = per_token * w
-        stats["tis_weight_mean"] = aggregate(w, mask, smode, stats_denom)
-        stats["tis_truncated_frac"] = aggregate(truncated.to(mask.dtype), mask, smode,
-                                                stats_denom)
-        stats["logp_mismatch"] = aggregate((old_logp - behav_logp).abs(), mask, smode,
-                                           stats_denom)
-        stats["tis_weight_max"] = _masked_max(torch.exp(log_w.clamp(max=_LOG_CLAMP)), mask)
 
     loss = aggregate(per_token, mask, agg, denom)
     with torch.no_grad():

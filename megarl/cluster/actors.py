@@ -163,18 +163,14 @@ class MegatronRank:
         shard); the loss is normalised by its count divided by the DP size, because the
         optimizer averages gradients over the replicas. None: this shard's own count."""
         from megarl.algo.actor_loss import MAX_METRICS
-        from megarl.algo.aggregate import global_denom, stats_mode
 
         self.weights_published = False
         out = []
         loss = self.spec.actor_loss
-        mode, scale = loss.loss_agg_mode, loss.loss_scale_factor
         dp = self.worker.ps.get_data_parallel_world_size() if batch_masks is not None else 1
         for j, mb in enumerate(mini_batches):
             whole = batch_masks[j] if batch_masks is not None else mb["response_mask"]
-            denom = global_denom(whole, mode, scale, dp_size=dp)
-            loss_fn = loss.make(denom=denom, with_max_metrics=True,
-                                stats_denom=global_denom(whole, stats_mode(mode), dp_size=dp))
+            loss_fn = loss.make_for_batch(whole, dp, with_max_metrics=True)
             # Entropy is always computed: it is a metric even when its coefficient is 0.
             out.append(self.worker.train_step(mb, loss_fn, micro_batch_size, temperature,
                                               with_entropy=True, max_metrics=MAX_METRICS))

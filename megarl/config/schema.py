@@ -28,6 +28,10 @@ CHOICES: Dict[str, tuple] = {
         "token-sum"),
     "actor_rollout_ref.actor.kl_loss_type": KL_TYPES,
     "actor_rollout_ref.actor.tis_level": ("token", "sequence"),
+    # verl 0.9.1's policy losses less bypass_mode (megarl.algo.policy_losses.POLICY_LOSS_MODES)
+    "actor_rollout_ref.actor.policy_loss.loss_mode": (
+        "vanilla", "gspo", "sapo", "gpg", "clip_cov", "kl_cov", "geo_mean", "cispo", "dppo_tv",
+        "dppo_kl", "dro"),
     # R2 (replaying the LOGP pass's own routing in training) is not built: R3 covers both
     "actor_rollout_ref.actor.router_replay.mode": ("disabled", "R3"),
     "actor_rollout_ref.actor.megatron.params_dtype": ("float32", "bfloat16", "float16"),
@@ -147,6 +151,14 @@ RANGES: Dict[str, Range] = {
     f"{_A}.actor.kl_loss_coef": NON_NEGATIVE,
     f"{_A}.actor.tis_imp_ratio_cap": POSITIVE,
     f"{_A}.actor.loss_scale_factor": POSITIVE,
+    f"{_A}.actor.tau_pos": POSITIVE,
+    f"{_A}.actor.tau_neg": POSITIVE,
+    f"{_A}.actor.policy_loss.clip_cov_ratio": PROBABILITY,
+    f"{_A}.actor.policy_loss.clip_cov_lb": Range(),  # a covariance: any sign
+    f"{_A}.actor.policy_loss.clip_cov_ub": Range(),
+    f"{_A}.actor.policy_loss.kl_cov_ratio": PROBABILITY,
+    f"{_A}.actor.policy_loss.ppo_kl_coef": NON_NEGATIVE,
+    f"{_A}.actor.policy_loss.dro_beta": POSITIVE,
     f"{_A}.rollout.weight_sync_timeout_s": POSITIVE,
     f"{_A}.rollout.weight_sync_min_bandwidth_mbps": POSITIVE,
     f"{_A}.actor.optim.lr": NON_NEGATIVE,
@@ -420,6 +432,30 @@ class RouterReplayConfig:
 
 
 @dataclass
+class PolicyLossConfig:
+    loss_mode: str = "vanilla"
+    """The policy loss, by verl's name (docs/algorithms.md, "Policy loss modes"): vanilla
+    (PPO clip, dual clip), gspo, sapo, gpg, clip_cov, kl_cov, geo_mean, cispo, dppo_tv,
+    dppo_kl, dro. Each composes with the off-policy correction (``tis_imp_ratio_cap``) as
+    vanilla does."""
+    clip_cov_ratio: float = 0.0002
+    """clip_cov: the share of a micro-batch's tokens (at least one) whose gradient is cut,
+    drawn among those with a covariance inside (clip_cov_lb, clip_cov_ub)."""
+    clip_cov_lb: float = 1.0
+    """clip_cov: lower bound of the covariance (A - mean A)(logp - mean logp) of a candidate."""
+    clip_cov_ub: float = 5.0
+    """clip_cov: upper bound of a candidate's covariance; more than ``clip_cov_lb``."""
+    kl_cov_ratio: float = 0.0002
+    """kl_cov: the share of a micro-batch's tokens (at least one), those of largest
+    covariance, that get the |log ratio| penalty."""
+    ppo_kl_coef: float = 0.1
+    """kl_cov: weight of the |log ratio| penalty on the chosen tokens."""
+    dro_beta: Optional[float] = None
+    """dro: weight of the quadratic log-ratio penalty, beta/2 (log r)^2; required (> 0) by
+    loss_mode dro, unused by the others."""
+
+
+@dataclass
 class ActorConfig:
     strategy: str = "megatron"
     """Training backend; only Megatron-core."""
@@ -447,7 +483,14 @@ class ActorConfig:
     clip_ratio_high: Optional[float] = None
     """Upper clip (1 + high); null means ``clip_ratio`` (DAPO's clip-higher sets it larger)."""
     clip_ratio_c: float = 3.0
-    """Dual-clip bound for negative advantages; must be > 1."""
+    """Dual-clip bound for negative advantages; must be > 1. The dppo loss modes truncate
+    their ratio at it instead."""
+    policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    """Which policy loss, and the hyper-parameters of the modes that read them (verl's)."""
+    tau_pos: float = 1.0
+    """loss_mode sapo: gate temperature where the advantage is > 0."""
+    tau_neg: float = 1.05
+    """loss_mode sapo: gate temperature where the advantage is <= 0."""
     loss_agg_mode: str = "token-mean"
     """How per-token losses become one number over the mini-batch (verl's names): token-mean,
     seq-mean-token-sum, seq-mean-token-mean, seq-mean-token-sum-norm (the mean over sequences

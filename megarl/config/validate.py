@@ -209,6 +209,14 @@ def _check_actor(cfg: DictConfig, actor: DictConfig) -> None:
         raise ConfigError(f"{_ARR}.actor.clip_ratio: {actor.clip_ratio} is also the lower clip "
                           f"(1 - {actor.clip_ratio} < 0); keep it <= 1 or set "
                           f"{_ARR}.actor.clip_ratio_low")
+    # the loss modes' own needs (megarl.algo.policy_losses.check_params, here before any work)
+    pl = actor.policy_loss
+    if pl.loss_mode == "dro" and pl.dro_beta is None:
+        raise ConfigError(f"{_ARR}.actor.policy_loss.dro_beta: required (> 0) when "
+                          f"{_ARR}.actor.policy_loss.loss_mode=dro (verl has no default)")
+    if pl.loss_mode == "clip_cov" and not pl.clip_cov_lb < pl.clip_cov_ub:
+        raise ConfigError(f"{_ARR}.actor.policy_loss.clip_cov_lb: {pl.clip_cov_lb} must be "
+                          f"less than {_ARR}.actor.policy_loss.clip_cov_ub={pl.clip_cov_ub}")
 
 
 def _check_trainer(t: DictConfig, data: DictConfig) -> None:

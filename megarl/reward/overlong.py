@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from megarl.config.errors import ConfigError
+from megarl.utils.errors import ConfigError
 
 KEY = "reward.reward_kwargs.overlong_buffer_cfg"
 
