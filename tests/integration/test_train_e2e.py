@@ -86,6 +86,16 @@ MODES = {
                             "actor_rollout_ref.rollout.dtype=float32",
                             "actor_rollout_ref.actor.use_dynamic_bsz=true",
                             "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=96"],
+    # GSPO (sequence-level ratio, its recipe's clip ranges and aggregation) with DAPO's
+    # dynamic sampling and overlong penalty, one step off as the quickstart is
+    "gspo-dapo": ["actor_rollout_ref.actor.policy_loss.loss_mode=gspo",
+                  "actor_rollout_ref.actor.clip_ratio_low=3e-4",
+                  "actor_rollout_ref.actor.clip_ratio_high=4e-4",
+                  "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean",
+                  "algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=acc",
+                  "reward.reward_kwargs.overlong_buffer_cfg.enable=true",
+                  "reward.reward_kwargs.overlong_buffer_cfg.len=4",
+                  "reward.reward_kwargs.overlong_buffer_cfg.log=true"],
 }
 
 
@@ -100,7 +110,12 @@ def test_reward_rises(quickstart_assets, tmp_path, mode):
     last = sum(reward[s] for s in range(33, 41)) / 8
     assert last > first + 0.1, (mode, first, last)
     stale = scalars(tmp_path, "rollout/staleness_max")
-    ahead = {"ahead-3-bf16-packed": 3}[mode]
+    ahead = {"ahead-3-bf16-packed": 3, "gspo-dapo": 2}[mode]
+    if mode == "gspo-dapo":  # every step full after its dropped groups; the penalty applied
+        kept = scalars(tmp_path, "rollout/filter_groups/kept_groups")
+        assert sorted(kept) == list(range(1, 41)) and set(kept.values()) == {8.0}
+        assert sum(scalars(tmp_path, "rollout/filter_groups/filtered_groups").values()) >= 1
+        assert min(scalars(tmp_path, "reward/overlong_penalty_mean").values()) < 0
     if mode.endswith("packed"):  # several packed micro-batches per step, no padding computed
         assert set(scalars(tmp_path, "actor/padding_frac").values()) == {0.0}
         assert min(scalars(tmp_path, "actor/micro_batches").values()) >= 2
