@@ -1,4 +1,6 @@
-"""A simple exact-match scorer for math-style answers (GSM8K, MATH): 1.0 or 0.0.
+"""A simple exact-match scorer for math-style answers: 1.0 or 0.0. It scores megarl's own,
+lenient names (``gsm8k``, and any other source containing ``math``/``gsm8k`` that verl does
+not name); verl's names (``openai/gsm8k``, the MATH sets, ``math``, ...) get verl's scorers.
 
 The answer is the content of the last ``\\boxed{...}`` in the response or, without one, the
 last number in it (GSM8K's ``#### 42`` ends in a number too). Answers are compared as numbers

@@ -14,7 +14,8 @@ def slow_verifier(data_source: str, solution_str: str, ground_truth, extra_info=
     response length when the data source has no built-in scorer)."""
     time.sleep(SLOW_VERIFIER_S)
     try:
-        return float(default_compute_score(data_source, solution_str, ground_truth, extra_info))
+        value = default_compute_score(data_source, solution_str, ground_truth, extra_info)
+        return float(value["score"] if isinstance(value, dict) else value)  # math_dapo: a dict
     except ValueError:
         return min(1.0, len(solution_str) / 100.0)
 

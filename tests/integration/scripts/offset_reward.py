@@ -6,5 +6,5 @@ from megarl.reward.registry import default_compute_score
 
 
 def compute_score(data_source, solution_str, ground_truth, extra_info=None) -> float:
-    return 1.0 + float(default_compute_score(data_source, solution_str, ground_truth,
-                                             extra_info))
+    value = default_compute_score(data_source, solution_str, ground_truth, extra_info)
+    return 1.0 + float(value["score"] if isinstance(value, dict) else value)  # math_dapo: dict
