@@ -45,7 +45,14 @@ setup(
         # pytest 9.2 keeps node ids where pytest-xdist 3.8's loadgroup can no longer tag them, so
         # `--dist loadgroup` silently stops grouping (pytest-xdist #1386); tests/conftest.py
         # refuses to run split groups
-        "test": ["pytest>=8,<9.2", "pytest-timeout>=2.3", "pytest-xdist>=3.5", "msgspec>=0.18"],
+        # and the two trackers below, the same lines (tests/contract reads this dict as a literal)
+        "test": ["pytest>=8,<9.2", "pytest-timeout>=2.3", "pytest-xdist>=3.5", "msgspec>=0.18",
+                 "wandb>=0.19,<1", "mlflow-skinny>=3.0,<4", "sqlalchemy>=2.0", "alembic>=1.13"],
+        # trainer.logger's trackers (docs/observability.md)
+        "wandb": ["wandb>=0.19,<1"],
+        # MLflow's client alone (no server, UI or ML flavours) and what its SQLite store needs:
+        # the default store (a run's mlflow.db), as MLflow 3 refuses file stores
+        "mlflow": ["mlflow-skinny>=3.0,<4", "sqlalchemy>=2.0", "alembic>=1.13"],
     },
     entry_points={"console_scripts": ["megarl=megarl.cli:main"]},
 )

@@ -70,7 +70,7 @@ def summarise(s: dict, target: float, batch: int, n: int) -> dict:
     upto = reached if reached is not None else max(exact, default=0)
     consumed = s.get("rollout/filter_groups/prompts_consumed", {})
     # metrics are logged at the 1-based step; validation of weights vK after K steps
-    prompts = sum(consumed.get(k, batch) for k in range(1, upto + 1))
+    prompts = int(sum(consumed.get(k, batch) for k in range(1, upto + 1)))
     seconds = sum(v for k, v in s.get("timing/step", {}).items() if k <= upto)
     return {"step": reached, "last": upto, "exact": exact.get(upto, float("nan")),
             "samples": prompts * n, "seconds": seconds}

@@ -19,6 +19,14 @@ names; vanilla, the default, is `losses.ppo_policy_loss`'s PPO clip), composed w
 truncated importance weight the same way in every mode. `ActorLossSettings.make_for_batch`
 builds the loss of one mini-batch from its whole response mask (every denominator below).
 
+verl's ``algorithm.rollout_correction`` (`rollout_correction`, a `RolloutCorrection`): in
+decoupled mode with ``rollout_is`` set, the importance weight is the batch's
+``rollout_is_weights`` (computed over the step's batch by
+`megarl.algo.rollout_correction.actor_batch`, whose rejections are already out of
+``response_mask``) instead of megarl's own; with ``bypass_mode`` the policy loss is
+`megarl.algo.bypass_loss.bypass_policy_loss` (the rollout log-probs as the old policy), which
+also reports ``rollout_corr/...`` token means (shares, normalised by ``token_denom``).
+
 Each term is aggregated with ``loss_agg_mode`` and the batch-level ``denom``
 (`megarl.algo.aggregate.global_denom` of the whole mini-batch's response mask; None = this
 micro-batch's own mean; sapo's and geo_mean's pg_loss per sequence, with ``seq_denom``, the
@@ -49,8 +57,10 @@ import torch
 
 from .aggregate import AGG_MODES, CONSTANT_DENOM_MODES, aggregate, global_denom, stats_mode
 from .kl import KL_KINDS, kl_penalty
+from .bypass_loss import bypass_policy_loss
 from .losses import TIS_LEVELS, aggregate_entropy
 from .policy_losses import PolicyLossParams, check_params, generator_for, mode_entry, policy_loss
+from .rollout_correction import RolloutCorrection
 
 _STAT_NAMES = {"pg_loss": "actor/pg_loss", "clip_frac": "actor/pg_clipfrac",
                "dual_clip_frac": "actor/pg_clipfrac_lower", "ppo_kl": "actor/ppo_kl",
@@ -78,13 +88,17 @@ def make_actor_loss(*, clip_ratio_low: float, clip_ratio_high: float,
                     clip_cov_ratio: float = 0.0002, clip_cov_lb: float = 1.0,
                     clip_cov_ub: float = 5.0, kl_cov_ratio: float = 0.0002,
                     ppo_kl_coef: float = 0.1, dro_beta: float | None = None,
-                    seq_denom: float | None = None) -> ActorLossFn:
+                    seq_denom: float | None = None,
+                    rollout_correction: RolloutCorrection | None = None,
+                    token_denom: float | None = None) -> ActorLossFn:
     """Build the actor loss (see the module docstring). `clip_ratio_c=None` disables dual
     clip; `tis_imp_ratio_cap=None` leaves the importance weight untruncated; `tis_level`
     ("token" | "sequence") is the granularity of that weight. `loss_mode` is verl's policy
     loss (`policy_losses.POLICY_LOSS_MODES`; vanilla: the PPO clip above), which reads the
     hyper-parameters after it (verl's keys and defaults); `seq_denom` is the batch's sequence
-    count, which the modes that aggregate per sequence (sapo, geo_mean) divide by."""
+    count, which the modes that aggregate per sequence (sapo, geo_mean) divide by.
+    `rollout_correction`: verl's settings (see the module docstring); `token_denom` the
+    batch's valid tokens, for bypass mode's token means."""
     if loss_agg_mode not in AGG_MODES:
         raise ValueError(f"unknown loss_agg_mode {loss_agg_mode!r}; choose from {AGG_MODES}")
     if denom is not None and stats_denom is None and loss_agg_mode in CONSTANT_DENOM_MODES:
@@ -100,16 +114,41 @@ def make_actor_loss(*, clip_ratio_low: float, clip_ratio_high: float,
     check_params(loss_mode, params)  # an unknown mode or a bad value fails here, not mid-step
     random_draw = mode_entry(loss_mode).random
     names = {**_STAT_NAMES, **(_MAX_NAMES if with_max_metrics else {})}
+    rc = rollout_correction
+    bypass = rc is not None and rc.bypass_mode
+    if bypass and loss_mode != "vanilla":
+        raise ValueError(f"bypass_mode's loss is its loss_type ({rc.loss_type}); loss_mode "
+                         f"{loss_mode!r} would be ignored (verl replaces it), set vanilla")
+    given_weights = rc is not None and rc.weights_from_batch
 
-    def loss_fn(logprobs: torch.Tensor, entropy: torch.Tensor | None, mb: dict):
-        mask = mb["response_mask"].to(logprobs.device).float()
+    def pg_loss(logprobs, mask, mb):
         behav = mb.get("rollout_logprobs")
-        loss, stats = policy_loss(
+        if bypass:
+            if behav is None:
+                raise KeyError("bypass_mode needs mb['rollout_logprobs']: the rollout "
+                               "engine's log-probs are its old policy")
+            return bypass_policy_loss(
+                logprobs, behav, mb["advantages"], mask, rc, params, agg=loss_agg_mode,
+                denom=denom, stats_denom=stats_denom, token_denom=token_denom)
+        weights = None
+        if given_weights:
+            weights = mb.get("rollout_is_weights")
+            if weights is None:
+                raise KeyError("algorithm.rollout_correction.rollout_is needs "
+                               "mb['rollout_is_weights'] (rollout_correction.actor_batch)")
+            weights = weights.to(logprobs.device)
+        return policy_loss(
             loss_mode, logprobs, mb["old_logprobs"], mb["advantages"], mask, params,
             behav_logp=behav, tis_cap=tis_imp_ratio_cap, level=tis_level, agg=loss_agg_mode,
             denom=denom, stats_denom=stats_denom, seq_denom=seq_denom,
-            generator=generator_for(mb.get("input_ids")) if random_draw else None)
+            generator=generator_for(mb.get("input_ids")) if random_draw else None,
+            is_weights=weights)
+
+    def loss_fn(logprobs: torch.Tensor, entropy: torch.Tensor | None, mb: dict):
+        mask = mb["response_mask"].to(logprobs.device).float()
+        loss, stats = pg_loss(logprobs, mask, mb)
         metrics = {name: stats[key] for key, name in names.items() if key in stats}
+        metrics.update({k: v for k, v in stats.items() if k.startswith("rollout_corr/")})
         if entropy is not None:
             ent = aggregate_entropy(entropy, mask, loss_agg_mode, denom)
             metrics["actor/entropy"] = ent.detach()
@@ -138,7 +177,7 @@ class ActorLossSettings:
     (null clip_ratio_low/high: clip_ratio; no ``tis_level``: "token"; null
     ``loss_scale_factor``: the response budget, which is what verl's mask.shape[-1] fallback
     amounts to since it pads responses to it; no ``policy_loss`` section: vanilla with
-    verl's defaults)."""
+    verl's defaults; no ``algorithm.rollout_correction`` section: megarl's own weight only)."""
 
     clip_ratio_low: float
     clip_ratio_high: float
@@ -161,9 +200,13 @@ class ActorLossSettings:
     kl_cov_ratio: float = 0.0002
     ppo_kl_coef: float = 0.1
     dro_beta: float | None = None
+    # verl's algorithm.rollout_correction (bypass mode, weights from the batch)
+    rollout_correction: RolloutCorrection | None = None
 
     @classmethod
-    def from_config(cls, actor_cfg, max_response_length: int | None = None):
+    def from_config(cls, actor_cfg, max_response_length: int | None = None,
+                    rollout_correction=None):
+        """`rollout_correction`: the ``algorithm.rollout_correction`` section, if any."""
         def pick(v):
             return float(actor_cfg.clip_ratio if v is None else v)
 
@@ -180,14 +223,18 @@ class ActorLossSettings:
                    actor_cfg.tis_imp_ratio_cap, getattr(actor_cfg, "tis_level", "token"),
                    None if scale is None else float(scale),
                    tau_pos=float(getattr(actor_cfg, "tau_pos", 1.0)),
-                   tau_neg=float(getattr(actor_cfg, "tau_neg", 1.05)), **modes)
+                   tau_neg=float(getattr(actor_cfg, "tau_neg", 1.05)),
+                   rollout_correction=None if rollout_correction is None
+                   else RolloutCorrection.from_config(rollout_correction), **modes)
 
     def make(self, denom: float | None = None, with_max_metrics: bool = False,
-             stats_denom: float | None = None, seq_denom: float | None = None) -> ActorLossFn:
+             stats_denom: float | None = None, seq_denom: float | None = None,
+             token_denom: float | None = None) -> ActorLossFn:
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         fields.pop("loss_scale_factor")  # the caller's denominators already hold it
         return make_actor_loss(**fields, denom=denom, with_max_metrics=with_max_metrics,
-                               stats_denom=stats_denom, seq_denom=seq_denom)
+                               stats_denom=stats_denom, seq_denom=seq_denom,
+                               token_denom=token_denom)
 
     def make_for_batch(self, batch_mask: torch.Tensor, dp_size: int = 1,
                        with_max_metrics: bool = False) -> ActorLossFn:
@@ -199,7 +246,8 @@ class ActorLossSettings:
             denom=global_denom(batch_mask, mode, self.loss_scale_factor, dp_size=dp_size),
             with_max_metrics=with_max_metrics,
             stats_denom=global_denom(batch_mask, stats_mode(mode), dp_size=dp_size),
-            seq_denom=global_denom(batch_mask, "seq-mean-token-mean", dp_size=dp_size))
+            seq_denom=global_denom(batch_mask, "seq-mean-token-mean", dp_size=dp_size),
+            token_denom=global_denom(batch_mask, "token-mean", dp_size=dp_size))
 
 
 def make_actor_loss_from_config(actor_cfg, denom: float | None = None,

@@ -1,9 +1,11 @@
 """Advantage estimators: rewards in, token-level advantages [N, T] out.
 
 Owns: grouping samples by prompt uid, the outcome-reward estimators (GRPO, Dr. GRPO, RLOO,
-REINFORCE++ and REINFORCE++-baseline), GAE on a critic's values (`gae_advantages`), spreading a
-sample-level advantage over its response tokens, and the one dispatcher `compute_advantages`
-keyed by ``algorithm.adv_estimator``.
+REINFORCE++ and REINFORCE++-baseline, and verl 0.9.1's Pass@k GRPO, OPO, GPG and GDPO), GAE on a
+critic's values (`gae_advantages`), spreading a sample-level advantage over its response
+tokens, and the one dispatcher `compute_advantages` keyed by ``algorithm.adv_estimator``.
+GDPO is here as a function of per-component rewards only: a run has one reward per sample
+(the reward pool keeps a returned dict's ``"score"``), so config validation refuses it.
 
 Conventions:
 - `rewards` is [N] (one scalar score per sample) or [N, T] (token-level rewards, e.g. the score
@@ -16,8 +18,8 @@ Conventions:
 - A group whose rewards are all equal carries no signal: its advantages are exactly 0 (checked
   on the group's range, so rounding in the mean cannot leak a tiny nonzero value). A group of
   one sample is treated the same way (its baseline is its own reward), so it contributes 0 —
-  verl instead passes a singleton's raw reward through; we do not, because a one-sample
-  "group" has no baseline to compare with.
+  verl instead passes a singleton's raw reward through (and raises for Pass@k); we do not,
+  because a one-sample "group" has no baseline to compare with.
 """
 from __future__ import annotations
 
@@ -25,8 +27,8 @@ from typing import Hashable, Sequence
 
 import torch
 
-ADV_ESTIMATORS = ("grpo", "drgrpo", "rloo", "reinforce_plus_plus",
-                  "reinforce_plus_plus_baseline", "gae")
+ADV_ESTIMATORS = ("grpo", "drgrpo", "rloo", "rloo_vectorized", "reinforce_plus_plus",
+                  "reinforce_plus_plus_baseline", "gae", "grpo_passk", "opo", "gpg", "remax")
 GroupIds = Sequence[Hashable] | torch.Tensor
 
 
@@ -112,6 +114,86 @@ def rloo_advantages(rewards: torch.Tensor, group_ids: GroupIds) -> torch.Tensor:
     mean, _, count = group_mean_std(rewards, idx, n_groups)
     adv = (rewards - mean) * count / (count - 1).clamp(min=1)
     return adv.masked_fill(_constant_group(rewards, idx, n_groups), 0.0)
+
+
+def grpo_passk_advantages(rewards: torch.Tensor, group_ids: GroupIds, norm_by_std: bool = True,
+                          eps: float = 1e-6) -> torch.Tensor:
+    """Pass@k GRPO (Walder & Karkhanis 2025, arXiv 2503.19595; verl's ``grpo_passk``).
+
+    Trains for the best of the group, not the average: a group's pass@k reward is its best
+    sample's reward, and only that sample changes it, by how far it beats the runner-up. So the
+    unique best sample gets r_max - r_second (divided by std_g + eps with `norm_by_std`) and
+    every other sample 0; a best reward two samples share gives 0 to all (either alone keeps
+    the max). k is the group size (``rollout.n``); there is no key of its own. Singletons give
+    0 (verl raises; config validation refuses ``rollout.n`` < 2). Returns [N] float32."""
+    rewards, idx, n_groups = _prepare(rewards, group_ids)
+    _, std, count = group_mean_std(rewards, idx, n_groups)
+    best = rewards.new_full((n_groups,), -torch.inf).scatter_reduce(0, idx, rewards, "amax")
+    is_best = rewards == best[idx]
+    n_best = _group_sum(is_best.float(), idx, n_groups)[idx]
+    runner_up = rewards.new_full((n_groups,), -torch.inf).scatter_reduce(
+        0, idx, rewards.masked_fill(is_best, -torch.inf), "amax")
+    unique_best = is_best & (n_best == 1) & (count > 1)  # there runner_up is finite, std > 0
+    margin = (best - runner_up)[idx]
+    if norm_by_std:
+        margin = margin / (std + eps)
+    return torch.where(unique_best, margin, torch.zeros_like(rewards))
+
+
+def opo_advantages(rewards: torch.Tensor, group_ids: GroupIds, lengths: torch.Tensor
+                   ) -> torch.Tensor:
+    """OPO (Hao et al. 2025, arXiv 2505.23585; verl's ``opo``): adv_i = r_i - b_g with the
+    length-weighted baseline b_g = sum_j |o_j| r_j / sum_j |o_j|.
+
+    The variance-minimising baseline of a sequence reward weighs each sample by its squared
+    score-function norm; OPO takes that to grow with the response length |o_j| (`lengths` [N]:
+    response tokens, verl's ``response_mask.sum(-1)``). Constant groups and singletons give 0;
+    a group without response tokens gets baseline 0 (verl: 0/0, NaN), which is moot, as its
+    rows have no token to carry an advantage. Returns [N] float32."""
+    rewards, idx, n_groups = _prepare(rewards, group_ids)
+    w = torch.as_tensor(lengths).to(rewards).reshape(-1)
+    total = _group_sum(w, idx, n_groups).clamp(min=1)  # token counts: 0 or at least 1
+    baseline = _group_sum(w * rewards, idx, n_groups) / total
+    adv = rewards - baseline[idx]
+    count = _group_sum(torch.ones_like(rewards), idx, n_groups)[idx]
+    return adv.masked_fill(_constant_group(rewards, idx, n_groups) | (count < 2), 0.0)
+
+
+def gpg_advantages(rewards: torch.Tensor, group_ids: GroupIds) -> torch.Tensor:
+    """GPG (Chu et al. 2025, arXiv 2504.02546; verl's ``gpg``): adv_i = alpha * (r_i - mean_g).
+
+    No std division (as Dr. GRPO). alpha = N / #{i : r_i != 0} over the whole batch given (1
+    when no reward is nonzero), verl's correction that scales the gradient up when few
+    samples carry a reward; verl's ``f_norm`` divisor is always 1 there (its trainer passes
+    none), so it is left out. GPG's objective also drops PPO's ratio and clip: that is
+    ``actor.policy_loss.loss_mode=gpg``, set on its own. Constant groups and singletons give
+    0. Returns [N] float32."""
+    rewards, idx, n_groups = _prepare(rewards, group_ids)
+    alpha = rewards.numel() / torch.count_nonzero(rewards).clamp(min=1)
+    return alpha * drgrpo_advantages(rewards, idx)
+
+
+def gdpo_advantages(components: torch.Tensor, group_ids: GroupIds,
+                    response_mask: torch.Tensor, weights: Sequence[float] | None = None,
+                    norm_by_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
+    """GDPO (arXiv 2601.05242; verl's ``gdpo``): each reward component is normalised within
+    its group as GRPO does, the components are summed with `weights` (default 1 each), and the
+    sum, spread over the response, is whitened over the batch's valid tokens.
+
+    Normalising each component before summing keeps one with a large spread (say accuracy)
+    from drowning one with a small spread (say format). `components` [K, N] holds sample i's
+    K component scores (verl: the ``algorithm.gdpo_reward_keys`` entries of the reward
+    function's returned dict). verl's trainer never passes ``norm_adv_by_std_in_grpo`` to
+    it, so a verl run always divides by the std; the default here does the same. Returns
+    [N, T] float32. Not reachable from a run (see the module docstring)."""
+    mask = response_mask.float()
+    components = torch.as_tensor(components).detach().float()
+    w = [1.0] * components.shape[0] if weights is None else list(weights)
+    if not w or len(w) != components.shape[0]:
+        raise ValueError(f"{len(w)} weights for {components.shape[0]} reward components")
+    adv = sum(wk * grpo_advantages(c, group_ids, norm_by_std, eps)
+              for wk, c in zip(w, components))
+    return masked_whiten(broadcast_to_tokens(adv.to(mask.device), mask), mask, eps)
 
 
 def sample_rewards(rewards: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
@@ -245,18 +327,49 @@ def gae_advantages(token_rewards: torch.Tensor, values: torch.Tensor,
     return adv, returns
 
 
+# The outcome estimators that give one advantage per sample from its group:
+# name -> f(scores [N], group_ids, response_mask [N, T], norm_by_std, eps) -> [N].
+# rloo_vectorized is verl's second implementation of RLOO; it differs from verl's ``rloo``
+# only on singletons (0 there, as megarl's rloo), so it is megarl's rloo under that name.
+_SAMPLE_ESTIMATORS = {
+    "grpo": lambda r, g, mask, norm, eps: grpo_advantages(r, g, norm, eps),
+    "drgrpo": lambda r, g, mask, norm, eps: drgrpo_advantages(r, g),
+    "rloo": lambda r, g, mask, norm, eps: rloo_advantages(r, g),
+    "rloo_vectorized": lambda r, g, mask, norm, eps: rloo_advantages(r, g),
+    "grpo_passk": lambda r, g, mask, norm, eps: grpo_passk_advantages(r, g, norm, eps),
+    "opo": lambda r, g, mask, norm, eps: opo_advantages(r, g, mask.sum(-1)),
+    "gpg": lambda r, g, mask, norm, eps: gpg_advantages(r, g),
+}
+
+
+def remax_advantages(rewards: torch.Tensor, baselines: torch.Tensor,
+                     response_mask: torch.Tensor) -> torch.Tensor:
+    """ReMax (Li et al. 2023): each response token's return (the rewards from it to the end;
+    an outcome reward's whole score) minus the reward of its prompt's greedy response,
+    `baselines` [N] (generated and scored beside the step's samples,
+    `TrajectoryRunner.prompts(remax=True)`). verl 0.9.1's ``remax`` (core_algos.py:735);
+    0 off the response (megarl's masks cover the prompt too, verl's only the response)."""
+    mask = response_mask.float()
+    tr = token_rewards(rewards, mask)
+    returns = tr.flip(-1).cumsum(-1).flip(-1)
+    base = torch.as_tensor(baselines, dtype=torch.float32, device=mask.device)
+    return (returns - base.unsqueeze(-1)) * mask
+
+
 def compute_advantages(name: str, rewards: torch.Tensor, group_ids: GroupIds | None,
                        response_mask: torch.Tensor, *, norm_by_std: bool = True,
                        gamma: float = 1.0, eps: float = 1e-6, lam: float = 1.0,
-                       values: torch.Tensor | None = None) -> torch.Tensor:
+                       values: torch.Tensor | None = None,
+                       baselines: torch.Tensor | None = None) -> torch.Tensor:
     """Token-level advantages [N, T] (float32, 0 off the response) for estimator `name`.
 
     `name` is ``algorithm.adv_estimator``. `norm_by_std` (``norm_adv_by_std_in_grpo``) applies
-    to ``grpo`` only; `gamma` to ``reinforce_plus_plus`` and ``gae`` only (any other estimator
-    with gamma != 1 raises rather than silently ignore it); `lam` and the critic's `values`
-    [N, T] to ``gae`` only (its returns come from `gae_advantages`); `group_ids` may be None
-    for ``reinforce_plus_plus`` and ``gae``. Pass the whole step's batch: the
-    batch-normalised estimators and the group baselines need all of it."""
+    to ``grpo`` and ``grpo_passk`` only (verl reads it for no other estimator); `gamma` to
+    ``reinforce_plus_plus`` and ``gae`` only (any other estimator with gamma != 1 raises
+    rather than silently ignore it); `lam` and the critic's `values` [N, T] to ``gae`` only
+    (its returns come from `gae_advantages`); `group_ids` may be None for
+    ``reinforce_plus_plus`` and ``gae``. Pass the whole step's batch: the batch-normalised
+    estimators, the group baselines and GPG's batch-wide scale need all of it."""
     mask = response_mask.float()
     if name not in ADV_ESTIMATORS:
         raise ValueError(f"unknown algorithm.adv_estimator {name!r}; choose from "
@@ -271,15 +384,14 @@ def compute_advantages(name: str, rewards: torch.Tensor, group_ids: GroupIds | N
                          "(outcome rewards, no discounting); set it to 1.0")
     if name == "reinforce_plus_plus":
         return reinforce_plus_plus_advantages(rewards, mask, gamma, eps)
+    if name == "remax":
+        if baselines is None:
+            raise ValueError("adv_estimator='remax' needs each sample's greedy baseline reward")
+        return remax_advantages(rewards, baselines, mask)
     if group_ids is None:
         raise ValueError(f"adv_estimator={name!r} needs group_ids (prompt uids)")
     if name == "reinforce_plus_plus_baseline":
         return reinforce_plus_plus_baseline_advantages(rewards, group_ids, mask, eps)
-    scores = sample_rewards(rewards, mask)
-    if name == "grpo":
-        adv = grpo_advantages(scores, group_ids, norm_by_std, eps)
-    elif name == "drgrpo":
-        adv = drgrpo_advantages(scores, group_ids)
-    else:
-        adv = rloo_advantages(scores, group_ids)
+    adv = _SAMPLE_ESTIMATORS[name](sample_rewards(rewards, mask), group_ids, mask,
+                                   norm_by_std, eps)
     return broadcast_to_tokens(adv.to(mask.device), mask)

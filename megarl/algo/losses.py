@@ -88,7 +88,7 @@ def behaviour_weight(old_logp: torch.Tensor, behav_logp: torch.Tensor, cap: floa
         if mask is None:
             raise ValueError("sequence-level importance weights need the response mask")
         log_w = (log_w * mask).sum(-1, keepdim=True).expand_as(log_w)
-    capped = log_w.clamp(max=_LOG_CLAMP)
+    capped = log_w.clamp(-_LOG_CLAMP, _LOG_CLAMP)  # verl's rollout_is clamps both sides too
     if cap is None:
         truncated = torch.zeros_like(log_w, dtype=torch.bool)
     else:
@@ -119,12 +119,30 @@ def behaviour_correction(old_logp: torch.Tensor, behav_logp: torch.Tensor, cap: 
     return w, stats
 
 
+def given_weight_correction(weights: torch.Tensor, old_logp: torch.Tensor,
+                            behav_logp: torch.Tensor | None, mask: torch.Tensor, smode: str,
+                            stats_denom: float | torch.Tensor | None
+                            ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """(w, its stats) when the weights come with the batch (``rollout_is_weights``: verl's
+    ``algorithm.rollout_correction.rollout_is``, computed over the whole step's batch by
+    `megarl.algo.rollout_correction`): ``tis_weight_mean`` and ``tis_weight_max`` of the
+    weight applied, ``logp_mismatch`` as `behaviour_correction`'s (with `behav_logp`)."""
+    w = weights.detach().float()
+    stats = {"tis_weight_mean": aggregate(w, mask, smode, stats_denom),
+             "tis_weight_max": _masked_max(w, mask)}
+    if behav_logp is not None:
+        diff = (old_logp.detach().float() - behav_logp.detach().float()).abs()
+        stats["logp_mismatch"] = aggregate(diff, mask, smode, stats_denom)
+    return w, stats
+
+
 def ppo_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor,
                     mask: torch.Tensor, clip_low: float, clip_high: float,
                     clip_c: float | None = None, behav_logp: torch.Tensor | None = None,
                     tis_cap: float | None = None, agg: str = "token-mean",
                     denom: float | torch.Tensor | None = None, level: str = "token",
-                    stats_denom: float | torch.Tensor | None = None
+                    stats_denom: float | torch.Tensor | None = None,
+                    is_weights: torch.Tensor | None = None
                     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped (dual-clip, decoupled, TIS-weighted) PPO loss -> (loss, stats); see module doc.
 
@@ -134,7 +152,9 @@ def ppo_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tenso
     `stats_denom` is the batch normaliser of the stats (`global_denom(batch_mask,
     stats_mode(agg))`); None means `denom`, which is right for the count modes only, so a
     mode whose loss normaliser is not the stats' count (`CONSTANT_DENOM_MODES`: token-sum's
-    1, seq-mean-token-sum-norm's sequences * C) with a batch `denom` needs it."""
+    1, seq-mean-token-sum-norm's sequences * C) with a batch `denom` needs it.
+    `is_weights` [b, T]: importance weights given with the batch, used as w instead of
+    `behaviour_weight`'s (`given_weight_correction`)."""
     if not 0 <= clip_low < 1 or clip_high < 0:
         raise ValueError(f"need 0 <= clip_low < 1 and clip_high >= 0, got {clip_low}, "
                          f"{clip_high}")
@@ -168,7 +188,11 @@ def ppo_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tenso
                              f"stats' count")
         stats_denom = denom
     stats: dict[str, torch.Tensor] = {}
-    if behav_logp is not None:
+    if is_weights is not None:
+        w, stats = given_weight_correction(is_weights, old_logp, behav_logp, mask, smode,
+                                           stats_denom)
+        per_token = per_token * w
+    elif behav_logp is not None:
         w, stats = behaviour_correction(old_logp, behav_logp, tis_cap, mask, level, smode,
                                         stats_denom)
         per_token = per_token * w

@@ -6,8 +6,8 @@ table under the same names. ``vanilla`` is `losses.ppo_policy_loss` itself, unch
 dual clip); every other mode is a function here that turns the four per-token tensors into a
 per-token loss matrix and the diagnostics verl reports for it, and one driver,
 `policy_loss`, does what all modes share: the off-policy correction and the aggregation.
-verl's ``bypass_mode`` (which computes its own importance weights and calls other modes) is
-not built.
+verl's ``bypass_mode`` entry (its own importance weights, then vanilla or REINFORCE) is
+`megarl.algo.bypass_loss`, chosen by ``algorithm.rollout_correction.bypass_mode``.
 
 Tensors as in `losses` ([b, T]; ``logp`` the trained policy, the only one with a gradient;
 ``old_logp`` the proximal policy; ``behav_logp`` the rollout engine's). Per mode, with
@@ -38,6 +38,8 @@ multiplied by the detached truncated weight w = min(pi_prox / pi_behav, tis_cap)
 does with its ``rollout_is_weights`` in every one of these modes except ``geo_mean``: its
 loss is per sequence, so each sequence takes the geometric mean of its tokens' weights (at
 the sequence level, the sequence's weight itself), as verl does (core_algos.py:1992-1998).
+The weight is megarl's own, or the batch's ``rollout_is_weights`` (`is_weights`: verl's
+``algorithm.rollout_correction``, `megarl.algo.rollout_correction`) where it has them.
 
 Aggregation: `aggregate` with ``loss_agg_mode`` and the batch ``denom``, so a micro-batch
 returns its share, except where verl imposes its own: ``sapo`` (seq-mean-token-mean) and
@@ -69,7 +71,8 @@ from typing import Callable, NamedTuple
 import torch
 
 from .aggregate import CONSTANT_DENOM_MODES, aggregate, stats_mode
-from .losses import _LOG_CLAMP, _masked_max, behaviour_correction, ppo_policy_loss
+from .losses import (_LOG_CLAMP, _masked_max, behaviour_correction, given_weight_correction,
+                     ppo_policy_loss)
 
 _GSPO_LOG_MAX = 10.0  # verl clamps gspo's log sequence ratio at 10 (core_algos.py:1590)
 _DPPO_TRUNCATION = 20.0  # dppo's c where clip_ratio_c is absent (core_algos.py:1427, 1508)
@@ -274,7 +277,8 @@ POLICY_LOSS_MODES: dict[str, PolicyLossMode] = {
     "dppo_kl": PolicyLossMode(_dppo(_binary_kl_region), (*_CLIP, "clip_c")),
     "dro": PolicyLossMode(_dro, ("dro_beta",)),
 }
-"""verl 0.9.1's registered policy losses (less bypass_mode), by verl's names."""
+"""verl 0.9.1's registered policy losses (less bypass_mode: `megarl.algo.bypass_loss`), by
+verl's names."""
 
 
 def mode_entry(mode: str) -> PolicyLossMode:
@@ -330,7 +334,8 @@ def policy_loss(mode: str, logp: torch.Tensor, old_logp: torch.Tensor, adv: torc
                 denom: float | torch.Tensor | None = None,
                 stats_denom: float | torch.Tensor | None = None,
                 seq_denom: float | torch.Tensor | None = None,
-                generator: torch.Generator | None = None
+                generator: torch.Generator | None = None,
+                is_weights: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """`mode`'s policy loss -> (loss, stats); see the module docstring.
 
@@ -339,13 +344,15 @@ def policy_loss(mode: str, logp: torch.Tensor, old_logp: torch.Tensor, adv: torc
     "seq-mean-token-mean")`), the normaliser of the modes that aggregate per sequence (sapo,
     geo_mean) when `denom` is a batch's; None there means `stats_denom` when that already
     counts sequences (the seq-mean modes). `generator`: clip_cov's random draw (None: torch's
-    global generator, as verl)."""
+    global generator, as verl). `is_weights` [b, T]: importance weights given with the batch
+    (verl's rollout_is_weights), used instead of megarl's own behaviour weight."""
     entry = mode_entry(mode)
     check_params(mode, params)
     if entry.per_token is None:
         return ppo_policy_loss(logp, old_logp, adv, mask, params.clip_low, params.clip_high,
                                params.clip_c, behav_logp=behav_logp, tis_cap=tis_cap, agg=agg,
-                               denom=denom, level=level, stats_denom=stats_denom)
+                               denom=denom, level=level, stats_denom=stats_denom,
+                               is_weights=is_weights)
     smode = stats_mode(agg)
     if stats_denom is None:
         if denom is not None and agg in CONSTANT_DENOM_MODES:
@@ -357,12 +364,18 @@ def policy_loss(mode: str, logp: torch.Tensor, old_logp: torch.Tensor, adv: torc
                  lambda v: aggregate(v.float(), mask, smode, stats_denom), generator)
     per_token, stats = entry.per_token(b, params)
 
-    if behav_logp is not None:
-        w, tis_stats = behaviour_correction(b.old_logp, behav_logp, tis_cap, mask, level, smode,
-                                            stats_denom)
+    if is_weights is not None or behav_logp is not None:
+        if is_weights is not None:
+            w, tis_stats = given_weight_correction(is_weights, b.old_logp, behav_logp, mask,
+                                                   smode, stats_denom)
+        else:
+            w, tis_stats = behaviour_correction(b.old_logp, behav_logp, tis_cap, mask, level,
+                                                smode, stats_denom)
         if entry.sequence_weight:  # one weight per sequence: its tokens' geometric mean
             n = mask.sum(-1, keepdim=True).clamp(min=1)
-            w = torch.exp((torch.log(w) * mask).sum(-1, keepdim=True) / n).expand_as(w)
+            # verl's 1e-10 (core_algos.py:1996): an IcePop weight of 0 gives a tiny mean
+            log_w = torch.where(mask > 0, torch.log(w + 1e-10), 0.0)
+            w = torch.exp(log_w.sum(-1, keepdim=True) / n).expand_as(w)
         per_token = per_token * w
         stats.update(tis_stats)
 

@@ -138,7 +138,8 @@ def megatron_spec(cfg, role: str, schedule_steps: int | None = None) -> Megatron
                       if trains else None)
     if not trains:
         return MegatronSpec(role, model, arr.model.path)
-    loss = ActorLossSettings.from_config(arr.actor, cfg.data.max_response_length)
+    loss = ActorLossSettings.from_config(arr.actor, cfg.data.max_response_length,
+                                         cfg.algorithm.rollout_correction)
     return MegatronSpec(role, model, arr.model.path, actor_loss=loss,
                         sync=SyncConfig.from_rollout_config(arr.rollout))
 

@@ -110,6 +110,7 @@ def load_config(path: str | None = None, overrides: Sequence[str] = ()) -> DictC
     if rollout.max_new_tokens is None:
         rollout.max_new_tokens = cfg.data.max_response_length
     _resolve_ahead(cfg, from_file, overridden, path)
+    _resolve_tis_alias(cfg, from_file | overridden)
     logp, actor = cfg.actor_rollout_ref.logp, cfg.actor_rollout_ref.actor.megatron
     for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
         if logp[key] is None:  # the replica's layout is the actor's unless it says otherwise
@@ -156,6 +157,51 @@ def _resolve_ahead(cfg: DictConfig, from_file: set[str], overridden: set[str],
         cfg.trainer.generate_ahead_steps = 2 if on else 1
     else:
         cfg.actor_rollout_ref.async_pipeline = ahead > 1
+
+
+_CAP, _LEVEL = "actor_rollout_ref.actor.tis_imp_ratio_cap", "actor_rollout_ref.actor.tis_level"
+_RC = "algorithm.rollout_correction"
+
+
+def _resolve_tis_alias(cfg: DictConfig, given: set[str]) -> None:
+    """megarl's `actor.tis_imp_ratio_cap`/`tis_level` are the plain-TIS spelling of verl's
+    `algorithm.rollout_correction.rollout_is`/`rollout_is_threshold`: the same weight,
+    min(pi_old/pi_rollout, C) per token or per sequence. With `rollout_is` set, megarl's keys
+    take its values (a plain threshold) and may be given only with those values; under
+    `bypass_mode` (old policy = rollout policy, so their weight is 1) they may not be given.
+    With `rollout_is` null megarl's keys govern, as they always did."""
+    rc = cfg.algorithm.rollout_correction
+    if rc.rollout_is is None and not rc.bypass_mode:
+        return
+    from megarl.algo.rollout_correction import RolloutCorrection
+
+    try:
+        parsed = RolloutCorrection.from_config(rc)
+    except ValueError:
+        return  # validate_config names the key
+    actor = cfg.actor_rollout_ref.actor
+    mine = [k for k in (_CAP, _LEVEL) if k in given]
+    if parsed.bypass_mode:
+        if mine:
+            raise ConfigError(f"{mine[0]}: does nothing under {_RC}.bypass_mode=true (the "
+                              f"rollout log-probs are the old policy, so pi_old/pi_rollout = 1); "
+                              f"bypass mode's weight is {_RC}.rollout_is's")
+        return
+    tis = parsed.plain_tis
+    for key in mine:
+        value = actor.tis_level if key == _LEVEL else actor.tis_imp_ratio_cap
+        if tis is None:
+            raise ConfigError(
+                f"{key}: {value} is megarl's truncated weight, and {_RC} asks for one it cannot "
+                f"say (rollout_is_threshold={rc.rollout_is_threshold!r}, "
+                f"rollout_is_batch_normalize={rc.rollout_is_batch_normalize}); give only {_RC}")
+        theirs = (f"{_RC}.rollout_is: {tis[0]}" if key == _LEVEL
+                  else f"{_RC}.rollout_is_threshold: {rc.rollout_is_threshold}")
+        if value != (tis[0] if key == _LEVEL else tis[1]):
+            raise ConfigError(f"{key}: {value} and {theirs} set the same importance weight "
+                              f"differently ({key} is megarl's name for it); give one")
+    if tis is not None:
+        actor.tis_level, actor.tis_imp_ratio_cap = tis
 
 
 def to_yaml(cfg: DictConfig) -> str:

@@ -28,7 +28,8 @@ CHOICES: Dict[str, tuple] = {
         "token-sum"),
     "actor_rollout_ref.actor.kl_loss_type": KL_TYPES,
     "actor_rollout_ref.actor.tis_level": ("token", "sequence"),
-    # verl 0.9.1's policy losses less bypass_mode (megarl.algo.policy_losses.POLICY_LOSS_MODES)
+    # verl 0.9.1's policy losses less bypass_mode (megarl.algo.policy_losses.POLICY_LOSS_MODES;
+    # bypass mode is algorithm.rollout_correction.bypass_mode)
     "actor_rollout_ref.actor.policy_loss.loss_mode": (
         "vanilla", "gspo", "sapo", "gpg", "clip_cov", "kl_cov", "geo_mean", "cispo", "dppo_tv",
         "dppo_kl", "dro"),
@@ -41,11 +42,17 @@ CHOICES: Dict[str, tuple] = {
     "actor_rollout_ref.rollout.update_group_backend": ("auto", "nccl", "gloo"),
     "actor_rollout_ref.rollout.multi_turn.tool_response_truncate_side": ("middle", "left",
                                                                          "right"),
+    # megarl.algo.advantages.ADV_ESTIMATORS; verl's names megarl does not build are refused
+    # with the reason (config/validate.py)
     "algorithm.adv_estimator": (
-        "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "drgrpo", "gae"),
+        "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "drgrpo", "gae",
+        "grpo_passk", "opo", "gpg", "rloo_vectorized", "remax"),
     "algorithm.kl_penalty": KL_TYPES,
     "algorithm.kl_ctrl.type": ("fixed", "adaptive"),
     "algorithm.stale_policy": ("drop", "regenerate"),
+    # verl's algorithm.rollout_correction (megarl.algo.rollout_correction)
+    "algorithm.rollout_correction.rollout_is": (None, "token", "sequence"),
+    "algorithm.rollout_correction.loss_type": ("ppo_clip", "reinforce"),
     # what megarl keeps per response: the reward that trains (reward, seq_reward) and the
     # reward function's score before an overlong penalty (acc, score: verl's DAPO manager's
     # names of it); other reward_extra_info fields are refused by name (config/validate.py)
@@ -253,6 +260,7 @@ RANGES: Dict[str, Range] = {
     "trainer.timeline_freq": OFF_OR_POSITIVE,
     "trainer.max_actor_ckpt_to_keep": POSITIVE,
     "trainer.max_restarts": NON_NEGATIVE,
+    "trainer.log_val_generations": NON_NEGATIVE,
     "trainer.restart_backoff_s": NON_NEGATIVE,
     "trainer.placement_timeout_s": POSITIVE,
     "trainer.state_timeout_s": POSITIVE,
@@ -514,7 +522,9 @@ class ActorConfig:
     tis_imp_ratio_cap: Optional[float] = 2.0
     """Truncated importance sampling: cap on the behaviour weight pi_proximal/pi_behaviour
     (the rollout engine's own log-probs are the behaviour policy); null leaves the weight
-    untruncated (plain decoupled PPO)."""
+    untruncated (plain decoupled PPO). The same weight as verl's
+    ``algorithm.rollout_correction.rollout_is_threshold`` (a single number), which sets it
+    when ``rollout_is`` is set."""
     tis_level: str = "token"
     """``token``: one importance weight per token; ``sequence``: one per response, the product
     over its tokens (unbiased for sequence-level rewards, higher variance)."""
@@ -817,15 +827,52 @@ class FilterGroupsConfig:
 
 
 @dataclass
+class RolloutCorrectionConfig:
+    """verl 0.9.1's rollout correction (its keys; defaults: its trainer YAML's, all off):
+    importance weights, rejection sampling and bypass mode for the gap between the rollout
+    engine's log-probs and the trainer's (docs/algorithms.md, "Rollout correction")."""
+    rollout_is: Optional[str] = None
+    """Importance weight pi_old/pi_rollout computed over the step's batch: ``token`` (one per
+    token) or ``sequence`` (the product over the response, on each of its tokens); null: no
+    weight from this section, megarl's own ``actor.tis_imp_ratio_cap``/``tis_level`` weight
+    applies (``rollout_is: L`` with a single threshold C is the same weight as
+    ``tis_level: L``, ``tis_imp_ratio_cap: C``, and sets them)."""
+    rollout_is_threshold: Any = 2.0
+    """A number (or number-like string): truncate the weights at it (TIS); a ``"lower_upper"``
+    string (``"0.5_5.0"``): zero the weights outside [lower, upper] (IcePop). Quote a pair in
+    YAML: unquoted, ``1_2`` reads as the integer 12 and ``0.5_2`` as 0.52."""
+    rollout_is_batch_normalize: bool = False
+    """Divide the weights by their mean over the step's batch (per valid token; per sequence
+    at the sequence level), after truncation. Not with ``bypass_mode``."""
+    rollout_rs: Optional[str] = None
+    """Rejection sampling: comma-separated options ``token_k1|k2|k3``,
+    ``seq_sum_k1|k2|k3``, ``seq_mean_k1|k2|k3``, ``seq_max_k2|k3``; a token (token_*) or a
+    whole response (seq_*) whose divergence (k1 = -log r, k2 = (log r)^2/2, k3 = r - 1 -
+    log r, r = pi_old/pi_rollout) is past ``rollout_rs_threshold`` leaves the actor's loss."""
+    rollout_rs_threshold: Any = None
+    """The bounds of ``rollout_rs``, one for all options or one per option (comma-separated):
+    k1 takes ``"lower_upper"`` ratio bounds (a single u means [1/u, u]), k2 and k3 one upper
+    bound. Required with ``rollout_rs``."""
+    bypass_mode: bool = False
+    """Use the rollout log-probs as the old policy: the LOGP pass is skipped and the loss is
+    ``loss_type``'s, against pi_rollout (needs ``actor.policy_loss.loss_mode: vanilla``, and
+    logp beside actor-train)."""
+    loss_type: str = "ppo_clip"
+    """Bypass mode's loss: ``ppo_clip`` (PPO clip of pi_theta/pi_rollout, no weight) or
+    ``reinforce`` (-A log pi_theta times the ``rollout_is`` weight of pi_theta/pi_rollout)."""
+
+
+@dataclass
 class AlgorithmConfig:
     adv_estimator: str = "grpo"
-    """Advantage estimator."""
+    """Advantage estimator (docs/algorithms.md, "Advantages")."""
     gamma: float = 1.0
     """Discount factor per token (gae, reinforce_plus_plus)."""
     lam: float = 1.0
     """GAE lambda: 1 is Monte Carlo returns minus the value, 0 the one-step TD error."""
     norm_adv_by_std_in_grpo: bool = True
-    """Divide GRPO advantages by the group std (False is Dr. GRPO's choice)."""
+    """Divide GRPO advantages by the group std (False is Dr. GRPO's choice); also divides
+    ``grpo_passk``'s by its group's std, as in verl."""
     use_kl_in_reward: bool = False
     """Subtract a KL penalty from the reward (PPO style)."""
     kl_penalty: str = "kl"
@@ -841,6 +888,8 @@ class AlgorithmConfig:
     is not trained) or ``regenerate`` it from the prompt under the current weights."""
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
     """Dynamic sampling (DAPO): groups without spread are dropped and replaced."""
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    """verl's rollout correction: importance weights, rejection sampling, bypass mode."""
 
 
 @dataclass
@@ -853,7 +902,8 @@ class OverlongBufferConfig:
     penalty_factor: float = 1.0
     """The penalty at the budget's end."""
     log: bool = False
-    """Log ``reward/overlong_penalty_mean`` and ``reward/overlong_frac`` each step."""
+    """Log ``reward/overlong_penalty_mean`` and ``reward/overlong_frac`` each step, and at
+    validation verl's ``val-aux/<data_source>/overlong_reward/...`` and ``.../overlong/...``."""
 
 
 @dataclass
@@ -932,7 +982,10 @@ class TrainerConfig:
     val_only: bool = False
     """Only validate, then exit (needs data.val_files)."""
     logger: List[str] = field(default_factory=lambda: ["console"])
-    """Metric sinks: console, tensorboard."""
+    """Metric sinks: console, tensorboard, wandb, mlflow (docs/observability.md)."""
+    log_val_generations: int = 0
+    """Each validation logs its first this many responses (prompt, response, score) to every
+    sink and to val_generations.jsonl in the run's directory; 0 none."""
     project_name: str = "megarl"
     """Groups experiments in the logger and output paths."""
     experiment_name: str = "default"

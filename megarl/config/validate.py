@@ -44,6 +44,7 @@ def validate_config(cfg: DictConfig) -> None:
     """Raise ``ConfigError`` naming the offending key if ``cfg`` cannot run."""
     _check_values(_resolved(cfg))
     _check_filter_groups(cfg)
+    _check_adv_estimator(cfg)
     _check_choices(cfg)
     _check_rollout(cfg)
     _check_actor(cfg, cfg.actor_rollout_ref.actor)
@@ -59,6 +60,7 @@ def validate_config(cfg: DictConfig) -> None:
     plans = plan_task_groups(cfg)
     _check_critic(cfg, plans)
     _check_logp(cfg, plans)
+    _check_rollout_correction(cfg, plans)
     _check_torchrun_sharing(cfg, plans)
     _check_update_group(cfg, plans)
     critic_host = critic_hosted(plans) if cfg.algorithm.adv_estimator == "gae" else None
@@ -225,7 +227,7 @@ def _check_trainer(t: DictConfig, data: DictConfig) -> None:
     if t.resume_mode == "resume_path" and not t.resume_from_path:
         raise ConfigError("trainer.resume_from_path: required when trainer.resume_mode="
                           "resume_path")
-    from megarl.observability.loggers import KNOWN
+    from megarl.observability.loggers import KNOWN, check_installed
 
     # checked here so a typo fails before Ray and the workers start, not after
     names = [t.logger] if isinstance(t.logger, str) else list(t.logger)
@@ -235,6 +237,7 @@ def _check_trainer(t: DictConfig, data: DictConfig) -> None:
             hint = f"; did you mean `{close[0]}`?" if close else ""
             raise ConfigError(f"trainer.logger: unknown logger {name!r} (known: "
                               f"{', '.join(KNOWN)}){hint}")
+    check_installed(names)  # wandb, mlflow: their library, before any worker starts
 
 
 def _check_reward(reward: DictConfig, max_response_length: int) -> None:
@@ -275,6 +278,41 @@ def _check_filter_groups(cfg: DictConfig) -> None:
     if int(rollout.n) < 2:
         raise ConfigError(f"{key}.enable: with {_ARR}.rollout.n={rollout.n} a group has one "
                           "sample and nothing to compare; dynamic sampling needs n >= 2")
+
+
+# verl 0.9.1's advantage estimators megarl does not build, and why; checked before the
+# generic choices so that their names get the reason, not a list of alternatives
+ESTIMATORS_NOT_BUILT = {
+    "gdpo": "it normalises each reward component (verl's algorithm.gdpo_reward_keys, entries of "
+            "a dict the reward function returns) on its own, and megarl keeps one score per "
+            "response (a returned dict's 'score'), so there are no components to normalise",
+    "grpo_vectorized": "use grpo with algorithm.norm_adv_by_std_in_grpo=true: the same "
+                       "advantages, except that verl's trainer never passes that key to "
+                       "grpo_vectorized (it always divides by the group std) and that it passes "
+                       "a one-sample group's reward through (megarl gives such a group 0)",
+    "optimal_token_baseline": "it needs the actor's per-token sum of squared probabilities "
+                              "(verl's actor.calculate_sum_pi_squared), which megarl's actor "
+                              "does not compute",
+}
+ESTIMATORS_NOT_BUILT["tir_optimal_token_baseline"] = ESTIMATORS_NOT_BUILT["optimal_token_baseline"]
+
+
+def _check_adv_estimator(cfg: DictConfig) -> None:
+    key, name = "algorithm.adv_estimator", cfg.algorithm.adv_estimator
+    if name in ESTIMATORS_NOT_BUILT:
+        raise ConfigError(f"{key}: verl's {name!r} is not built in megarl: "
+                          f"{ESTIMATORS_NOT_BUILT[name]}")
+    n = int(cfg.actor_rollout_ref.rollout.n)
+    rollout = cfg.actor_rollout_ref.rollout
+    if name == "remax" and (rollout.partial_rollout or rollout.rollout_fn is not None):
+        which = "partial_rollout" if rollout.partial_rollout else "rollout_fn"
+        raise ConfigError(f"{key}: remax's greedy baseline is generated beside each prompt's "
+                          f"samples by the built-in rollout without partial rollout; "
+                          f"{_ARR}.rollout.{which} replaces it (set one or the other)")
+    if name == "grpo_passk" and n < 2:
+        raise ConfigError(f"{key}: grpo_passk gives a group's best sample its margin over the "
+                          f"runner-up; with {_ARR}.rollout.n={n} a group has one sample and "
+                          "no runner-up (set n >= 2)")
 
 
 def _check_multi_turn(mt: DictConfig) -> None:
@@ -367,6 +405,37 @@ def _check_logp(cfg: DictConfig, plans: list[GroupPlan]) -> None:
                 f"{_ARR}.logp.{key}: {logp[key]}, but logp shares the actor-train group, where "
                 f"it runs on the trainer itself ({_ARR}.actor.megatron.{key}={actor[key]}); "
                 f"give logp a group of its own in trainer.separated_node_tasks, or drop it")
+
+
+def _check_rollout_correction(cfg: DictConfig, plans: list[GroupPlan]) -> None:
+    """verl's algorithm.rollout_correction: its values parsed as a run will, and bypass mode's
+    needs. At verl's defaults (all off) nothing is parsed: the parser is megarl.algo's, which
+    loads torch, and a config that uses none of it does not need it to load."""
+    import dataclasses
+
+    from megarl.config.schema import RolloutCorrectionConfig
+
+    key, rc = "algorithm.rollout_correction", cfg.algorithm.rollout_correction
+    if all(rc[k] == v for k, v in dataclasses.asdict(RolloutCorrectionConfig()).items()):
+        return
+    from megarl.algo.rollout_correction import RolloutCorrection
+
+    try:
+        RolloutCorrection.from_config(rc)  # its messages start with the key
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    if not rc.bypass_mode:
+        return
+    mode = cfg.actor_rollout_ref.actor.policy_loss.loss_mode
+    if mode != "vanilla":
+        raise ConfigError(f"{key}.bypass_mode: true replaces the policy loss by {key}.loss_type's "
+                          f"({rc.loss_type}), and {_ARR}.actor.policy_loss.loss_mode is {mode} "
+                          "(verl drops it silently); set loss_mode vanilla")
+    if any("logp" in p.tasks and "actor-train" not in p.tasks for p in plans):
+        raise ConfigError(f"{key}.bypass_mode: true skips the LOGP pass (the rollout log-probs "
+                          "are the old policy), and logp has a task group of its own in "
+                          "trainer.separated_node_tasks, whose devices would sit idle; put logp "
+                          "with actor-train")
 
 
 def _models_on(cfg: DictConfig, plan: GroupPlan, plans: list[GroupPlan]) -> list[tuple]:

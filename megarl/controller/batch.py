@@ -60,6 +60,7 @@ class Sample:
     response_text: str = ""
     reward: float = 0.0           # what trains: the score plus any overlong penalty
     score: float | None = None    # the reward function's own score (verl's "acc")
+    baseline: float | None = None  # remax: the reward of the prompt's greedy response
     extra_info: dict = dataclasses.field(default_factory=dict)  # the prompt's, for rewards
     # multi-turn: 1 on the model's own tokens, 0 on what the agent loop appended (tool
     # answers, template); None: every response token is the model's
@@ -93,6 +94,9 @@ def build_batch(samples: list[Sample], pad_id: int) -> dict[str, torch.Tensor]:
     out = {"input_ids": input_ids, "attention_mask": attention, "response_mask": response,
            "rollout_logprobs": rollout_lp, "token_versions": versions,
            "rewards": torch.tensor([s.reward for s in samples], dtype=torch.float32)}
+    if all(s.baseline is not None for s in samples):  # remax
+        out["reward_baselines"] = torch.tensor([s.baseline for s in samples],
+                                               dtype=torch.float32)
     routed = [s.routed_experts for s in samples]
     if any(r is not None for r in routed):
         out["routed_experts"] = _routed_experts(routed, S)

@@ -80,9 +80,9 @@ class FilteredRollout:
     dropped and replaced from further generation batches (see the module doc)."""
 
     def __init__(self, runner: TrajectoryRunner, loader, *, need: int,
-                 max_num_gen_batches: int = 0, metric: str = "reward"):
+                 max_num_gen_batches: int = 0, metric: str = "reward", remax: bool = False):
         self.runner, self.loader, self.need = runner, loader, need
-        self.max_batches, self.metric = max_num_gen_batches, metric
+        self.max_batches, self.metric, self.remax = max_num_gen_batches, metric, remax
 
     def state_dict(self) -> None:  # nothing carries over between steps
         return None
@@ -107,7 +107,7 @@ class FilteredRollout:
                 if sp.sampling_seed is not None:
                     bsp = dataclasses.replace(
                         sp, sampling_seed=(sp.sampling_seed * 1_000_003 + batches) % (2**63))
-            out = await self.runner.prompts(batch, bsp, prefix)
+            out = await self.runner.prompts(batch, bsp, prefix, remax=self.remax)
             n = len(out.samples) // max(1, len(batch))  # samples come in group order
             for j, p in enumerate(batch):
                 samples = out.samples[j * n:(j + 1) * n]
@@ -121,7 +121,8 @@ class FilteredRollout:
         if filtered or surplus:
             logger.info("step %d: %d group(s) without a spread dropped, %d surplus, %d "
                         "generation batch(es)", step, len(filtered), len(surplus), batches)
+        metrics = filter_metrics(len(kept), len(filtered), batches, consumed, len(surplus))
+        if self.remax:
+            metrics["rollout/remax/baseline_requests"] = float(consumed)
         return StepRollout([s for g in kept for s in g[0]], [f for g in kept for f in g[1]],
-                           filter_metrics(len(kept), len(filtered), batches, consumed,
-                                          len(surplus)),
-                           filtered=filtered, surplus=surplus)
+                           metrics, filtered=filtered, surplus=surplus)

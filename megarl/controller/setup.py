@@ -231,6 +231,8 @@ def _agent(mt, tok, eos_ids, min_turn_tokens=0):
 
 
 async def setup_run(cfg, val_only: bool) -> Run:
+    from omegaconf import OmegaConf
+
     from megarl.backends.sglang.engine import SGLangEngine
     from megarl.observability.loggers import make_loggers
     from megarl.reward.pool import RewardPool
@@ -277,7 +279,9 @@ async def setup_run(cfg, val_only: bool) -> Run:
                              health_interval_s=arr.rollout.engine_health_interval_s,
                              health_timeout_s=arr.rollout.engine_health_timeout_s,
                              max_restarts=arr.rollout.engine_max_restarts)
-    loggers = make_loggers(list(t.logger), root, total_steps=total, start_step=start_step)
+    loggers = make_loggers(list(t.logger), root, total_steps=total, start_step=start_step,
+                           project=t.project_name, experiment=t.experiment_name,
+                           config=OmegaConf.to_container(cfg, resolve=True, enum_to_str=True))
     if val is None and (t.val_before_train or t.test_freq > 0 or val_only):
         logger.warning("no data.val_files: validation is skipped")
     return Run(cfg=cfg, tokenizer=tok, eos_ids=eos_ids, pad_id=pad_id, loader=loader,

@@ -26,8 +26,10 @@ from typing import Any
 
 from megarl.algo.advantages import compute_advantages, gae_advantages, token_rewards
 from megarl.algo.kl import adaptive_kl_coef, apply_kl_in_reward
+from megarl.algo.rollout_correction import RolloutCorrection, actor_batch
 from megarl.observability.metrics import (MetricsTracker, merge_spans, staleness_metrics,
                                           throughput)
+from megarl.observability.val_report import generation_rows, validation_metrics
 from megarl.rollout.protocol import version_int
 
 from . import checkpoint as ckpt
@@ -65,7 +67,8 @@ class RunState:
                               need=cfg.data.train_batch_size,
                               max_staleness=cfg.algorithm.max_staleness,
                               stale_policy=cfg.algorithm.stale_policy, rollout_fn=run.rollout_fn,
-                              filter_groups=cfg.algorithm.filter_groups)
+                              filter_groups=cfg.algorithm.filter_groups,
+                              remax=cfg.algorithm.adv_estimator == "remax")
         rollout.load_state_dict(saved.get("partial"))
         # the adaptive controller's coefficient survives a resume
         kl = float(saved.get("kl_coef", cfg.algorithm.kl_ctrl.kl_coef))
@@ -197,8 +200,13 @@ async def values(st: RunState, rec: StepRecord) -> None:
 async def logp(st: RunState, rec: StepRecord) -> None:
     """The proximal policy's log-probs: the weights TRAIN(k) starts from (version k),
     computed by the actor itself or, with logp on a group of its own, by its replica
-    there once it holds version k (SYNC(k-1) sent it; the machine orders LOGP after it)."""
+    there once it holds version k (SYNC(k-1) sent it; the machine orders LOGP after it).
+    verl's bypass mode (algorithm.rollout_correction.bypass_mode): no pass, the rollout
+    log-probs are the old policy."""
     r, b, k = st.run, rec.batch, rec.step
+    if st.cfg.algorithm.rollout_correction.bypass_mode:
+        b["old_logprobs"] = b["rollout_logprobs"]
+        return
     mbs = micro_batching(st.cfg, "logp")
     if r.logp is None:
         out, version = await r.actor.compute_logp(_model_inputs(b, routed=True),
@@ -240,7 +248,8 @@ def advantages(st: RunState, rec: StepRecord) -> None:
         return
     b["advantages"] = compute_advantages(
         alg.adv_estimator, rewards, [s.uid for s in rec.samples], b["response_mask"],
-        norm_by_std=alg.norm_adv_by_std_in_grpo, gamma=alg.gamma)
+        norm_by_std=alg.norm_adv_by_std_in_grpo, gamma=alg.gamma,
+        baselines=b.get("reward_baselines"))
 
 
 async def _train_critic(st: RunState, rec: StepRecord) -> None:
@@ -259,7 +268,12 @@ async def train(st: RunState, rec: StepRecord) -> None:
     advantages(st, rec)
     r, b, k = st.run, rec.batch, rec.step
     actor = st.cfg.actor_rollout_ref.actor
-    mbs = mini_batches(b, st.cfg.actor_rollout_ref.rollout.n, actor.ppo_mini_batch_size,
+    # verl's rollout correction over the whole step's batch: the actor's weights and
+    # rejections (the advantages above and the critic keep the batch's own mask)
+    trained, corr = actor_batch(b, RolloutCorrection.from_config(st.cfg.algorithm
+                                                                 .rollout_correction))
+    st.metrics.update(k, corr)
+    mbs = mini_batches(trained, st.cfg.actor_rollout_ref.rollout.n, actor.ppo_mini_batch_size,
                        actor.ppo_epochs)
     t0 = time.perf_counter()
     # trainer.critic_warmup: the first steps train the critic only (the actor's weights,
@@ -353,20 +367,21 @@ async def val_generate(st: RunState, version: int) -> None:
 async def val_score(st: RunState, version: int) -> None:
     d = st.val.pop(version)
     rewards = await asyncio.gather(*d["scores"])
-    n = max(1, len(rewards))
-    m = {"val/reward_mean": sum(rewards) / n,
-         "val/exact_frac": sum(x >= 1.0 for x in rewards) / n,
-         # ended by a stop token (EOS) rather than cut at the length cap
-         "val/eos_frac": sum(s.finish == "stop" for s in d["samples"]) / n,
-         "val/response_length_mean": sum(len(s.response_ids) for s in d["samples"]) / n}
+    samples, t = d["samples"], st.cfg.trainer
+    overlong = st.cfg.reward.reward_kwargs.overlong_buffer_cfg
+    # the aggregate val/* and verl's per-source val-core/*, val-aux/*
+    m = validation_metrics(samples, rewards, log_overlong=overlong.enable and overlong.log)
     if st.run.agent is not None:
         from megarl.agent.loop import step_metrics
         m.update({k.replace("rollout/", "val/"): v
-                  for k, v in step_metrics(d["samples"]).items()})
+                  for k, v in step_metrics(samples).items()})
     st.val_results.append({"version": version, **m})
     logger.info("validation of weights v%d: %s", version,
-                " ".join(f"{k}={v:.4f}" for k, v in m.items()))
+                " ".join(f"{k}={v:.4f}" for k, v in m.items() if k.startswith("val/")))
     st.run.loggers.log(version, m)
+    if t.log_val_generations > 0:
+        st.run.loggers.log_generations(version, generation_rows(
+            samples, rewards, st.run.tokenizer, t.log_val_generations))
 
 
 # What each task of a step runs; validation's tasks take the weight version instead.

@@ -305,21 +305,38 @@ class TrajectoryRunner:
         return t
 
     async def prompts(self, prompts, sp: SamplingParams, rid_prefix: str,
-                      round_size: int | None = None) -> StepRollout:
+                      round_size: int | None = None, remax: bool = False) -> StepRollout:
         """n samples of every prompt, all to the end, scored as each finishes; `round_size`
         prompts at a time (None: all at once), each round started when the one before has
         finished. Seeds and request ids come from each prompt's own index and uid, so rounds
-        sample exactly what one call over all prompts would."""
+        sample exactly what one call over all prompts would. `remax`: besides, one greedy
+        response per prompt, generated beside its samples and scored, whose reward is each
+        sample's `baseline` (ReMax's; the response itself is not trained)."""
         prompts = list(prompts)
         size = round_size or max(1, len(prompts))
-        samples, scores = [], []
+        samples, scores, metrics = [], [], {}
         for start in range(0, len(prompts), size):
-            out = await self._round(prompts[start:start + size], sp, rid_prefix)
+            out = await self._round(prompts[start:start + size], sp, rid_prefix, remax)
             samples += out.samples
             scores += out.scores
-        return StepRollout(samples, scores)
+            for name, value in out.metrics.items():
+                metrics[name] = metrics.get(name, 0.0) + value
+        if remax and prompts:
+            metrics["rollout/remax/baseline_reward_mean"] = (
+                metrics.pop("rollout/remax/baseline_reward_sum") / len(prompts))
+        return StepRollout(samples, scores, metrics)
 
-    async def _round(self, prompts, sp: SamplingParams, rid_prefix: str) -> StepRollout:
+    async def _baseline(self, p, sp: SamplingParams, rid_prefix: str) -> float:
+        """ReMax's baseline: the reward of the prompt's greedy response (verl generates it
+        with do_sample=False beside the sampled ones)."""
+        greedy = dataclasses.replace(sp, n=1, temperature=0.0, sampling_seed=None)
+        t = await self.sample(p, GenerateRequest(list(p.prompt_ids), greedy, True,
+                                                 f"{rid_prefix}-{p.uid}-greedy"))
+        return float(await t.future)
+
+    async def _round(self, prompts, sp: SamplingParams, rid_prefix: str,
+                     remax: bool = False) -> StepRollout:
+        baselines = [self._baseline(p, sp, rid_prefix) for p in prompts] if remax else []
         jobs = []
         for p in prompts:
             psp = sp
@@ -330,8 +347,16 @@ class TrajectoryRunner:
                     sp.sampling_seed * 1_000_003 + p.index * 4099) % (2**63))
             base = GenerateRequest(list(p.prompt_ids), psp, True, f"{rid_prefix}-{p.uid}")
             jobs += [self.sample(p, req) for req in base.expand()]
-        done = await asyncio.gather(*jobs)
-        return StepRollout([t.sample for t in done], [t.future for t in done])
+        done, base_rewards = await asyncio.gather(asyncio.gather(*jobs),
+                                                  asyncio.gather(*baselines))
+        metrics = {}
+        if remax:
+            by_uid = {p.uid: r for p, r in zip(prompts, base_rewards)}
+            for t in done:
+                t.sample.baseline = by_uid[t.sample.uid]
+            metrics = {"rollout/remax/baseline_requests": float(len(prompts)),
+                       "rollout/remax/baseline_reward_sum": float(sum(base_rewards))}
+        return StepRollout([t.sample for t in done], [t.future for t in done], metrics)
 
 
 class _Stateless:
@@ -345,14 +370,16 @@ class _Stateless:
 
 
 class PlainRollout(_Stateless):
-    """The step's batch of prompts, n samples each, every one to its end."""
+    """The step's batch of prompts, n samples each, every one to its end (`remax`: and a
+    greedy baseline response per prompt)."""
 
-    def __init__(self, runner: TrajectoryRunner, loader):
-        self.runner, self.loader = runner, loader
+    def __init__(self, runner: TrajectoryRunner, loader, remax: bool = False):
+        self.runner, self.loader, self.remax = runner, loader, remax
 
     async def run_step(self, step: int, sp: SamplingParams, trainer_version: int
                        ) -> StepRollout:
-        return await self.runner.prompts(self.loader.next_batch(), sp, f"s{step}")
+        return await self.runner.prompts(self.loader.next_batch(), sp, f"s{step}",
+                                         remax=self.remax)
 
 
 @dataclasses.dataclass
@@ -393,9 +420,10 @@ class FunctionRollout(_Stateless):
 
 def make_policy(rollout_cfg, runner: TrajectoryRunner, loader, *, need: int,
                 max_staleness: int | None, stale_policy: str, rollout_fn: Callable | None,
-                filter_groups=None):
+                filter_groups=None, remax: bool = False):
     """The GENERATE state's policy for this run's `actor_rollout_ref.rollout` (and
-    `algorithm.filter_groups`, dynamic sampling, when enabled)."""
+    `algorithm.filter_groups`, dynamic sampling, when enabled; `remax`: each prompt's greedy
+    baseline generated beside its samples)."""
     if rollout_fn is not None:
         return FunctionRollout(rollout_fn, rollout_cfg.rollout_fn, runner, loader,
                                int(rollout_cfg.n))
@@ -407,8 +435,8 @@ def make_policy(rollout_cfg, runner: TrajectoryRunner, loader, *, need: int,
             from .filter_groups import FilteredRollout
 
             return FilteredRollout(runner, loader, need=need, max_num_gen_batches=max_batches,
-                                   metric=metric)
-        return PlainRollout(runner, loader)
+                                   metric=metric, remax=remax)
+        return PlainRollout(runner, loader, remax)
     from .partial import PartialRollout
 
     over = rollout_cfg.over_sample_prompts

@@ -1,20 +1,38 @@
-"""Metric sinks named by `trainer.logger`: `console` and `tensorboard`.
+"""Metric sinks named by `trainer.logger`: `console`, `tensorboard`, `wandb` and `mlflow`.
 
-Each sink has `log(step, metrics)` and `close()`; `make_loggers` builds the configured ones
-behind one object. The console sink writes through `logging` (never `print`), one line per
-step with a text progress bar and no carriage returns, so CI logs stay readable.
+Each sink has `log(step, metrics)`, `log_generations(step, rows)` (a validation's sample
+responses, `trainer.log_val_generations`) and `close()`; `make_loggers` builds the configured
+ones behind one object, which also appends the generations to `val_generations.jsonl` in the
+run's directory. The console sink writes through `logging` (never `print`), one line per step
+with a text progress bar and no carriage returns, so CI logs stay readable. W&B and MLflow
+live in tracking.py.
 """
 from __future__ import annotations
 
+import importlib.util
+import json
 import logging
 import math
+import os
 import time
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
 from megarl.utils.errors import ConfigError
 
-KNOWN = ("console", "tensorboard")
+KNOWN = ("console", "tensorboard", "wandb", "mlflow")
+
+REQUIRES = {
+    # sink: (modules it imports, how to install them)
+    "tensorboard": (("tensorboard",), "pip install tensorboard"),
+    "wandb": (("wandb",), "pip install wandb (megarl's `wandb` extra: pip install -e "
+                          "'.[wandb]')"),
+    # mlflow-skinny is MLflow's client; its SQLite store (the default here) needs these two
+    "mlflow": (("mlflow", "sqlalchemy", "alembic"),
+               "pip install mlflow-skinny sqlalchemy alembic (megarl's `mlflow` extra: pip "
+               "install -e '.[mlflow]')"),
+}
+"""What each sink's library is, for the check when the config loads (`check_installed`)."""
 
 SUMMARY_KEYS = ("reward/mean", "val/reward_mean", "response/length_mean", "actor/pg_loss",
                 "actor/kl_loss", "actor/entropy", "rollout/staleness_max",
@@ -73,6 +91,16 @@ class ConsoleLogger:
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         self.log_.info(self.format(step, metrics))
 
+    def log_generations(self, step: int, rows: Sequence[Mapping], width: int = 160) -> None:
+        """A line per row, prompt and response cut to `width` characters."""
+        def cut(text: str) -> str:
+            text = repr(text)
+            return text if len(text) <= width else text[:width - 3] + "..."
+        for i, r in enumerate(rows):
+            self.log_.info("validation generation %d/%d at step %d (%s): score=%s prompt=%s "
+                           "response=%s", i + 1, len(rows), step, r["data_source"],
+                           _fmt(r["score"]), cut(r["prompt"]), cut(r["response"]))
+
     def close(self) -> None:
         pass
 
@@ -101,15 +129,31 @@ class TensorBoardLogger:
         self.writer.add_image(name, pixels, global_step=step, dataformats="HWC")
         self.writer.flush()
 
+    def log_generations(self, step: int, rows: Sequence[Mapping]) -> None:
+        """A markdown text summary `val/generations`: a section per row."""
+        text = "\n\n".join(
+            f"### {i + 1}. {r['data_source']}, score {_fmt(r['score'])}\n\n"
+            f"**prompt**\n\n    {_indent(r['prompt'])}\n\n"
+            f"**response**\n\n    {_indent(r['response'])}" for i, r in enumerate(rows))
+        self.writer.add_text("val/generations", text, global_step=step)
+        self.writer.flush()
+
     def close(self) -> None:
         self.writer.close()
 
 
-class Loggers:
-    """The configured sinks behind one `log`/`close`."""
+def _indent(text: str) -> str:
+    """As a markdown code block's body (indented four spaces): shown verbatim."""
+    return text.replace("\n", "\n    ")
 
-    def __init__(self, sinks: Sequence):
+
+class Loggers:
+    """The configured sinks behind one `log`/`close`; `log_generations` also appends to
+    `<log_dir>/val_generations.jsonl` (a JSON object per row, with its step)."""
+
+    def __init__(self, sinks: Sequence, log_dir: str | Path | None = None):
         self.sinks = list(sinks)
+        self.log_dir = Path(log_dir) if log_dir is not None else None
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         for sink in self.sinks:
@@ -120,6 +164,19 @@ class Loggers:
         for sink in self.sinks:
             if hasattr(sink, "log_image"):
                 sink.log_image(step, name, png)
+
+    def log_generations(self, step: int, rows: Sequence[Mapping]) -> None:
+        """A validation's sample responses ({data_source, prompt, response, score} each) to
+        every sink and the JSONL file."""
+        if not rows:
+            return
+        if self.log_dir is not None:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            with open(self.log_dir / "val_generations.jsonl", "a") as f:
+                for r in rows:
+                    f.write(json.dumps({"step": step, **r}) + "\n")
+        for sink in self.sinks:
+            sink.log_generations(step, rows)
 
     def close(self) -> None:
         for sink in self.sinks:
@@ -132,22 +189,55 @@ class Loggers:
         self.close()
 
 
+def _sink(name: str, log_dir: Path, total_steps, start_step, project, experiment, config):
+    if name == "console":
+        return ConsoleLogger(total_steps, start_step=start_step)
+    if name == "tensorboard":
+        return TensorBoardLogger(log_dir / "tensorboard")
+    from megarl.observability import tracking
+
+    cls = {"wandb": tracking.WandbLogger, "mlflow": tracking.MlflowLogger}[name]
+    return cls(log_dir, project=project, name=experiment, config=config)
+
+
+def _sql_store(uri: str) -> bool:
+    """Whether MLflow keeps `uri`'s runs through SQLAlchemy (the default here is SQLite)."""
+    if not uri:
+        return True
+    scheme = uri.split(":", 1)[0].split("+", 1)[0] if ":" in uri else "file"  # a bare path
+    return scheme in ("sqlite", "postgresql", "mysql", "mssql")
+
+
+def check_installed(names: Sequence[str] | str) -> None:
+    """Raise `ConfigError` naming `trainer.logger` and the pip command when a sink's library
+    is missing; unknown names are left to `make_loggers`/the config check."""
+    for name in [names] if isinstance(names, str) else names:
+        modules, pip = REQUIRES.get(name, ((), ""))
+        if name == "mlflow" and not _sql_store(os.environ.get("MLFLOW_TRACKING_URI", "")):
+            modules = ("mlflow",)  # a tracking server or a file store: no SQLAlchemy
+        missing = [m for m in modules if importlib.util.find_spec(m) is None]
+        if missing:
+            raise ConfigError(f"trainer.logger: `{name}` needs the Python package"
+                              f"{'s' if len(missing) > 1 else ''} {', '.join(missing)}, not "
+                              f"installed here: {pip}")
+
+
 def make_loggers(names: Sequence[str] | str, log_dir: str | Path, *,
-                 total_steps: int | None = None, start_step: int = 0) -> Loggers:
-    """Sinks for `trainer.logger` (e.g. ["console", "tensorboard"]).
+                 total_steps: int | None = None, start_step: int = 0,
+                 project: str = "megarl", experiment: str = "default",
+                 config: Mapping | None = None) -> Loggers:
+    """Sinks for `trainer.logger` (e.g. ["console", "tensorboard", "wandb"]).
 
     `log_dir` is the run's output root (`<default_local_dir>/<project>/<experiment>`);
-    TensorBoard writes to `<log_dir>/tensorboard`. An unknown name raises `ConfigError`.
+    TensorBoard writes to `<log_dir>/tensorboard`, W&B and MLflow as tracking.py says, under
+    `project`/`experiment` with `config` (the resolved config, a plain dict). An unknown name,
+    or one whose library is missing, raises `ConfigError`.
     """
-    if isinstance(names, str):
-        names = [names]
-    sinks = []
+    names = [names] if isinstance(names, str) else list(names)
     for name in names:
-        if name == "console":
-            sinks.append(ConsoleLogger(total_steps, start_step=start_step))
-        elif name == "tensorboard":
-            sinks.append(TensorBoardLogger(Path(log_dir) / "tensorboard"))
-        else:
+        if name not in KNOWN:
             raise ConfigError(f"trainer.logger: unknown logger {name!r} "
                               f"(known: {', '.join(KNOWN)})")
-    return Loggers(sinks)
+    check_installed(names)
+    return Loggers([_sink(n, Path(log_dir), total_steps, start_step, project, experiment, config)
+                    for n in names], log_dir)

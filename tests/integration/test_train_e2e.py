@@ -284,13 +284,37 @@ def check_saves_overlap_generation(run_dir, saved: int, steps: int, save_freq: i
 # checkpoint_weights.)
 
 
-def test_validation_only_mode(quickstart_assets, tmp_path):
-    """`megarl validate` with no checkpoint: the model's own weights, no trainer started."""
-    out = megarl("validate", _args(quickstart_assets, tmp_path))
+def test_validation_only_mode(quickstart_assets, tmp_path, monkeypatch):
+    """`megarl validate` with no checkpoint: the model's own weights, no trainer started;
+    reported to every logger (W&B offline, MLflow in the run directory's store) with verl's
+    per-source metrics and two generations."""
+    from tracking_readers import mlflow_json_artifact, mlflow_run, wandb_offline_runs
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_ERROR_REPORTING", "false")
+    for var in ("WANDB_DIR", "MLFLOW_TRACKING_URI", "MLFLOW_RUN_ID"):
+        monkeypatch.delenv(var, raising=False)
+    out = megarl("validate", _args(quickstart_assets, tmp_path,
+                                   "trainer.logger=[console,tensorboard,wandb,mlflow]",
+                                   "trainer.log_val_generations=2"))
     assert "val/reward_mean=" in out
     assert 0 in scalars(tmp_path, "val/reward_mean")
-    assert not (tmp_path / "megarl" / "t" / "trained_prompts.jsonl").exists()
+    run_dir = tmp_path / "megarl" / "t"
+    assert not (run_dir / "trained_prompts.jsonl").exists()
     assert "actor model" not in out  # no trainer was started
+    core = "val-core/megarl/quickstart/acc/mean@1"  # data_source megarl/quickstart, greedy
+    assert scalars(tmp_path, core)[0] == pytest.approx(scalars(tmp_path, "val/reward_mean")[0])
+    rows = [json.loads(line) for line in (run_dir / "val_generations.jsonl").read_text()
+            .splitlines()]
+    assert [(r["step"], r["data_source"]) for r in rows] == [(0, "megarl/quickstart")] * 2
+    (wb,) = wandb_offline_runs(run_dir)
+    assert (wb.project, wb.name) == ("megarl", "t") and wb.config["trainer"]["val_only"]
+    assert list(wb.metric(core)) == [0]
+    assert [r["val/generations/nrows"] for r in wb.history if "val/generations/nrows" in r] == [2]
+    client, ml = mlflow_run(f"sqlite:///{run_dir / 'mlflow.db'}", "megarl", "t")
+    assert ml.data.metrics[core.replace("@", "_at_")] == pytest.approx(
+        scalars(tmp_path, core)[0])
+    assert mlflow_json_artifact(client, ml.info.run_id, "val_generations/step_0.json") == rows
 
 
 def _kill_a_trainer_worker_after_checkpoints(proc, run_dir, after: list[int],
@@ -417,15 +441,20 @@ def test_a_lost_trainer_worker_restarts_the_run_which_trains_every_prompt_once(
 
 def test_kl_in_reward_with_adaptive_coefficient(quickstart_assets, tmp_path):
     """PPO-style in-reward KL: the reference model runs for it alone (no KL loss), the
-    penalty is logged each step and the adaptive coefficient is checkpointed. (Also run with
-    each GENERATE on one weight version: `trainer.sync_between_generations`.)"""
+    penalty is logged each step and the adaptive coefficient is checkpointed. ReMax's
+    advantages, as verl's remax example trains them (with KL in the reward): one greedy
+    baseline response per prompt generated beside the samples. (Also run with each GENERATE
+    on one weight version: `trainer.sync_between_generations`.)"""
     extra = ["trainer.total_training_steps=3", "trainer.save_freq=3", "trainer.test_freq=-1",
              "trainer.val_before_train=False", "algorithm.use_kl_in_reward=True",
              "algorithm.kl_penalty=low_var_kl", "algorithm.kl_ctrl.type=adaptive",
              "algorithm.kl_ctrl.target_kl=0.001",
              "algorithm.kl_ctrl.horizon=100", "actor_rollout_ref.actor.use_kl_loss=False",
-             "algorithm.max_staleness=1", "trainer.sync_between_generations=true"]
+             "algorithm.max_staleness=1", "trainer.sync_between_generations=true",
+             "algorithm.adv_estimator=remax"]
     megarl("train", _args(quickstart_assets, tmp_path, *extra))
+    assert scalars(tmp_path, "rollout/remax/baseline_requests") == {1: 8.0, 2: 8.0, 3: 8.0}
+    assert len(scalars(tmp_path, "rollout/remax/baseline_reward_mean")) == 3
     # sync_between_generations: SYNC(k) starts once GENERATE(k+1) has ended, one step off
     events = [e for e in json.loads((tmp_path / "megarl" / "t" / "timeline.json")
                                     .read_text())["traceEvents"] if e["ph"] == "X"]

@@ -69,7 +69,8 @@ def test_broadcast_to_tokens():
 
 # --- Dr. GRPO, RLOO, REINFORCE++ (+ baseline) and the dispatcher -------------------------------
 from megarl.algo.advantages import (ADV_ESTIMATORS, compute_advantages,  # noqa: E402
-                                    discounted_returns, drgrpo_advantages, masked_whiten,
+                                    discounted_returns, drgrpo_advantages, gpg_advantages,
+                                    grpo_passk_advantages, masked_whiten, opo_advantages,
                                     reinforce_plus_plus_advantages,
                                     reinforce_plus_plus_baseline_advantages, rloo_advantages,
                                     token_rewards)
@@ -158,13 +159,24 @@ def test_dispatcher_matches_estimators():
         "reinforce_plus_plus": reinforce_plus_plus_advantages(REWARDS, mask),
         "reinforce_plus_plus_baseline":
             reinforce_plus_plus_baseline_advantages(REWARDS, GROUPS, mask),
+        # verl's further outcome estimators (checked against verl in
+        # test_adv_estimators_verl.py)
+        "rloo_vectorized": bt(rloo_advantages(REWARDS, GROUPS), mask),
+        "grpo_passk": bt(grpo_passk_advantages(REWARDS, GROUPS), mask),
+        "opo": bt(opo_advantages(REWARDS, GROUPS, mask.sum(-1)), mask),
+        "gpg": bt(gpg_advantages(REWARDS, GROUPS), mask),
     }
     for name, want in cases.items():
         torch.testing.assert_close(compute_advantages(name, REWARDS, GROUPS, mask), want,
                                    msg=name)
     torch.testing.assert_close(
         compute_advantages("grpo", REWARDS, GROUPS, mask, norm_by_std=False), cases["drgrpo"])
-    assert set(cases) | {"gae"} == set(ADV_ESTIMATORS)
+    # remax: the greedy baseline's reward subtracted (test_adv_estimators_verl.py)
+    base = torch.linspace(-1, 1, len(REWARDS))
+    torch.testing.assert_close(
+        compute_advantages("remax", REWARDS, GROUPS, mask, baselines=base),
+        bt(REWARDS - base, mask))
+    assert set(cases) | {"gae", "remax"} == set(ADV_ESTIMATORS)
 
 
 def test_dispatcher_sums_token_rewards_for_group_estimators():
@@ -192,10 +204,12 @@ def test_dispatcher_errors():
 def test_all_masked_and_zero_variance_no_nan(name):
     r = torch.tensor([1.0, 1.0, 1.0, 1.0])
     groups = ["a", "a", "b", "b"]
+    # remax: a baseline equal to the reward is its "no spread"
+    kw = {"baselines": r} if name == "remax" else {}
     for mask in (torch.zeros(4, 3), torch.tensor([[1, 1, 0], [1, 0, 0], [0, 0, 0], [1, 1, 1]])):
-        adv = compute_advantages(name, r, groups, mask)
+        adv = compute_advantages(name, r, groups, mask, **kw)
         assert adv.shape == (4, 3) and torch.count_nonzero(adv) == 0, name
     # a mixed batch with an all-masked row: finite, zero on that row and off the mask
     mask = torch.tensor([[1, 1, 0], [1, 0, 0], [0, 0, 0], [1, 1, 1]])
-    adv = compute_advantages(name, torch.tensor([1.0, 0.0, 5.0, 2.0]), groups, mask)
+    adv = compute_advantages(name, torch.tensor([1.0, 0.0, 5.0, 2.0]), groups, mask, **kw)
     assert torch.isfinite(adv).all() and torch.count_nonzero(adv * (1 - mask)) == 0

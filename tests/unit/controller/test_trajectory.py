@@ -216,3 +216,35 @@ def test_config_refuses_a_bad_rollout_fn_naming_the_key(override, match):
     extra = ["actor_rollout_ref.rollout.partial_rollout=true"] if "a:b" in override else []
     with pytest.raises(ConfigError, match=match):
         load_config("configs/quickstart.yaml", [override, *extra])
+
+
+def test_remax_generates_a_greedy_baseline_per_prompt_beside_its_samples(engine, scorer):
+    """`prompts(remax=True)`: each sample's `baseline` is the reward of its prompt's greedy
+    response (the length scorer: its text's length), one extra request per prompt, counted."""
+    import dataclasses as dc
+
+    from megarl.controller.batch import build_batch
+    from megarl.data.dataset import Prompt
+    from megarl.rollout.manager import RolloutManager
+    from megarl.rollout.protocol import SamplingParams
+
+    prompts = [Prompt(index=i, uid=f"p{i}", prompt_ids=[5 + i, 7, 11 + i], raw_prompt="",
+                      data_source="t", ground_truth="0") for i in range(3)]
+    sp = SamplingParams(max_new_tokens=12, temperature=1.0, n=4, sampling_seed=5,
+                        stop_token_ids=list(range(0, 300, 10)))
+    runner = TrajectoryRunner(RolloutManager([engine]), engine.tokenizer, scorer)
+
+    async def go():
+        out = await runner.prompts(prompts, sp, "s0", remax=True)
+        await asyncio.gather(*out.scores)
+        greedy = await runner.prompts(prompts, dc.replace(sp, n=1, temperature=0.0,
+                                                          sampling_seed=None), "check")
+        return out, [len(s.response_text) for s in greedy.samples]
+
+    out, greedy_lengths = asyncio.run(go())
+    assert len(out.samples) == 12 and out.metrics["rollout/remax/baseline_requests"] == 3
+    want = dict(zip([p.uid for p in prompts], map(float, greedy_lengths)))
+    assert [s.baseline for s in out.samples] == [want[s.uid] for s in out.samples]
+    assert out.metrics["rollout/remax/baseline_reward_mean"] == sum(want.values()) / 3
+    b = build_batch(out.samples, pad_id=0)
+    assert b["reward_baselines"].tolist() == [want[s.uid] for s in out.samples]

@@ -57,8 +57,9 @@ def test_tensorboard_skips_non_scalars(tmp_path):
 
 
 def test_unknown_logger_names_the_key(tmp_path):
-    with pytest.raises(ConfigError, match=r"trainer\.logger.*'wandb'.*console, tensorboard"):
-        make_loggers(["console", "wandb"], tmp_path)
+    with pytest.raises(ConfigError, match=r"trainer\.logger.*'swanlab'.*console, tensorboard, "
+                                          r"wandb, mlflow"):
+        make_loggers(["console", "swanlab"], tmp_path)
     assert len(make_loggers("console", tmp_path).sinks) == 1
 
 
