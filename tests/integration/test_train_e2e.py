@@ -79,23 +79,24 @@ MODES = {
     # that runs configs/quickstart.yaml, e.g. test_a_lost_trainer_worker_restarts_...)
     # three steps ahead, trained as a GPU trains: bf16 params, Megatron's optimizer keeping
     # fp32 main params, the weight sync casting into the fp32 engine; and every pass in
-    # packed micro-batches of at most 96 tokens (verl's use_dynamic_bsz)
-    "ahead-3-bf16-packed": ["trainer.generate_ahead_steps=3",
-                            "actor_rollout_ref.actor.megatron.params_dtype=bfloat16",
-                            "actor_rollout_ref.ref.megatron.params_dtype=bfloat16",
-                            "actor_rollout_ref.rollout.dtype=float32",
-                            "actor_rollout_ref.actor.use_dynamic_bsz=true",
-                            "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=96"],
-    # GSPO (sequence-level ratio, its recipe's clip ranges and aggregation) with DAPO's
-    # dynamic sampling and overlong penalty, one step off as the quickstart is
-    "gspo-dapo": ["actor_rollout_ref.actor.policy_loss.loss_mode=gspo",
-                  "actor_rollout_ref.actor.clip_ratio_low=3e-4",
-                  "actor_rollout_ref.actor.clip_ratio_high=4e-4",
-                  "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean",
-                  "algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=acc",
-                  "reward.reward_kwargs.overlong_buffer_cfg.enable=true",
-                  "reward.reward_kwargs.overlong_buffer_cfg.len=4",
-                  "reward.reward_kwargs.overlong_buffer_cfg.log=true"],
+    # packed micro-batches of at most 96 tokens (verl's use_dynamic_bsz); the loss GSPO's
+    # (sequence-level ratio, its recipe's clip ranges and aggregation) with DAPO's dynamic
+    # sampling and overlong penalty (one run for both: the suite's time)
+    "ahead-3-bf16-packed-gspo-dapo": [
+        "trainer.generate_ahead_steps=3",
+        "actor_rollout_ref.actor.megatron.params_dtype=bfloat16",
+        "actor_rollout_ref.ref.megatron.params_dtype=bfloat16",
+        "actor_rollout_ref.rollout.dtype=float32",
+        "actor_rollout_ref.actor.use_dynamic_bsz=true",
+        "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=96",
+        "actor_rollout_ref.actor.policy_loss.loss_mode=gspo",
+        "actor_rollout_ref.actor.clip_ratio_low=3e-4",
+        "actor_rollout_ref.actor.clip_ratio_high=4e-4",
+        "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean",
+        "algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=acc",
+        "reward.reward_kwargs.overlong_buffer_cfg.enable=true",
+        "reward.reward_kwargs.overlong_buffer_cfg.len=4",
+        "reward.reward_kwargs.overlong_buffer_cfg.log=true"],
 }
 
 
@@ -110,13 +111,13 @@ def test_reward_rises(quickstart_assets, tmp_path, mode):
     last = sum(reward[s] for s in range(33, 41)) / 8
     assert last > first + 0.1, (mode, first, last)
     stale = scalars(tmp_path, "rollout/staleness_max")
-    ahead = {"ahead-3-bf16-packed": 3, "gspo-dapo": 2}[mode]
-    if mode == "gspo-dapo":  # every step full after its dropped groups; the penalty applied
+    ahead = {"ahead-3-bf16-packed-gspo-dapo": 3}[mode]
+    if mode.endswith("gspo-dapo"):  # each step full after its dropped groups; the penalty on
         kept = scalars(tmp_path, "rollout/filter_groups/kept_groups")
         assert sorted(kept) == list(range(1, 41)) and set(kept.values()) == {8.0}
         assert sum(scalars(tmp_path, "rollout/filter_groups/filtered_groups").values()) >= 1
         assert min(scalars(tmp_path, "reward/overlong_penalty_mean").values()) < 0
-    if mode.endswith("packed"):  # several packed micro-batches per step, no padding computed
+    if "packed" in mode:  # several packed micro-batches per step, no padding computed
         assert set(scalars(tmp_path, "actor/padding_frac").values()) == {0.0}
         assert min(scalars(tmp_path, "actor/micro_batches").values()) >= 2
     # samples are never more than a-1 versions behind, and off-policy modes really are behind
