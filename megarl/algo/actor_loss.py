@@ -62,6 +62,8 @@ from .losses import TIS_LEVELS, aggregate_entropy
 from .policy_losses import PolicyLossParams, check_params, generator_for, mode_entry, policy_loss
 from .rollout_correction import RolloutCorrection
 
+_MODE = PolicyLossParams()  # the loss modes' hyper-parameters with verl's defaults
+
 _STAT_NAMES = {"pg_loss": "actor/pg_loss", "clip_frac": "actor/pg_clipfrac",
                "dual_clip_frac": "actor/pg_clipfrac_lower", "ppo_kl": "actor/ppo_kl",
                # the other loss modes' pg_clipfrac_lower (their own meaning; policy_losses)
@@ -84,10 +86,12 @@ def make_actor_loss(*, clip_ratio_low: float, clip_ratio_high: float,
                     tis_imp_ratio_cap: float | None = 2.0, tis_level: str = "token",
                     denom: float | None = None, with_max_metrics: bool = False,
                     stats_denom: float | None = None, loss_mode: str = "vanilla",
-                    tau_pos: float = 1.0, tau_neg: float = 1.05,
-                    clip_cov_ratio: float = 0.0002, clip_cov_lb: float = 1.0,
-                    clip_cov_ub: float = 5.0, kl_cov_ratio: float = 0.0002,
-                    ppo_kl_coef: float = 0.1, dro_beta: float | None = None,
+                    tau_pos: float = _MODE.tau_pos, tau_neg: float = _MODE.tau_neg,
+                    clip_cov_ratio: float = _MODE.clip_cov_ratio,
+                    clip_cov_lb: float = _MODE.clip_cov_lb,
+                    clip_cov_ub: float = _MODE.clip_cov_ub,
+                    kl_cov_ratio: float = _MODE.kl_cov_ratio,
+                    ppo_kl_coef: float = _MODE.ppo_kl_coef, dro_beta: float | None = None,
                     seq_denom: float | None = None,
                     rollout_correction: RolloutCorrection | None = None,
                     token_denom: float | None = None) -> ActorLossFn:
@@ -192,13 +196,13 @@ class ActorLossSettings:
     loss_scale_factor: float | None  # seq-mean-token-sum-norm's constant
     # verl's policy loss (actor.policy_loss.loss_mode) and the hyper-parameters of its modes
     loss_mode: str = "vanilla"
-    tau_pos: float = 1.0
-    tau_neg: float = 1.05
-    clip_cov_ratio: float = 0.0002
-    clip_cov_lb: float = 1.0
-    clip_cov_ub: float = 5.0
-    kl_cov_ratio: float = 0.0002
-    ppo_kl_coef: float = 0.1
+    tau_pos: float = _MODE.tau_pos
+    tau_neg: float = _MODE.tau_neg
+    clip_cov_ratio: float = _MODE.clip_cov_ratio
+    clip_cov_lb: float = _MODE.clip_cov_lb
+    clip_cov_ub: float = _MODE.clip_cov_ub
+    kl_cov_ratio: float = _MODE.kl_cov_ratio
+    ppo_kl_coef: float = _MODE.ppo_kl_coef
     dro_beta: float | None = None
     # verl's algorithm.rollout_correction (bypass mode, weights from the batch)
     rollout_correction: RolloutCorrection | None = None
@@ -222,8 +226,8 @@ class ActorLossSettings:
                    actor_cfg.use_kl_loss, actor_cfg.kl_loss_coef, actor_cfg.kl_loss_type,
                    actor_cfg.tis_imp_ratio_cap, getattr(actor_cfg, "tis_level", "token"),
                    None if scale is None else float(scale),
-                   tau_pos=float(getattr(actor_cfg, "tau_pos", 1.0)),
-                   tau_neg=float(getattr(actor_cfg, "tau_neg", 1.05)),
+                   tau_pos=float(getattr(actor_cfg, "tau_pos", _MODE.tau_pos)),
+                   tau_neg=float(getattr(actor_cfg, "tau_neg", _MODE.tau_neg)),
                    rollout_correction=None if rollout_correction is None
                    else RolloutCorrection.from_config(rollout_correction), **modes)
 

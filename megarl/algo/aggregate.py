@@ -79,6 +79,18 @@ def aggregate(values: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean"
     return per_seq.sum() / denom
 
 
+def stats_denom_for(mode: str, denom: float | None, stats_denom: float | None
+                    ) -> float | None:
+    """The diagnostics' normaliser of a loss under `mode`: `stats_denom` when given, else the
+    loss's `denom`, which only the count modes allow (`CONSTANT_DENOM_MODES` divide the loss by
+    something that is not the stats' count: they must be given theirs)."""
+    if stats_denom is None and denom is not None and mode in CONSTANT_DENOM_MODES:
+        raise ValueError(f"loss_agg_mode {mode!r} with a batch denom needs stats_denom "
+                         f"(global_denom(batch_mask, {stats_mode(mode)!r})): its denom is not "
+                         "the stats' count")
+    return denom if stats_denom is None else stats_denom
+
+
 def stats_mode(mode: str) -> str:
     """The mode used for diagnostics under loss mode `mode`: a mean per token (token-mean,
     token-sum) or per sequence (the seq-* modes), so fractions stay fractions. Its

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import torch
 
-from .aggregate import CONSTANT_DENOM_MODES, aggregate, stats_mode
+from .aggregate import aggregate, stats_denom_for, stats_mode
 from .policy_losses import PolicyLossParams, policy_loss
 from .rollout_correction import (SAFETY_BOUND, RolloutCorrection, bound_weights, log_ratio,
                                  raw_is_weights, rejection_mask)
@@ -90,11 +90,7 @@ def _reinforce(logp, behav_logp, adv, mask, w, agg, denom, stats_denom):
     if w is not None:
         per_token = per_token * w
     smode = stats_mode(agg)
-    if stats_denom is None:
-        if denom is not None and agg in CONSTANT_DENOM_MODES:
-            raise ValueError(f"loss_agg_mode {agg!r} with a batch denom needs stats_denom "
-                             f"(global_denom(batch_mask, {smode!r}))")
-        stats_denom = denom
+    stats_denom = stats_denom_for(agg, denom, stats_denom)
     loss = aggregate(per_token, mask, agg, denom)
     with torch.no_grad():
         kl = behav_logp.detach().float() - logp.detach()

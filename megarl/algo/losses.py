@@ -56,7 +56,7 @@ import math
 
 import torch
 
-from .aggregate import CONSTANT_DENOM_MODES, aggregate, stats_mode
+from .aggregate import aggregate, stats_denom_for, stats_mode
 
 MAX_STATS = ("ratio_max", "tis_weight_max")
 _LOG_CLAMP = 20.0  # exp(20) ~ 5e8: keeps ratios finite without touching realistic values
@@ -181,12 +181,7 @@ def ppo_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tenso
         per_token = torch.where(dual_hit, bound, per_token)
 
     smode = stats_mode(agg)
-    if stats_denom is None:
-        if denom is not None and agg in CONSTANT_DENOM_MODES:
-            raise ValueError(f"loss_agg_mode {agg!r} with a batch denom needs stats_denom "
-                             f"(global_denom(batch_mask, {smode!r})): its denom is not the "
-                             f"stats' count")
-        stats_denom = denom
+    stats_denom = stats_denom_for(agg, denom, stats_denom)
     stats: dict[str, torch.Tensor] = {}
     if is_weights is not None:
         w, stats = given_weight_correction(is_weights, old_logp, behav_logp, mask, smode,

@@ -70,7 +70,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from .aggregate import CONSTANT_DENOM_MODES, aggregate, stats_mode
+from .aggregate import aggregate, stats_denom_for, stats_mode
 from .losses import (_LOG_CLAMP, _masked_max, behaviour_correction, given_weight_correction,
                      ppo_policy_loss)
 
@@ -354,11 +354,7 @@ def policy_loss(mode: str, logp: torch.Tensor, old_logp: torch.Tensor, adv: torc
                                denom=denom, level=level, stats_denom=stats_denom,
                                is_weights=is_weights)
     smode = stats_mode(agg)
-    if stats_denom is None:
-        if denom is not None and agg in CONSTANT_DENOM_MODES:
-            raise ValueError(f"loss_agg_mode {agg!r} with a batch denom needs stats_denom "
-                             f"(global_denom(batch_mask, {smode!r}))")
-        stats_denom = denom
+    stats_denom = stats_denom_for(agg, denom, stats_denom)
     mask = mask.float()
     b = _prepare(logp, old_logp, adv, mask,
                  lambda v: aggregate(v.float(), mask, smode, stats_denom), generator)

@@ -31,7 +31,7 @@ from typing import Awaitable, Sequence
 
 from megarl.rollout.protocol import SamplingParams
 
-from .trajectory import StepRollout, TrajectoryRunner
+from .trajectory import StepRollout, TrajectoryRunner, _Stateless
 
 logger = logging.getLogger(__name__)
 
@@ -75,20 +75,15 @@ def filter_metrics(kept: int, filtered: int, batches: int, consumed: int,
             "rollout/filter_groups/prompts_consumed": float(consumed)}
 
 
-class FilteredRollout:
+class FilteredRollout(_Stateless):
     """The step's prompts, n samples each, every one to its end, groups without a spread
-    dropped and replaced from further generation batches (see the module doc)."""
+    dropped and replaced from further generation batches (see the module doc); nothing
+    carries over between steps."""
 
     def __init__(self, runner: TrajectoryRunner, loader, *, need: int,
                  max_num_gen_batches: int = 0, metric: str = "reward", remax: bool = False):
         self.runner, self.loader, self.need = runner, loader, need
         self.max_batches, self.metric, self.remax = max_num_gen_batches, metric, remax
-
-    def state_dict(self) -> None:  # nothing carries over between steps
-        return None
-
-    def load_state_dict(self, state) -> None:
-        pass
 
     async def run_step(self, step: int, sp: SamplingParams, trainer_version: int
                        ) -> StepRollout:

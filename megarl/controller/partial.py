@@ -39,6 +39,7 @@ import torch
 from megarl.algo.staleness import staleness_mask
 from megarl.rollout.protocol import GenerateRequest, SamplingParams
 
+from .filter_groups import FilterGroupsExhausted, filter_metrics, has_spread
 from .trajectory import StepRollout, Trajectory, TrajectoryRunner
 
 logger = logging.getLogger(__name__)
@@ -183,8 +184,6 @@ class PartialRollout:
             nonlocal draws
             if not queue:
                 if self.filter_max is not None and 0 < self.filter_max <= draws:
-                    from .filter_groups import FilterGroupsExhausted
-
                     raise FilterGroupsExhausted(step, draws, len(complete), self.need)
                 draws += 1
                 batch = self.loader.next_batch()
@@ -246,8 +245,6 @@ class PartialRollout:
                                                                for g in self.cache)),
         })
         if self.filter_max is not None:
-            from .filter_groups import filter_metrics
-
             out.update(filter_metrics(len(complete), len(filtered), draws,
                                       int(metrics["rollout/prompts_drawn"])))
         return StepRollout(samples, futures, out, dropped, filtered=filtered)
@@ -259,8 +256,6 @@ class PartialRollout:
                                for i in range(len(g.samples))])
         if self.filter_max is None or not g.complete:
             return True
-        from .filter_groups import has_spread
-
         return await has_spread([t.future for t in g.samples], [t.sample for t in g.samples],
                                 self.filter_metric)
 

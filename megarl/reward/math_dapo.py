@@ -17,6 +17,8 @@ from __future__ import annotations
 import re
 from typing import Optional
 
+from .math_exact import closing_brace
+
 INVALID = "[INVALID]"
 ANSWER_PATTERN = r"(?i)Answer\s*:\s*([^\n]+)"
 
@@ -60,15 +62,8 @@ def last_boxed_only_string(text: str) -> Optional[str]:
     start = text.rfind("\\boxed{")
     if start < 0:
         return None
-    depth = 0
-    for i in range(start, len(text)):
-        if text[i] == "{":
-            depth += 1
-        elif text[i] == "}":
-            depth -= 1
-            if depth == 0:
-                return text[start:i + 1]
-    return None
+    end = closing_brace(text, start)
+    return None if end is None else text[start:end + 1]
 
 
 def _minerva(solution: str, ground_truth: str) -> tuple[bool, str]:

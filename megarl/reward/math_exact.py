@@ -16,21 +16,27 @@ from typing import Optional
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
 
 
+def closing_brace(text: str, start: int) -> Optional[int]:
+    """The index of the ``}`` that closes the first ``{`` at or after `start`, or None when
+    the braces never balance (the scorers' ``\\boxed{...}`` extraction)."""
+    depth = 0
+    for i in range(start, len(text)):
+        if text[i] == "{":
+            depth += 1
+        elif text[i] == "}":
+            depth -= 1
+            if depth == 0:
+                return i
+    return None
+
+
 def last_boxed(text: str) -> Optional[str]:
     """Content of the last ``\\boxed{...}`` (braces balanced), or None."""
     start = text.rfind("\\boxed{")
     if start < 0:
         return None
-    i = start + len("\\boxed{")
-    depth = 1
-    for j in range(i, len(text)):
-        if text[j] == "{":
-            depth += 1
-        elif text[j] == "}":
-            depth -= 1
-            if depth == 0:
-                return text[i:j]
-    return None
+    end = closing_brace(text, start)
+    return None if end is None else text[start + len("\\boxed{"):end]
 
 
 def extract_answer(text: str) -> Optional[str]:
