@@ -25,6 +25,7 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from megarl.config.device import resolve_device
 from megarl.config.errors import ConfigError
 from megarl.config.schema import MegaRLConfig, leaf_types
 from megarl.config.validate import (plan_task_groups, show, update_group_backend,
@@ -88,10 +89,13 @@ YAML_LIMITS = {
 }
 
 
-def load_config(path: str | None = None, overrides: Sequence[str] = ()) -> DictConfig:
+def load_config(path: str | None = None, overrides: Sequence[str] = (),
+                cuda_devices: Optional[int] = None) -> DictConfig:
     """Merge schema defaults, the YAML file at ``path`` and ``overrides``; validate; freeze.
 
-    Raises ``ConfigError`` naming the dotted key (and the file) for any problem.
+    ``trainer.device: auto`` and null dtypes are resolved against ``cuda_devices`` GPUs
+    (None: as many as torch sees here; see ``megarl.config.device``). Raises ``ConfigError``
+    naming the dotted key (and the file) for any problem.
     """
     cfg = copy.deepcopy(_DEFAULTS)
     from_file: set[str] = set()  # keys whose value is the file's (no override replaced it)
@@ -106,6 +110,8 @@ def load_config(path: str | None = None, overrides: Sequence[str] = ()) -> DictC
     from_file -= overridden
 
     # Resolved here, once, so that no consumer has to know the fallback.
+    if cfg.trainer.device in ("auto", "cpu", "cuda"):  # anything else: validate_config says so
+        resolve_device(cfg, cuda_devices)
     rollout = cfg.actor_rollout_ref.rollout
     if rollout.max_new_tokens is None:
         rollout.max_new_tokens = cfg.data.max_response_length

@@ -4,7 +4,8 @@
 loaded, on every rank under torchrun (so no rank waits in a rendezvous for one that has
 already failed). It owns the file half of "bad input fails early": the output directory, the
 resume checkpoint's presence, the model directory's presence, the tokenizer and the data
-files. Every failure is a ``ConfigError`` whose one line names the key and the file (and row).
+files; and the one machine fact, that a cuda node has the GPUs the run asks for. Every failure
+is a ``ConfigError`` whose one line names the key and the file (and row).
 
 The model directory's contents and the TP/PP layout against it are checked with
 ``megarl.convert.inputs``, the converter's and the Megatron worker's own checks. Left to
@@ -23,6 +24,7 @@ from pathlib import Path
 
 from omegaconf import ListConfig, OmegaConf
 
+from megarl.config.device import check_node_devices
 from megarl.config.errors import ConfigError
 from megarl.config.schema import MEGATRON_SECTIONS
 
@@ -34,10 +36,12 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
                     "vocab.txt", "spiece.model")
 
 
-def preflight(cfg) -> None:
+def preflight(cfg, cuda_devices: int | None = None) -> None:
     """Raise ``ConfigError`` for the first missing, unreadable or malformed input or
-    unwritable output of the run ``cfg`` describes; starts nothing."""
+    unwritable output of the run ``cfg`` describes, or a node with fewer GPUs than it asks
+    for (``cuda_devices``; None: as many as torch sees); starts nothing."""
     t = cfg.trainer
+    check_node_devices(cfg, cuda_devices)
     _check_planning_only(cfg)
     _check_path_texts(cfg)
     _check_writable_dir(Path(t.default_local_dir) / t.project_name / t.experiment_name,

@@ -35,8 +35,9 @@ CHOICES: Dict[str, tuple] = {
         "dppo_kl", "dro"),
     # R2 (replaying the LOGP pass's own routing in training) is not built: R3 covers both
     "actor_rollout_ref.actor.router_replay.mode": ("disabled", "R3"),
-    "actor_rollout_ref.actor.megatron.params_dtype": ("float32", "bfloat16", "float16"),
-    "actor_rollout_ref.ref.megatron.params_dtype": ("float32", "bfloat16", "float16"),
+    # null: by trainer.device (megarl.config.device), filled in while the config loads
+    "actor_rollout_ref.actor.megatron.params_dtype": (None, "float32", "bfloat16", "float16"),
+    "actor_rollout_ref.ref.megatron.params_dtype": (None, "float32", "bfloat16", "float16"),
     "actor_rollout_ref.rollout.name": ("embedded", "sglang"),
     "actor_rollout_ref.rollout.dtype": ("auto", "float32", "bfloat16", "float16"),
     "actor_rollout_ref.rollout.update_group_backend": ("auto", "nccl", "gloo"),
@@ -57,7 +58,7 @@ CHOICES: Dict[str, tuple] = {
     # reward function's score before an overlong penalty (acc, score: verl's DAPO manager's
     # names of it); other reward_extra_info fields are refused by name (config/validate.py)
     "algorithm.filter_groups.metric": ("reward", "seq_reward", "acc", "score"),
-    "trainer.device": ("cpu", "cuda"),
+    "trainer.device": ("auto", "cpu", "cuda"),
     "trainer.launcher": ("ray", "torchrun"),
     "trainer.resume_mode": ("auto", "disable", "resume_path"),
 }
@@ -403,8 +404,9 @@ class MegatronConfig:
     override_transformer_config: TransformerOverrides = field(
         default_factory=TransformerOverrides)
     """Router settings of a mixture of experts (Megatron's names, verl's path)."""
-    params_dtype: str = "float32"
-    """Parameter dtype; bfloat16 on GPU, float32 on CPU."""
+    params_dtype: Optional[str] = None
+    """Parameter dtype; null (the default) follows ``trainer.device``: ``bfloat16`` on cuda
+    (verl's default), ``float32`` on cpu. A value given here is kept on either device."""
     seed: int = 42
     """Megatron's model-parallel RNG seed."""
     optimizer: str = "megatron"
@@ -932,8 +934,11 @@ class RewardConfig:
 
 @dataclass
 class TrainerConfig:
-    device: str = "cpu"
-    """Where workers run: cpu (gloo) or cuda (nccl)."""
+    device: str = "auto"
+    """Where workers run: ``cpu`` (gloo) or ``cuda`` (nccl); ``auto`` (the default) is cuda
+    when torch sees a GPU in the process that loads the config, cpu otherwise, decided once
+    while the config loads and said in one log line. Set it where the driver's host is not a
+    training node (a multi-node Ray cluster whose head has no GPU)."""
     nnodes: int = 1
     """Nodes in the cluster."""
     n_gpus_per_node: int = 1

@@ -93,7 +93,7 @@ def test_transformer_engine_asked_for_where_it_is_missing_or_cannot_run(tmp_path
                f"data.train_files={train}", f"data.val_files={val}")
     with pytest.raises(ConfigError, match=rf"^{ref}: transformer_engine, but Transformer Engine "
                                           "is not installed"):
-        preflight(cfg)
+        preflight(cfg, cuda_devices=1)  # a node with its GPU: the check here is TE's
 
 
 def test_stock_sglang_without_a_server_python_is_refused_by_key(tmp_path, qwen_dir,
