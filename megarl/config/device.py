@@ -31,7 +31,7 @@ from megarl.config.schema import MEGATRON_SECTIONS
 logger = logging.getLogger(__name__)
 
 DTYPE_BY_DEVICE = {"cuda": "bfloat16", "cpu": "float32"}
-_said: set[str] = set()  # `megarl plan` loads a config per layout it weighs: one line each
+_said: set[str] = set()  # the lines `announce` has logged in this process
 
 
 def cuda_device_count() -> int:
@@ -52,23 +52,33 @@ def _gpu_driver_present() -> bool:
         os.path.exists("/dev/kfd")
 
 
-def resolve_device(cfg, cuda_devices: Optional[int] = None) -> None:
-    """Replace ``trainer.device: auto`` and null ``params_dtype`` in ``cfg`` (in place)."""
-    t = cfg.trainer
+def resolve_device(cfg, cuda_devices: Optional[int] = None) -> Optional[str]:
+    """Replace ``trainer.device: auto`` and null ``params_dtype`` in ``cfg`` (in place).
+
+    Returns the line that says what ``auto`` became (None if the device was given), for
+    ``announce`` once the config is known to be valid: a refused config's one line of
+    error stays the only line it prints."""
+    t, line = cfg.trainer, None
     if t.device == "auto":
         n = cuda_device_count() if cuda_devices is None else cuda_devices
         t.device = "cuda" if n > 0 else "cpu"
         line = f"trainer.device=auto: {t.device} ({n} GPU{'' if n == 1 else 's'} visible)"
-        if line not in _said:
-            _said.add(line)
-            logger.info(line)
     dtype = DTYPE_BY_DEVICE.get(t.device)
     if dtype is None:
-        return  # not a device: validate_config names the key and the choices
+        return line  # not a device: validate_config names the key and the choices
     for section in MEGATRON_SECTIONS:
         node = _select(cfg, section)
         if node is not None and node.params_dtype is None:
             node.params_dtype = dtype
+    return line
+
+
+def announce(line: Optional[str]) -> None:
+    """Log what ``auto`` resolved to, once per process (`megarl plan` loads a config for every
+    layout it weighs)."""
+    if line is not None and line not in _said:
+        _said.add(line)
+        logger.info(line)
 
 
 def check_node_devices(cfg, cuda_devices: Optional[int] = None) -> None:

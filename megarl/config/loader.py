@@ -25,7 +25,7 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from megarl.config.device import resolve_device
+from megarl.config.device import announce, resolve_device
 from megarl.config.errors import ConfigError
 from megarl.config.schema import MegaRLConfig, leaf_types
 from megarl.config.validate import (plan_task_groups, show, update_group_backend,
@@ -110,8 +110,10 @@ def load_config(path: str | None = None, overrides: Sequence[str] = (),
     from_file -= overridden
 
     # Resolved here, once, so that no consumer has to know the fallback.
-    if cfg.trainer.device in ("auto", "cpu", "cuda"):  # anything else: validate_config says so
-        resolve_device(cfg, cuda_devices)
+    try:
+        resolved = resolve_device(cfg, cuda_devices)
+    except OmegaConfBaseException:
+        resolved = None  # an interpolation that cannot resolve: validate_config names its key
     rollout = cfg.actor_rollout_ref.rollout
     if rollout.max_new_tokens is None:
         rollout.max_new_tokens = cfg.data.max_response_length
@@ -130,6 +132,7 @@ def load_config(path: str | None = None, overrides: Sequence[str] = (),
         if any(key == k or key.startswith(k + ".") for k in from_file):
             raise ConfigError(f"{err}{_where(str(path))}") from None
         raise
+    announce(resolved)
     OmegaConf.set_readonly(cfg, True)
     return cfg
 

@@ -91,3 +91,15 @@ def preflight_devices_only(cfg, n: int) -> None:
     from megarl.config.device import check_node_devices
 
     check_node_devices(cfg, cuda_devices=n)
+
+
+def test_a_refused_config_prints_only_its_error(capfd):
+    """The resolution's line is said once the config is valid: a refused one prints only its
+    one line of error (the fuzz tests hold the CLI to that)."""
+    from megarl.cli import main
+
+    assert main(["config", "trainer.nnodes=0"]) == 2
+    err = capfd.readouterr().err
+    assert "trainer.device=auto" not in err and err.count("\n") == 1
+    with pytest.raises(ConfigError, match=r"^trainer.device"):
+        load_config(None, ["trainer.device=${oc.env:MEGARL_NO_SUCH_VARIABLE}"])
