@@ -7,6 +7,7 @@ import logging
 
 import pytest
 
+from megarl.backends.sglang.launcher import rollout_dtype
 from megarl.config import ConfigError, load_config
 from megarl.config.device import cuda_device_count
 from megarl.config.preflight import preflight
@@ -24,13 +25,17 @@ def _dtypes(cfg) -> dict[str, str]:
 def test_default_config_on_this_cpu_machine_is_cpu_float32(caplog):
     """The default config here resolves as it always ran: cpu, float32 in all three Megatron
     models, the rollout following the actor; said in one line."""
+    import torch
+
+    # the count skips importing torch where no GPU driver is present: it must agree with torch
+    assert cuda_device_count() == torch.cuda.device_count()
     if cuda_device_count():
         pytest.skip("this machine has a GPU: the cpu resolution is for CPU machines")
     with caplog.at_level(logging.INFO, logger="megarl.config.device"):
         cfg = load_config(None, [])
     assert cfg.trainer.device == "cpu"
     assert set(_dtypes(cfg).values()) == {"float32"}
-    assert cfg.actor_rollout_ref.rollout.dtype == "auto"  # = the actor's: float32
+    assert rollout_dtype(cfg) == "float32"  # rollout.dtype auto: the actor's
     lines = [r.getMessage() for r in caplog.records if r.name == "megarl.config.device"]
     assert lines in ([], ["trainer.device=auto: cpu (0 GPUs visible)"])  # once per process
 
@@ -40,6 +45,7 @@ def test_auto_on_a_gpu_node_is_cuda_bf16(caplog):
         cfg = load_config(None, ["trainer.n_gpus_per_node=8"], cuda_devices=8)
     assert cfg.trainer.device == "cuda"
     assert set(_dtypes(cfg).values()) == {"bfloat16"}
+    assert rollout_dtype(cfg) == "bfloat16"  # the SGLang servers' --dtype
     assert "trainer.device=auto: cuda (8 GPUs visible)" in caplog.messages
     preflight_devices_only(cfg, 8)
 
