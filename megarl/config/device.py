@@ -35,7 +35,10 @@ _said: set[str] = set()  # the lines `announce` has logged in this process
 
 
 def cuda_device_count() -> int:
-    """CUDA devices torch sees in this process (CUDA_VISIBLE_DEVICES applied)."""
+    """CUDA devices torch sees in this process (CUDA_VISIBLE_DEVICES applied).
+
+    torch counts through NVML where it can, without initialising CUDA here: the driver and
+    `megarl config` stay free to fork workers that use the GPUs."""
     if os.environ.get("CUDA_VISIBLE_DEVICES") == "" or not _gpu_driver_present():
         # torch could see none; importing it (~1.5 s) would only slow `megarl config` down
         return 0
