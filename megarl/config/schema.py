@@ -245,6 +245,8 @@ RANGES: Dict[str, Range] = {
     "algorithm.filter_groups.max_num_gen_batches": Range(),  # <= 0: no limit (verl's meaning)
     "reward.num_workers": POSITIVE,
     "reward.timeout_s": POSITIVE,
+    "reward.sandbox.max_time_limit_s": POSITIVE,
+    "reward.sandbox.max_memory_limit_mb": POSITIVE,
     "reward.failure_score": Range(),
     "reward.reward_kwargs.max_resp_len": POSITIVE,
     "reward.reward_kwargs.overlong_buffer_cfg.len": NON_NEGATIVE,
@@ -915,6 +917,21 @@ class RewardKwargsConfig:
 
 
 @dataclass
+class SandboxConfig:
+    """The code sandbox (megarl/reward/sandbox.py) that code rewards and the ``python`` tool
+    run model-written programs in; docs/security.md says what each layer holds."""
+    max_time_limit_s: float = 30.0
+    """The most wall time one program may have, whatever its task asks for
+    (``extra_info.time_limit_s``, a tool call's arguments): larger asks get this."""
+    max_memory_limit_mb: int = 4096
+    """The most address space one process of a program may have, likewise."""
+    allow_unhardened: bool = False
+    """Run model code even where the host cannot give every layer (a minimal root, an
+    unprivileged uid, seccomp): the run then starts with a warning naming what is missing.
+    Off: such a host fails the run at start-up, before any model code runs."""
+
+
+@dataclass
 class RewardConfig:
     reward_fn: Optional[str] = None
     """Import path ``module:function`` of the reward function; null picks one by data source."""
@@ -928,6 +945,8 @@ class RewardConfig:
     worker dies; such calls are logged and counted in ``reward/failures``."""
     reward_kwargs: RewardKwargsConfig = field(default_factory=RewardKwargsConfig)
     """verl's DAPO reward settings: the overlong penalty."""
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+    """Caps and policy of the code sandbox (code rewards, the ``python`` tool)."""
 
 
 @dataclass

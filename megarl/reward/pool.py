@@ -39,6 +39,7 @@ from typing import Callable, Optional
 
 from megarl.utils.errors import ConfigError
 from megarl.utils.imports import load_callable
+from megarl.reward import sandbox
 from megarl.reward.registry import load_reward_fn
 
 logger = logging.getLogger(__name__)
@@ -347,6 +348,8 @@ class RewardPool:
 
     def _replace(self, i: int) -> None:
         self._workers[i].kill()
+        # a worker killed inside a sandbox run leaves that run's host scratch directory
+        sandbox.sweep_scratch()
         self._restarts += 1
         self._workers[i] = _Worker(self._ctx, self.spec, self.CALLER, self.KIND)
 
@@ -426,6 +429,7 @@ class RewardPool:
         for w in self._workers:
             w.proc.join(timeout=2)
             w.kill()
+        sandbox.sweep_scratch()
         for job in jobs:
             job.done(self.failure_score, "pool closed")
         self._wake_r.close()
