@@ -46,7 +46,7 @@ CHOICES: Dict[str, tuple] = {
     # with the reason (config/validate.py)
     "algorithm.adv_estimator": (
         "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "drgrpo", "gae",
-        "grpo_passk", "opo", "gpg", "rloo_vectorized", "remax"),
+        "grpo_passk", "opo", "gpg", "rloo_vectorized", "remax", "gdpo"),
     "algorithm.kl_penalty": KL_TYPES,
     "algorithm.kl_ctrl.type": ("fixed", "adaptive"),
     "algorithm.stale_policy": ("drop", "regenerate"),
@@ -243,6 +243,7 @@ RANGES: Dict[str, Range] = {
     "algorithm.kl_ctrl.horizon": POSITIVE,
     "algorithm.max_staleness": NON_NEGATIVE,
     "algorithm.filter_groups.max_num_gen_batches": Range(),  # <= 0: no limit (verl's meaning)
+    "algorithm.gdpo_reward_weights": Range(),  # a weight of any sign (verl checks none)
     "reward.num_workers": POSITIVE,
     "reward.timeout_s": POSITIVE,
     "reward.sandbox.max_time_limit_s": POSITIVE,
@@ -892,6 +893,11 @@ class AlgorithmConfig:
     """Dynamic sampling (DAPO): groups without spread are dropped and replaced."""
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     """verl's rollout correction: importance weights, rejection sampling, bypass mode."""
+    gdpo_reward_keys: List[str] = field(default_factory=list)
+    """With ``adv_estimator: gdpo``: the entries of the dict the reward function returns that
+    are normalised one by one within their group (e.g. ``[format_reward, accuracy_reward]``)."""
+    gdpo_reward_weights: Optional[List[float]] = None
+    """With ``gdpo``: a weight per ``gdpo_reward_keys`` entry for the sum; null: 1 each."""
 
 
 @dataclass
