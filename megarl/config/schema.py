@@ -284,6 +284,20 @@ class DataConfig:
     task that ``configs/quickstart_solve.yaml`` solves ("Repeat the last digit: 4 3 9")."""
     prompt_key: str = "prompt"
     """Column holding the prompt (a string or a list of chat messages)."""
+    reward_fn_key: str = "data_source"
+    """Column whose value selects each row's reward (verl's ``data.reward_fn_key``): it is
+    what the reward function gets as ``data_source``, what the built-in scorers dispatch on,
+    and what validation's per-source metrics are grouped by. Every row needs it as a
+    non-empty string."""
+    return_raw_chat: bool = True
+    """Accepted for verl's scripts; changes nothing. verl 0.9.1 reads it and then always
+    returns the raw chat (its agent loop templates prompts); megarl always keeps each row's
+    raw prompt beside its token ids, and the rollout generates from the ids."""
+    apply_chat_template_kwargs: Dict[str, Any] = field(default_factory=dict)
+    """Extra keyword arguments of the tokenizer's ``apply_chat_template`` wherever a chat
+    prompt is templated (training and validation sets, preflight's length checks), e.g.
+    ``{enable_thinking: false}`` to turn Qwen3's thinking off. Keys megarl sets itself
+    (``add_generation_prompt``, ``tokenize`` ...) are refused."""
     max_prompt_length: int = 256
     """Longest prompt in tokens; see ``filter_overlong_prompts`` and ``truncation``."""
     max_response_length: int = 128

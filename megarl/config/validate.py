@@ -49,6 +49,7 @@ def validate_config(cfg: DictConfig) -> None:
     _check_rollout(cfg)
     _check_actor(cfg, cfg.actor_rollout_ref.actor)
     _check_trainer(cfg.trainer, cfg.data)
+    _check_data(cfg.data)
     _check_reward(cfg.reward, cfg.data.max_response_length)
     _check_rollout_fn(cfg.actor_rollout_ref.rollout)
     _check_multi_turn(cfg.actor_rollout_ref.rollout.multi_turn)
@@ -238,6 +239,16 @@ def _check_trainer(t: DictConfig, data: DictConfig) -> None:
             raise ConfigError(f"trainer.logger: unknown logger {name!r} (known: "
                               f"{', '.join(KNOWN)}){hint}")
     check_installed(names)  # wandb, mlflow: their library, before any worker starts
+
+
+def _check_data(data: DictConfig) -> None:
+    from megarl.data.dataset import check_template_kwargs
+
+    check_template_kwargs(data.apply_chat_template_kwargs)  # its errors name the key
+    for key in ("prompt_key", "reward_fn_key"):
+        if not isinstance(data[key], str) or not data[key].strip():
+            raise ConfigError(f"data.{key}: expected the name of a data column, got "
+                              f"{data[key]!r}")
 
 
 def _check_reward(reward: DictConfig, max_response_length: int) -> None:
