@@ -92,7 +92,8 @@ ALIAS = {
     "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes":
         "actor_rollout_ref.rollout.param_update_preduce_bucket_size_mb",
     "async_training.partial_rollout": "actor_rollout_ref.rollout.partial_rollout",
-    "actor_rollout_ref.actor.grad_clip": "actor_rollout_ref.actor.optim.clip_grad",
+    "actor_rollout_ref.actor.grad_clip": "actor_rollout_ref.actor.optim.clip_grad",  # FSDP's name
+    "critic.grad_clip": "critic.optim.clip_grad",
 }
 # Keys megarl reads through a rule of megarl/config/verl_keys.py, not one alias. The text says
 # what the rule sets; it always has a space, which is how the table tells it from an alias.
@@ -330,6 +331,8 @@ RULES: list[tuple[str, str, str]] = [
     ("algorithm.*", "refused", "not among megarl's algorithm settings"),
     # critic
     ("critic.rollout_n", "noted", "verl's copy of rollout.n"),
+    ("critic.enable", "refused", "megarl runs a critic exactly when algorithm.adv_estimator=gae"),
+    ("critic.nccl_timeout", "noted", "megarl's critic has no collective deadline of its own"),
     ("critic.model.*", "refused", "megarl's critic reads critic.model.path (initialised from the actor's model when null)"),
     ("critic.*", "refused", "not among megarl's critic settings"),
     # trainer

@@ -146,10 +146,16 @@ def apply(cfg: DictConfig, given: dict[str, tuple[Any, str]], megarl_given: set[
     _reward_function(cfg, given, megarl_given, value)
     mapped = _layout(cfg, given, megarl_given, value)
     mapped += _fully_async(cfg, given, megarl_given, value)
-    if notes:
-        log.warning("verl keys accepted with no effect in megarl: %s", "; ".join(notes))
-    for line in mapped:
-        log.info("verl key mapped: %s", line)
+    # Said once per process: `megarl plan` loads the same config for every layout it weighs.
+    for level, text in [(logging.WARNING, "verl keys accepted with no effect in megarl: "
+                         + "; ".join(notes))] * bool(notes) \
+            + [(logging.INFO, f"verl key mapped: {line}") for line in mapped]:
+        if text not in _SAID:
+            _SAID.add(text)
+            log.log(level, text)
+
+
+_SAID: set[str] = set()
 
 
 def _conflict(verl_key: str, megarl_key: str, megarl_given: set[str], mine: Any,

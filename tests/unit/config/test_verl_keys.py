@@ -110,11 +110,13 @@ def test_works_keys_reach_their_megarl_setting():
 
 
 def test_noted_keys_warn_once_naming_each(caplog):
+    overrides = ["actor_rollout_ref.model.use_remove_padding=false",
+                 "+actor_rollout_ref.rollout.engine_kwargs.sglang.attention_backend=fa3",
+                 "actor_rollout_ref.actor.profiler.enable=true",
+                 "actor_rollout_ref.actor.optim._target_=verl.workers.config.McoreOptimizerConfig"]
     with caplog.at_level(logging.WARNING, logger="megarl.config.verl_keys"):
-        load_config(None, ["actor_rollout_ref.model.use_remove_padding=false",
-                           "+actor_rollout_ref.rollout.engine_kwargs.sglang.attention_backend=fa3",
-                           "actor_rollout_ref.actor.profiler.enable=true",
-                           "actor_rollout_ref.actor.optim._target_=verl.workers.config.McoreOptimizerConfig"])
+        load_config(None, overrides)
+        load_config(None, overrides)  # the same config again (megarl plan): said once
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1
     for key in ("actor_rollout_ref.model.use_remove_padding", "engine_kwargs.sglang.attention_backend",
