@@ -232,3 +232,24 @@ def test_an_example_script_loads_once_its_refused_values_are_changed():
     assert cfg.trainer.nnodes == 2 and list(cfg.trainer.separated_node_ratios) == [0.5, 0.5]
     assert cfg.trainer.generate_ahead_steps == 2
     assert cfg.reward.reward_kwargs.overlong_buffer_cfg.enable is True
+
+
+def test_a_file_in_verls_nesting(tmp_path, caplog):
+    """verl's keys nested as verl's YAML nests them, beside megarl's own."""
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump({
+        "async_training": {"staleness_threshold": 1, "partial_rollout": True},
+        "actor_rollout_ref": {"rollout": {"engine_kwargs": {"sglang": {"attention_backend": "fa3"}},
+                                          "temperature": 0.7},
+                              "actor": {"megatron": {"param_offload": False}}},
+        "rollout": {"nnodes": 1, "n_gpus_per_node": 1},
+    }))
+    with caplog.at_level(logging.WARNING, logger="megarl.config.verl_keys"):
+        cfg = load_config(path)
+    assert cfg.trainer.generate_ahead_steps == 3 and cfg.actor_rollout_ref.rollout.partial_rollout
+    assert cfg.actor_rollout_ref.rollout.temperature == 0.7
+    assert list(cfg.trainer.separated_node_ratios) == [0.5, 0.5]
+    assert "engine_kwargs.sglang" in caplog.text and "param_offload" not in caplog.text
+    path.write_text(yaml.safe_dump({"actor_rollout_ref": {"actor": {"megatron": {"param_offload": True}}}}))
+    with pytest.raises(ConfigError, match=f"param_offload: True is not supported in {path}"):
+        load_config(path)
