@@ -113,7 +113,8 @@ def load_config(path: str | None = None, overrides: Sequence[str] = ()) -> DictC
     overridden = {key for key, _ in assignments}
     from_file -= overridden
     if verl_given:
-        verl_keys.apply(cfg, verl_given, from_file | overridden)
+        verl_keys.apply(cfg, verl_given, {**dict.fromkeys(from_file, 1),
+                                          **dict.fromkeys(overridden, 2)})
 
     # Resolved here, once, so that no consumer has to know the fallback.
     rollout = cfg.actor_rollout_ref.rollout

@@ -126,9 +126,11 @@ _AHEAD = "trainer.generate_ahead_steps"
 _ASYNC = "actor_rollout_ref.async_pipeline"
 
 
-def apply(cfg: DictConfig, given: dict[str, tuple[Any, str]], megarl_given: set[str]) -> None:
-    """Act on the verl keys ``given`` ({key: (value, where)}), the megarl keys having been
-    merged into ``cfg``; ``megarl_given`` names the megarl keys the file or overrides set."""
+def apply(cfg: DictConfig, given: dict[str, tuple[Any, str]], megarl_given: dict[str, int]) -> None:
+    """Act on the verl keys ``given`` ({key: (value, where)}, where "" for an override), the
+    megarl keys having been merged into ``cfg``; ``megarl_given`` ranks the megarl keys set
+    (1: in the file, 2: an override). Where a verl key and the megarl key it sets are both
+    given, the one closer to the run wins, as in the loader; at the same level they conflict."""
     notes: list[str] = []
     for key, (value, where) in given.items():
         row = lookup(key)
@@ -158,11 +160,21 @@ def apply(cfg: DictConfig, given: dict[str, tuple[Any, str]], megarl_given: set[
 _SAID: set[str] = set()
 
 
-def _conflict(verl_key: str, megarl_key: str, megarl_given: set[str], mine: Any,
-              theirs: Any) -> None:
-    if megarl_key in megarl_given and mine != theirs:
-        raise ConfigError(f"{verl_key} sets {megarl_key} to {theirs!r}, and {megarl_key} is "
-                          f"given as {mine!r}; give one")
+def _rank(given: dict, *keys: str) -> int:
+    """1 when the verl keys came from the file only, 2 when an override gave one."""
+    return max((2 if given[k][1] == "" else 1) for k in keys if k in given)
+
+
+def _wins(verl_key: str, verl_rank: int, megarl_key: str, megarl_given: dict[str, int],
+          mine: Any, theirs: Any) -> bool:
+    """Whether the verl key's value ``theirs`` is to replace megarl's ``mine``."""
+    ours = megarl_given.get(megarl_key, 0)
+    if ours == 0 or mine == theirs or verl_rank > ours:
+        return True
+    if verl_rank < ours:
+        return False
+    raise ConfigError(f"{verl_key} sets {megarl_key} to {theirs!r}, and {megarl_key} is "
+                      f"given as {mine!r}; give one")
 
 
 def _reward_function(cfg, given, megarl_given, value) -> None:
@@ -171,8 +183,9 @@ def _reward_function(cfg, given, megarl_given, value) -> None:
         if path is None:
             continue
         spec = f"{path}:{value(f'{prefix}.name') or 'compute_score'}"
-        _conflict(f"{prefix}.path", "reward.reward_fn", megarl_given, cfg.reward.reward_fn, spec)
-        cfg.reward.reward_fn = spec
+        if _wins(f"{prefix}.path", _rank(given, f"{prefix}.path"), "reward.reward_fn",
+                 megarl_given, cfg.reward.reward_fn, spec):
+            cfg.reward.reward_fn = spec
 
 
 def _layout(cfg, given, megarl_given, value) -> list[str]:
@@ -180,10 +193,14 @@ def _layout(cfg, given, megarl_given, value) -> list[str]:
     generators' and the trainer's pools. megarl: two groups over the sum, ratios by size."""
     if "rollout.nnodes" not in given and "rollout.n_gpus_per_node" not in given:
         return []
-    for key in _LAYOUT_KEYS:
-        if key in megarl_given:
-            raise ConfigError(f"rollout.nnodes/n_gpus_per_node (verl's split layout) and {key} "
-                              f"both set where the generators run; give one")
+    verl_rank = _rank(given, "rollout.nnodes", "rollout.n_gpus_per_node")
+    ours = max(megarl_given.get(k, 0) for k in _LAYOUT_KEYS)
+    if ours > verl_rank:  # megarl's layout given closer to the run (an override over the file)
+        return []
+    if ours == verl_rank:
+        key = next(k for k in _LAYOUT_KEYS if megarl_given.get(k, 0) == ours)
+        raise ConfigError(f"rollout.nnodes/n_gpus_per_node (verl's split layout) and {key} "
+                          f"both set where the generators run; give one")
     t_nodes, t_gpus = cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node
     r_nodes, r_gpus = value("rollout.nnodes", 1), value("rollout.n_gpus_per_node", t_gpus)
     if t_gpus == r_gpus:  # whole nodes each, as verl's multi-node recipe scripts run them
@@ -223,10 +240,11 @@ def _fully_async(cfg, given, megarl_given, value) -> list[str]:
             raise ConfigError(f"async_training.staleness_threshold: must be a number >= 0, "
                               f"got {threshold!r}")
         ahead = 2 + math.ceil(threshold)
-        _conflict("async_training.staleness_threshold", _AHEAD, megarl_given,
-                  cfg.trainer.generate_ahead_steps, ahead)
-        cfg.trainer.generate_ahead_steps, cfg.actor_rollout_ref.async_pipeline = ahead, True
-        lines.append(f"async_training.staleness_threshold={threshold} -> {_AHEAD}={ahead}")
+        key = "async_training.staleness_threshold"
+        if _wins(key, _rank(given, key), _AHEAD, megarl_given,
+                 cfg.trainer.generate_ahead_steps, ahead):
+            cfg.trainer.generate_ahead_steps, cfg.actor_rollout_ref.async_pipeline = ahead, True
+            lines.append(f"{key}={threshold} -> {_AHEAD}={ahead}")
     if "async_training.trigger_parameter_sync_step" in given \
             or "async_training.require_batches" in given:
         # verl's trainer syncs weights after trigger_parameter_sync_step updates of
@@ -237,9 +255,13 @@ def _fully_async(cfg, given, megarl_given, value) -> list[str]:
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ConfigError(f"async_training.{key}: must be an integer >= 1, got {v!r}")
         size = cfg.actor_rollout_ref.actor.ppo_mini_batch_size * batches * trigger
-        if cfg.data.train_batch_size not in (0, size):  # verl's scripts give 0
-            _conflict("async_training.trigger_parameter_sync_step", "data.train_batch_size",
-                      megarl_given, cfg.data.train_batch_size, size)
+        keys = [k for k in ("async_training.trigger_parameter_sync_step",
+                            "async_training.require_batches") if k in given]
+        # verl's scripts give data.train_batch_size=0: verl derives it, as this does
+        mine = size if cfg.data.train_batch_size == 0 else cfg.data.train_batch_size
+        if not _wins(keys[0], _rank(given, *keys), "data.train_batch_size", megarl_given,
+                     mine, size):
+            return lines
         cfg.data.train_batch_size = size
         lines.append(f"async_training.trigger_parameter_sync_step={trigger} x require_batches="
                      f"{batches} x ppo_mini_batch_size -> data.train_batch_size={size}")

@@ -253,3 +253,18 @@ def test_a_file_in_verls_nesting(tmp_path, caplog):
     path.write_text(yaml.safe_dump({"actor_rollout_ref": {"actor": {"megatron": {"param_offload": True}}}}))
     with pytest.raises(ConfigError, match=f"param_offload: True is not supported in {path}"):
         load_config(path)
+
+
+def test_the_layout_given_closer_to_the_run_wins(tmp_path):
+    """As the loader's other aliases: an override beats the file, either way round."""
+    megarl = tmp_path / "megarl.yaml"
+    megarl.write_text("trainer: {n_gpus_per_node: 2, separated_node_tasks: [[generate, ref_logp, "
+                      "logp, actor-train]], separated_node_ratios: [1.0]}\n")
+    cfg = load_config(megarl, ["trainer.n_gpus_per_node=3", "+rollout.nnodes=1",
+                               "+rollout.n_gpus_per_node=1"])
+    assert list(cfg.trainer.separated_node_ratios) == [0.75, 0.25]
+    verl = tmp_path / "verl.yaml"
+    verl.write_text("rollout: {nnodes: 1, n_gpus_per_node: 1}\ntrainer: {n_gpus_per_node: 3}\n")
+    cfg = load_config(verl, ["trainer.separated_node_ratios=[1.0]",
+                             "trainer.separated_node_tasks=[[generate,ref_logp,logp,actor-train]]"])
+    assert list(cfg.trainer.separated_node_ratios) == [1.0] and cfg.trainer.n_gpus_per_node == 3
