@@ -94,6 +94,9 @@ ALIAS = {
     "async_training.partial_rollout": "actor_rollout_ref.rollout.partial_rollout",
     "actor_rollout_ref.actor.grad_clip": "actor_rollout_ref.actor.optim.clip_grad",  # FSDP's name
     "critic.grad_clip": "critic.optim.clip_grad",
+    # the FSDP configs' name for the schedule after warmup (constant / cosine), megarl's too
+    "actor_rollout_ref.actor.optim.lr_scheduler_type": "actor_rollout_ref.actor.optim.lr_decay_style",
+    "critic.optim.lr_scheduler_type": "critic.optim.lr_decay_style",
 }
 # Keys megarl reads through a rule of megarl/config/verl_keys.py, not one alias. The text says
 # what the rule sets; it always has a space, which is how the table tells it from an alias.
@@ -198,6 +201,11 @@ RULES: list[tuple[str, str, str]] = [
     ("*.optim.use_layer_wise_distributed_optimizer", "refused",
      "megarl shards the optimizer with megatron.use_distributed_optimizer"),
     ("*.optim.override_optimizer_config", "refused", "megarl sets Megatron's optimizer config from optim.*"),
+    ("*.optim.min_lr_ratio", "refused", "megarl's floor is optim.min_lr, a learning rate, not a ratio"),
+    ("*.optim.warmup_style", "refused", "verl's old name of lr_scheduler_type; megarl's is optim.lr_decay_style"),
+    ("*.optim.num_cycles", "noted", "the cosine schedule's cycles; megarl's cosine decays once"),
+    ("*.optim.optimizer_impl", "refused", "megarl trains with Megatron's Adam (megatron.optimizer)"),
+    ("*.optim.zero_indexed_step", "noted", "a torch scheduler's step numbering; megarl counts steps itself"),
     ("*.optim.*", "refused", "megarl's optimizer takes the optim.* keys of its schema only"),
     ("*.checkpoint.async_save", "refused",
      "megarl writes checkpoints in the background already (the CHECKPOINT state)"),
