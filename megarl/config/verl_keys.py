@@ -107,10 +107,6 @@ def unset(key: str, value: Any) -> bool:
     return row is not None and row.unset and any(_same(value, d) for d in row.defaults)
 
 
-def _star(key: str) -> str:
-    return key.rpartition(".")[0] + ".*"
-
-
 def _same(a: Any, b: Any) -> bool:
     """Equal as YAML values: true is not 1, 1 is 1.0."""
     if isinstance(a, bool) or isinstance(b, bool):
@@ -134,27 +130,31 @@ def apply(cfg: DictConfig, given: dict[str, tuple[Any, str]], megarl_given: dict
     notes: list[str] = []
     for key, (value, where) in given.items():
         row = lookup(key)
-        if row.status == "refused" and not (row.key in (key, _star(key))
-                                            and any(_same(value, d) for d in row.defaults)):
+        at_default = row.key == key and any(_same(value, d) for d in row.defaults)
+        if row.status == "refused" and not at_default:
             accepted = " or ".join(json.dumps(d) for d in row.defaults)
             raise ConfigError(f"{key}: {value!r} is not supported{where}: {row.reason} "
                               f"(verl's default {accepted} is accepted)")
         # verl's default changes nothing in verl either: only a key set otherwise is worth a line
-        if row.status == "noted" and not (row.key == key
-                                          and any(_same(value, d) for d in row.defaults)):
+        if row.status == "noted" and not at_default:
             notes.append(f"{key} ({row.reason})")
 
     value = lambda k, d=None: given[k][0] if k in given else d  # noqa: E731
     _reward_function(cfg, given, megarl_given, value)
     mapped = _layout(cfg, given, megarl_given, value)
     mapped += _fully_async(cfg, given, megarl_given, value)
-    # Said once per process: `megarl plan` loads the same config for every layout it weighs.
-    for level, text in [(logging.WARNING, "verl keys accepted with no effect in megarl: "
-                         + "; ".join(notes))] * bool(notes) \
-            + [(logging.INFO, f"verl key mapped: {line}") for line in mapped]:
-        if text not in _SAID:
-            _SAID.add(text)
-            log.log(level, text)
+    if notes:
+        _say(logging.WARNING, "verl keys accepted with no effect in megarl: " + "; ".join(notes))
+    for line in mapped:
+        _say(logging.INFO, f"verl key mapped: {line}")
+
+
+def _say(level: int, text: str) -> None:
+    """Log ``text`` once per process: `megarl plan` loads the same config for every layout it
+    weighs, and one warning per load would bury the plan."""
+    if text not in _SAID:
+        _SAID.add(text)
+        log.log(level, text)
 
 
 _SAID: set[str] = set()
