@@ -2,8 +2,10 @@
 
 This module owns how text becomes a config: reading the YAML file, parsing Hydra-style
 ``key=value`` / ``+key=value`` / ``++key=value`` overrides (values parsed as YAML), the
-``sperated_*`` aliases, and the unknown-key and type errors (with a did-you-mean). It then
-fills derived defaults and calls ``validate_config``. There is no Hydra: no config groups,
+aliases (``sperated_*``, and verl's names for megarl keys), and the unknown-key and type
+errors (with a did-you-mean). verl's keys that megarl has not are set aside for
+``verl_keys.apply`` (noted, refused, or mapped onto megarl's keys). It then fills derived
+defaults and calls ``validate_config``. There is no Hydra: no config groups,
 no ``defaults`` list, no ``~key`` deletion; one YAML file and a flat list of overrides.
 
 YAML is untrusted text: before any of it is built into objects, its event stream is scanned
