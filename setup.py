@@ -7,6 +7,8 @@ setup(
     description="Asynchronous RL post-training (GRPO/PPO) on Megatron-core, SGLang and Ray",
     python_requires=">=3.10",
     packages=find_packages(include=["megarl", "megarl.*"]),
+    # verl's key table, read by megarl.config.verl_keys when the loader is imported
+    package_data={"megarl.config": ["verl_keys.tsv"]},
     install_requires=[
         # CPU setups (tools/setup_env.sh) install the local CPU wheel torch==2.13.0 first, which
         # this admits, so pip keeps it. The bound admits 2.14.1, the torch the `gpu` extra pins,

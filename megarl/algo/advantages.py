@@ -4,8 +4,8 @@ Owns: grouping samples by prompt uid, the outcome-reward estimators (GRPO, Dr. G
 REINFORCE++ and REINFORCE++-baseline, and verl 0.9.1's Pass@k GRPO, OPO, GPG and GDPO), GAE on a
 critic's values (`gae_advantages`), spreading a sample-level advantage over its response
 tokens, and the one dispatcher `compute_advantages` keyed by ``algorithm.adv_estimator``.
-GDPO is here as a function of per-component rewards only: a run has one reward per sample
-(the reward pool keeps a returned dict's ``"score"``), so config validation refuses it.
+GDPO takes per-component rewards: the other numbers of the dict a reward function returns
+(the reward pool keeps them beside the ``"score"``), picked by ``algorithm.gdpo_reward_keys``.
 
 Conventions:
 - `rewards` is [N] (one scalar score per sample) or [N, T] (token-level rewards, e.g. the score
@@ -28,7 +28,8 @@ from typing import Hashable, Sequence
 import torch
 
 ADV_ESTIMATORS = ("grpo", "drgrpo", "rloo", "rloo_vectorized", "reinforce_plus_plus",
-                  "reinforce_plus_plus_baseline", "gae", "grpo_passk", "opo", "gpg", "remax")
+                  "reinforce_plus_plus_baseline", "gae", "grpo_passk", "opo", "gpg", "remax",
+                  "gdpo")
 GroupIds = Sequence[Hashable] | torch.Tensor
 
 
@@ -185,7 +186,7 @@ def gdpo_advantages(components: torch.Tensor, group_ids: GroupIds,
     K component scores (verl: the ``algorithm.gdpo_reward_keys`` entries of the reward
     function's returned dict). verl's trainer never passes ``norm_adv_by_std_in_grpo`` to
     it, so a verl run always divides by the std; the default here does the same. Returns
-    [N, T] float32. Not reachable from a run (see the module docstring)."""
+    [N, T] float32."""
     mask = response_mask.float()
     components = torch.as_tensor(components).detach().float()
     w = [1.0] * components.shape[0] if weights is None else list(weights)
@@ -360,7 +361,9 @@ def compute_advantages(name: str, rewards: torch.Tensor, group_ids: GroupIds | N
                        response_mask: torch.Tensor, *, norm_by_std: bool = True,
                        gamma: float = 1.0, eps: float = 1e-6, lam: float = 1.0,
                        values: torch.Tensor | None = None,
-                       baselines: torch.Tensor | None = None) -> torch.Tensor:
+                       baselines: torch.Tensor | None = None,
+                       components: torch.Tensor | None = None,
+                       component_weights: Sequence[float] | None = None) -> torch.Tensor:
     """Token-level advantages [N, T] (float32, 0 off the response) for estimator `name`.
 
     `name` is ``algorithm.adv_estimator``. `norm_by_std` (``norm_adv_by_std_in_grpo``) applies
@@ -390,6 +393,10 @@ def compute_advantages(name: str, rewards: torch.Tensor, group_ids: GroupIds | N
         return remax_advantages(rewards, baselines, mask)
     if group_ids is None:
         raise ValueError(f"adv_estimator={name!r} needs group_ids (prompt uids)")
+    if name == "gdpo":
+        if components is None:
+            raise ValueError("adv_estimator='gdpo' needs each sample's reward components")
+        return gdpo_advantages(components, group_ids, mask, component_weights, norm_by_std, eps)
     if name == "reinforce_plus_plus_baseline":
         return reinforce_plus_plus_baseline_advantages(rewards, group_ids, mask, eps)
     adv = _SAMPLE_ESTIMATORS[name](sample_rewards(rewards, mask), group_ids, mask,

@@ -2,8 +2,10 @@
 
 This module owns how text becomes a config: reading the YAML file, parsing Hydra-style
 ``key=value`` / ``+key=value`` / ``++key=value`` overrides (values parsed as YAML), the
-``sperated_*`` aliases, and the unknown-key and type errors (with a did-you-mean). It then
-fills derived defaults and calls ``validate_config``. There is no Hydra: no config groups,
+aliases (``sperated_*``, and verl's names for megarl keys), and the unknown-key and type
+errors (with a did-you-mean). verl's keys that megarl has not are set aside for
+``verl_keys.apply`` (noted, refused, or mapped onto megarl's keys). It then fills derived
+defaults and calls ``validate_config``. There is no Hydra: no config groups,
 no ``defaults`` list, no ``~key`` deletion; one YAML file and a flat list of overrides.
 
 YAML is untrusted text: before any of it is built into objects, its event stream is scanned
@@ -25,6 +27,7 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from megarl.config import verl_keys
 from megarl.config.device import announce, resolve_device
 from megarl.config.errors import ConfigError
 from megarl.config.schema import MegaRLConfig, leaf_types
@@ -32,9 +35,11 @@ from megarl.config.validate import (plan_task_groups, show, update_group_backend
                                     validate_config)
 
 # The feature request that started the project spelled these "sperated"; both spellings work.
+# verl's keys that are a megarl key under another name come from its table (verl_keys.tsv).
 ALIASES = {
     "trainer.sperated_node_tasks": "trainer.separated_node_tasks",
     "trainer.sperated_node_ratios": "trainer.separated_node_ratios",
+    **verl_keys.ALIASES,
 }
 
 
@@ -73,6 +78,10 @@ def _schema_paths(cls: type, prefix: str = "") -> tuple[set[str], set[str], set[
 
 _SECTIONS, _LEAVES, _OPEN_LEAVES = _schema_paths(MegaRLConfig)
 _ALL_PATHS = sorted(_SECTIONS | _LEAVES)
+# What "did you mean" may offer: megarl's keys and verl's (a typo of a verl key is told the key)
+_KNOWN = _SECTIONS | _LEAVES | {k for k in verl_keys.KEYS if not k.endswith("*")} \
+    | verl_keys.sections()
+_SUGGEST = sorted(_KNOWN)
 
 
 # omegaconf would turn 2 or "yes" into True for these: they take only true/false
@@ -99,15 +108,19 @@ def load_config(path: str | None = None, overrides: Sequence[str] = (),
     """
     cfg = copy.deepcopy(_DEFAULTS)
     from_file: set[str] = set()  # keys whose value is the file's (no override replaced it)
+    verl_given: dict[str, tuple[Any, str]] = {}  # verl's keys megarl has not: (value, where)
     if path is not None:
         source = str(path)
-        assignments = _expand_all(_read_yaml(path).items(), source)
+        assignments = _expand_all(_read_yaml(path).items(), source, verl_given)
         cfg = _apply(cfg, assignments, source)
         from_file = {key for key, _ in assignments}
-    assignments = _expand_all((_split_override(o) for o in overrides), None)
+    assignments = _expand_all((_split_override(o) for o in overrides), None, verl_given)
     cfg = _apply(cfg, assignments, None)
     overridden = {key for key, _ in assignments}
     from_file -= overridden
+    if verl_given:
+        verl_keys.apply(cfg, verl_given, {**dict.fromkeys(from_file, 1),
+                                          **dict.fromkeys(overridden, 2)})
 
     # Resolved here, once, so that no consumer has to know the fallback.
     try:
@@ -331,11 +344,20 @@ def _yaml_reason(err: yaml.YAMLError) -> str:
     return str(err).splitlines()[0]
 
 
-def _expand_all(items, source: str | None) -> list[tuple[str, Any]]:
-    """Leaf assignments from (key, value) pairs; aliases resolved, conflicts rejected."""
+def _expand_all(items, source: str | None,
+                verl_given: dict[str, tuple[Any, str]]) -> list[tuple[str, Any]]:
+    """Leaf assignments from (key, value) pairs; aliases resolved, conflicts rejected.
+
+    verl's keys that are not megarl's go to ``verl_given`` (a later source replaces an
+    earlier one's value), for ``verl_keys.apply``."""
     assigned: dict[str, tuple[str, Any]] = {}
     for key, value in items:
         for canonical, original, leaf_value in _expand(str(key), value, source):
+            if verl_keys.unset(original, leaf_value):
+                continue  # verl's "derive it" default: megarl's own default stands
+            if not _megarl_key(canonical):
+                verl_given[canonical] = (leaf_value, _where(source))
+                continue
             if canonical in assigned:
                 prev_key, prev_value = assigned[canonical]
                 if prev_key != original and prev_value != leaf_value:
@@ -349,6 +371,14 @@ def _expand_all(items, source: str | None) -> list[tuple[str, Any]]:
 def _expand(key: str, value: Any, source: str | None) -> Iterator[tuple[str, str, Any]]:
     """Yield (canonical key, key as written, value) per schema leaf under ``key``."""
     canonical = ALIASES.get(key, key)
+    if not _megarl_key(canonical):
+        if verl_keys.is_section(canonical) and isinstance(value, dict):
+            for sub_key, sub_value in value.items():
+                yield from _expand(f"{key}.{sub_key}", sub_value, source)
+            return
+        if verl_keys.lookup(canonical) is not None:
+            yield canonical, key, value
+            return
     _check_known(canonical, key, source)
     if canonical in _SECTIONS:
         if not isinstance(value, dict):
@@ -358,6 +388,14 @@ def _expand(key: str, value: Any, source: str | None) -> Iterator[tuple[str, str
             yield from _expand(f"{key}.{sub_key}", sub_value, source)
     else:
         yield canonical, key, value
+
+
+def _megarl_key(path: str) -> bool:
+    """A section or leaf of megarl's schema, or a sub-key of one of its open mappings."""
+    if path in _SECTIONS or path in _LEAVES:
+        return True
+    parts = path.split(".")
+    return any(".".join(parts[:d]) in _OPEN_LEAVES for d in range(1, len(parts)))
 
 
 def _check_known(canonical: str, written: str, source: str | None) -> None:
@@ -375,23 +413,28 @@ def _check_known(canonical: str, written: str, source: str | None) -> None:
 
 
 def _did_you_mean(parts: list[str], bad: int) -> str:
-    """Suggest a known path for ``parts`` whose component ``bad`` is unknown."""
+    """Suggest a known path for ``parts`` whose component ``bad`` is unknown, only where it is
+    plausibly the same setting: a near spelling among the siblings (a typo), a near spelling of
+    the whole path, or the same name in another section when exactly one section has it. A
+    loose match misleads more than none (`megatron.param_offload` is not `params_dtype`)."""
     parent = ".".join(parts[:bad])
-    siblings = [p.rpartition(".")[2] for p in _ALL_PATHS if p.rpartition(".")[0] == parent]
-    close = difflib.get_close_matches(parts[bad], siblings, n=1)
+    siblings = [p.rpartition(".")[2] for p in _SUGGEST if p.rpartition(".")[0] == parent]
+    close = difflib.get_close_matches(parts[bad], siblings, n=1, cutoff=0.85)
     if close:
         guess = ".".join(parts[:bad] + close + parts[bad + 1:])
-        if guess in _SECTIONS or guess in _LEAVES:
+        if guess in _KNOWN:
             return f"; did you mean `{guess}`?"
     full = ".".join(parts)
-    close = difflib.get_close_matches(full, _ALL_PATHS, n=1, cutoff=0.7)
+    close = difflib.get_close_matches(full, _SUGGEST, n=1, cutoff=0.9)
     if not close:  # right name, wrong section: trainer.async_pipeline
-        close = [p for p in _ALL_PATHS if p.endswith("." + parts[-1])][:1]
+        same_name = [p for p in _SUGGEST if p.endswith("." + parts[-1])]
+        close = same_name if len(same_name) == 1 else []
     return f"; did you mean `{close[0]}`?" if close else ""
 
 
 def _apply(cfg: DictConfig, assignments: list[tuple[str, Any]], source: str | None) -> DictConfig:
     for key, value in assignments:
+        verl_keys.check_value(key, value, _where(source))
         if key in _BOOL_LEAVES and not isinstance(value, bool) and not _interpolation(value):
             raise ConfigError(f"{key}: must be true or false, got {show(value)}"
                               f"{_where(source)}")

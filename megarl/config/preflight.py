@@ -53,7 +53,10 @@ def preflight(cfg, cuda_devices: int | None = None) -> None:
     tokenizer_dir = _check_tokenizer_dir(cfg)
     # Cheapest first: the rows need neither torch (the model files' checks) nor transformers
     # (the tokenizer), whose imports take seconds.
-    _check_data(cfg, None)
+    sources = _check_data(cfg, None)
+    why = _runs_model_code(cfg, sources)
+    if why:
+        _check_sandbox(cfg, why)
     if model_dir is not None:
         _check_model_files(cfg, model_dir)
     tokenizer = _load_tokenizer(cfg, tokenizer_dir) if tokenizer_dir is not None else None
@@ -324,6 +327,39 @@ def _lengths_can_fail(d) -> bool:
     return not d.filter_overlong_prompts and d.truncation == "error"
 
 
+def _runs_model_code(cfg, sources: dict[str, str]) -> str:
+    """What in this run executes model-written programs ('' if nothing megarl knows of)."""
+    from megarl.reward import code_exec
+    from megarl.reward.registry import builtin_for
+
+    if cfg.reward.reward_fn is None:
+        for source, where in sources.items():
+            if builtin_for(source) is code_exec.compute_score:
+                return f"data_source {source!r} ({where}) is scored by running its code"
+    mt = cfg.actor_rollout_ref.rollout.multi_turn
+    if mt.enable and any(t == "python" for t in mt.tools):
+        return "actor_rollout_ref.rollout.multi_turn.tools has the python tool"
+    return ""
+
+
+def _check_sandbox(cfg, why: str) -> None:
+    """A run that executes model code needs the sandbox whole (or the user's word that a weaker
+    one will do): found out now, not at the first code reward with the workers up."""
+    from megarl.reward import sandbox
+
+    sb = cfg.reward.sandbox
+    sandbox.configure(float(sb.max_time_limit_s), int(sb.max_memory_limit_mb),
+                      bool(sb.allow_unhardened))
+    try:
+        weak = sandbox.check()
+    except sandbox.SandboxUnavailableError as err:
+        raise ConfigError(f"reward.sandbox: {why}, and the code sandbox cannot run here: {err}. "
+                          f"See docs/security.md") from None
+    if weak:
+        logger.warning("reward.sandbox.allow_unhardened: %s; model code runs without %s",
+                       why, ", ".join(weak))
+
+
 def _check_data_sources(split: str, sources: dict[str, str]) -> None:
     """With no ``reward.reward_fn``, every row's ``data_source`` has a built-in scorer: one
     without would score ``failure_score`` on every sample, and the run would train on it."""
@@ -334,13 +370,14 @@ def _check_data_sources(split: str, sources: dict[str, str]) -> None:
             raise ConfigError(f"data.{split}_files: {where}: {no_builtin_message(source)}")
 
 
-def _check_data(cfg, tokenizer) -> None:
+def _check_data(cfg, tokenizer) -> dict[str, str]:
     """Read every row of the train and val files (the run loads both, even to validate);
     with a tokenizer, tokenize them too.
 
     Tokenizing here means the files are tokenized again when the run loads them, so it is
     done only when lengths can fail. A full pass over local files is cheap at the sizes megarl
-    loads into memory, and failing now beats failing after the workers are up.
+    loads into memory, and failing now beats failing after the workers are up. Returns the
+    rows' data sources, each with where it was first seen (without a tokenizer).
     """
     from megarl.data.dataset import load_split, scan_split
 
@@ -351,7 +388,8 @@ def _check_data(cfg, tokenizer) -> None:
         # it. (Under torchrun, rank 0 may be writing it now: train, then val, each renamed
         # into place, so "not both there yet" is the state to leave alone.)
         _check_writable_dir(Path(str(d.train_files)).parent, "data.train_files")
-        return
+        return {}
+    all_sources: dict[str, str] = {}
     for split in ("train", "val"):
         if tokenizer is not None:
             ds = load_split(d, tokenizer, split)
@@ -361,7 +399,9 @@ def _check_data(cfg, tokenizer) -> None:
             n = scan_split(d, split, sources)
             if cfg.reward.reward_fn is None:
                 _check_data_sources(split, sources)
+            all_sources.update({k: f"data.{split}_files: {v}" for k, v in sources.items()})
         if split == "train" and n < d.train_batch_size:
             raise ConfigError(f"data.train_batch_size: {d.train_batch_size} is larger than the "
                               f"{n} usable prompt(s) in data.train_files, so no full batch "
                               f"exists")
+    return all_sources

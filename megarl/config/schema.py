@@ -47,7 +47,7 @@ CHOICES: Dict[str, tuple] = {
     # with the reason (config/validate.py)
     "algorithm.adv_estimator": (
         "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "drgrpo", "gae",
-        "grpo_passk", "opo", "gpg", "rloo_vectorized", "remax"),
+        "grpo_passk", "opo", "gpg", "rloo_vectorized", "remax", "gdpo"),
     "algorithm.kl_penalty": KL_TYPES,
     "algorithm.kl_ctrl.type": ("fixed", "adaptive"),
     "algorithm.stale_policy": ("drop", "regenerate"),
@@ -244,8 +244,11 @@ RANGES: Dict[str, Range] = {
     "algorithm.kl_ctrl.horizon": POSITIVE,
     "algorithm.max_staleness": NON_NEGATIVE,
     "algorithm.filter_groups.max_num_gen_batches": Range(),  # <= 0: no limit (verl's meaning)
+    "algorithm.gdpo_reward_weights": Range(),  # a weight of any sign (verl checks none)
     "reward.num_workers": POSITIVE,
     "reward.timeout_s": POSITIVE,
+    "reward.sandbox.max_time_limit_s": POSITIVE,
+    "reward.sandbox.max_memory_limit_mb": POSITIVE,
     "reward.failure_score": Range(),
     "reward.reward_kwargs.max_resp_len": POSITIVE,
     "reward.reward_kwargs.overlong_buffer_cfg.len": NON_NEGATIVE,
@@ -282,6 +285,20 @@ class DataConfig:
     task that ``configs/quickstart_solve.yaml`` solves ("Repeat the last digit: 4 3 9")."""
     prompt_key: str = "prompt"
     """Column holding the prompt (a string or a list of chat messages)."""
+    reward_fn_key: str = "data_source"
+    """Column whose value selects each row's reward (verl's ``data.reward_fn_key``): it is
+    what the reward function gets as ``data_source``, what the built-in scorers dispatch on,
+    and what validation's per-source metrics are grouped by. Every row needs it as a
+    non-empty string."""
+    return_raw_chat: bool = True
+    """Accepted for verl's scripts; changes nothing. verl 0.9.1 reads it and then always
+    returns the raw chat (its agent loop templates prompts); megarl always keeps each row's
+    raw prompt beside its token ids, and the rollout generates from the ids."""
+    apply_chat_template_kwargs: Dict[str, Any] = field(default_factory=dict)
+    """Extra keyword arguments of the tokenizer's ``apply_chat_template`` wherever a chat
+    prompt is templated (training and validation sets, preflight's length checks), e.g.
+    ``{enable_thinking: false}`` to turn Qwen3's thinking off. Keys megarl sets itself
+    (``add_generation_prompt``, ``tokenize`` ...) are refused."""
     max_prompt_length: int = 256
     """Longest prompt in tokens; see ``filter_overlong_prompts`` and ``truncation``."""
     max_response_length: int = 128
@@ -892,6 +909,11 @@ class AlgorithmConfig:
     """Dynamic sampling (DAPO): groups without spread are dropped and replaced."""
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     """verl's rollout correction: importance weights, rejection sampling, bypass mode."""
+    gdpo_reward_keys: List[str] = field(default_factory=list)
+    """With ``adv_estimator: gdpo``: the entries of the dict the reward function returns that
+    are normalised one by one within their group (e.g. ``[format_reward, accuracy_reward]``)."""
+    gdpo_reward_weights: Optional[List[float]] = None
+    """With ``gdpo``: a weight per ``gdpo_reward_keys`` entry for the sum; null: 1 each."""
 
 
 @dataclass
@@ -917,6 +939,21 @@ class RewardKwargsConfig:
 
 
 @dataclass
+class SandboxConfig:
+    """The code sandbox (megarl/reward/sandbox.py) that code rewards and the ``python`` tool
+    run model-written programs in; docs/security.md says what each layer holds."""
+    max_time_limit_s: float = 30.0
+    """The most wall time one program may have, whatever its task asks for
+    (``extra_info.time_limit_s``, a tool call's arguments): larger asks get this."""
+    max_memory_limit_mb: int = 4096
+    """The most address space one process of a program may have, likewise."""
+    allow_unhardened: bool = False
+    """Run model code even where the host cannot give every layer (a minimal root, an
+    unprivileged uid, seccomp): the run then starts with a warning naming what is missing.
+    Off: such a host fails the run at start-up, before any model code runs."""
+
+
+@dataclass
 class RewardConfig:
     reward_fn: Optional[str] = None
     """Import path ``module:function`` of the reward function; null picks one by data source."""
@@ -930,6 +967,8 @@ class RewardConfig:
     worker dies; such calls are logged and counted in ``reward/failures``."""
     reward_kwargs: RewardKwargsConfig = field(default_factory=RewardKwargsConfig)
     """verl's DAPO reward settings: the overlong penalty."""
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+    """Caps and policy of the code sandbox (code rewards, the ``python`` tool)."""
 
 
 @dataclass

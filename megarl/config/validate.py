@@ -49,6 +49,7 @@ def validate_config(cfg: DictConfig) -> None:
     _check_rollout(cfg)
     _check_actor(cfg, cfg.actor_rollout_ref.actor)
     _check_trainer(cfg.trainer, cfg.data)
+    _check_data(cfg.data)
     _check_reward(cfg.reward, cfg.data.max_response_length)
     _check_rollout_fn(cfg.actor_rollout_ref.rollout)
     _check_multi_turn(cfg.actor_rollout_ref.rollout.multi_turn)
@@ -240,6 +241,16 @@ def _check_trainer(t: DictConfig, data: DictConfig) -> None:
     check_installed(names)  # wandb, mlflow: their library, before any worker starts
 
 
+def _check_data(data: DictConfig) -> None:
+    from megarl.data.dataset import check_template_kwargs
+
+    check_template_kwargs(data.apply_chat_template_kwargs)  # its errors name the key
+    for key in ("prompt_key", "reward_fn_key"):
+        if not isinstance(data[key], str) or not data[key].strip():
+            raise ConfigError(f"data.{key}: expected the name of a data column, got "
+                              f"{data[key]!r}")
+
+
 def _check_reward(reward: DictConfig, max_response_length: int) -> None:
     if reward.reward_fn is not None:
         check_import_path(reward.reward_fn, "reward.reward_fn")
@@ -283,9 +294,6 @@ def _check_filter_groups(cfg: DictConfig) -> None:
 # verl 0.9.1's advantage estimators megarl does not build, and why; checked before the
 # generic choices so that their names get the reason, not a list of alternatives
 ESTIMATORS_NOT_BUILT = {
-    "gdpo": "it normalises each reward component (verl's algorithm.gdpo_reward_keys, entries of "
-            "a dict the reward function returns) on its own, and megarl keeps one score per "
-            "response (a returned dict's 'score'), so there are no components to normalise",
     "grpo_vectorized": "use grpo with algorithm.norm_adv_by_std_in_grpo=true: the same "
                        "advantages, except that verl's trainer never passes that key to "
                        "grpo_vectorized (it always divides by the group std) and that it passes "
@@ -309,10 +317,38 @@ def _check_adv_estimator(cfg: DictConfig) -> None:
         raise ConfigError(f"{key}: remax's greedy baseline is generated beside each prompt's "
                           f"samples by the built-in rollout without partial rollout; "
                           f"{_ARR}.rollout.{which} replaces it (set one or the other)")
+    if name == "gdpo":
+        _check_gdpo(cfg)
     if name == "grpo_passk" and n < 2:
         raise ConfigError(f"{key}: grpo_passk gives a group's best sample its margin over the "
                           f"runner-up; with {_ARR}.rollout.n={n} a group has one sample and "
                           "no runner-up (set n >= 2)")
+
+
+def _check_gdpo(cfg: DictConfig) -> None:
+    alg, key = cfg.algorithm, "algorithm.adv_estimator"
+    keys, weights = list(alg.gdpo_reward_keys), alg.gdpo_reward_weights
+    if not keys:
+        raise ConfigError("algorithm.gdpo_reward_keys: gdpo normalises the reward's components "
+                          "one by one; list the entries of the dict your reward function "
+                          "returns, e.g. [format_reward, accuracy_reward]")
+    if weights is not None and len(weights) != len(keys):
+        raise ConfigError(f"algorithm.gdpo_reward_weights: {len(weights)} weights for "
+                          f"{len(keys)} gdpo_reward_keys")
+    # verl's gdpo reads the components only: what is added to the reward after scoring would
+    # silently do nothing, and verl's trainer never passes the std switch to it
+    if alg.use_kl_in_reward:
+        raise ConfigError(f"{key}: gdpo's advantages come from the reward's components, so "
+                          "algorithm.use_kl_in_reward would have no effect; use the KL loss "
+                          f"({_ARR}.actor.use_kl_loss) instead")
+    if cfg.reward.reward_kwargs.overlong_buffer_cfg.enable:
+        raise ConfigError(f"{key}: gdpo's advantages come from the reward's components, so "
+                          "the overlong penalty (reward.reward_kwargs.overlong_buffer_cfg) "
+                          "would have no effect; return it as a component instead")
+    if not alg.norm_adv_by_std_in_grpo:
+        raise ConfigError(f"{key}: gdpo always divides each component by its group's std "
+                          "(verl's trainer does not pass algorithm.norm_adv_by_std_in_grpo "
+                          "to it); leave norm_adv_by_std_in_grpo true")
 
 
 def _check_multi_turn(mt: DictConfig) -> None:

@@ -61,6 +61,9 @@ class Sample:
     reward: float = 0.0           # what trains: the score plus any overlong penalty
     score: float | None = None    # the reward function's own score (verl's "acc")
     baseline: float | None = None  # remax: the reward of the prompt's greedy response
+    # the other numbers of a reward function's returned dict (verl's reward_extra_info; GDPO's
+    # components); None: the call failed and scored reward.failure_score
+    reward_extra: dict | None = dataclasses.field(default_factory=dict)
     extra_info: dict = dataclasses.field(default_factory=dict)  # the prompt's, for rewards
     # multi-turn: 1 on the model's own tokens, 0 on what the agent loop appended (tool
     # answers, template); None: every response token is the model's

@@ -235,6 +235,7 @@ async def setup_run(cfg, val_only: bool) -> Run:
 
     from megarl.backends.sglang.engine import SGLangEngine
     from megarl.observability.loggers import make_loggers
+    from megarl.reward import sandbox
     from megarl.reward.pool import RewardPool
     from megarl.rollout.manager import RolloutManager
 
@@ -245,6 +246,11 @@ async def setup_run(cfg, val_only: bool) -> Run:
     found, critic_ckpt = _resume_point(cfg, root, val_only)
     prepare_assets(cfg)
     tok, eos_ids, pad_id, loader, val = _data(cfg)
+    # The sandbox's caps and policy reach the reward and tool pools' workers through the
+    # environment they are spawned with.
+    sb = cfg.reward.sandbox
+    sandbox.configure(float(sb.max_time_limit_s), int(sb.max_memory_limit_mb),
+                      bool(sb.allow_unhardened))
     # Loads the reward function once here, so a bad reward.reward_fn fails before Ray starts.
     reward_pool = RewardPool.from_config(cfg.reward, int(cfg.data.max_response_length))
     # ... and the rollout function, likewise

@@ -24,6 +24,8 @@ import logging
 import time
 from typing import Any
 
+import torch
+
 from megarl.algo.advantages import compute_advantages, gae_advantages, token_rewards
 from megarl.algo.kl import adaptive_kl_coef, apply_kl_in_reward
 from megarl.algo.rollout_correction import RolloutCorrection, actor_batch
@@ -246,10 +248,42 @@ def advantages(st: RunState, rec: StepRecord) -> None:
         st.metrics.update(k, {"critic/values_mean": b["values"][valid].mean().item(),
                               "critic/returns_mean": b["returns"][valid].mean().item()})
         return
+    components = None
+    if alg.adv_estimator == "gdpo":
+        components = gdpo_components(rec.samples, list(alg.gdpo_reward_keys),
+                                     float(st.cfg.reward.failure_score))
+        for key, c in zip(alg.gdpo_reward_keys, components):
+            st.metrics.update(k, {f"gdpo/{key}/mean": c.mean().item(),
+                                  f"gdpo/{key}/std": c.std(unbiased=False).item(),
+                                  f"gdpo/{key}/max": c.max().item(),
+                                  f"gdpo/{key}/min": c.min().item()})
     b["advantages"] = compute_advantages(
         alg.adv_estimator, rewards, [s.uid for s in rec.samples], b["response_mask"],
         norm_by_std=alg.norm_adv_by_std_in_grpo, gamma=alg.gamma,
-        baselines=b.get("reward_baselines"))
+        baselines=b.get("reward_baselines"), components=components,
+        component_weights=alg.gdpo_reward_weights)
+
+
+def gdpo_components(samples, keys: list[str], failure_score: float) -> torch.Tensor:
+    """[K, N] the samples' reward components named by ``algorithm.gdpo_reward_keys``. A sample
+    whose reward call failed has none: it gets ``reward.failure_score`` in each, as its score
+    did. A reward function that returned no such entry is a run error naming the key."""
+    rows = []
+    for key in keys:
+        row = []
+        for s in samples:
+            if s.reward_extra is None:
+                row.append(failure_score)
+            elif key in s.reward_extra:
+                row.append(s.reward_extra[key])
+            else:
+                raise RuntimeError(
+                    f"algorithm.gdpo_reward_keys: {key!r} is not among the numbers the reward "
+                    f"function returned for data_source {s.data_source!r} (it returned "
+                    f"{sorted(s.reward_extra) or 'a bare score'}); return a dict with "
+                    f"'score' and {key!r}")
+        rows.append(row)
+    return torch.tensor(rows, dtype=torch.float32)
 
 
 async def _train_critic(st: RunState, rec: StepRecord) -> None:

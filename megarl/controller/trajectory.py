@@ -44,6 +44,8 @@ class Trajectory:
     finish: str | None = None
     reward: float | None = None
     score: float | None = None    # the reward function's own (before an overlong penalty)
+    reward_extra: dict | None = dataclasses.field(default_factory=dict)  # the Sample's, once
+    # scored: a reward dict's other numbers (GDPO's components); None: the call failed
     interrupted: int = 0          # times the policy stopped it before it finished
     text: str = ""
     agent: Any = None             # megarl.agent.loop.AgentState of a multi-turn sample
@@ -64,6 +66,9 @@ class Trajectory:
              "text": self.text}
         if self.score is not None and self.score != self.reward:
             d["score"] = self.score
+        if self.reward is not None and self.reward_extra != {}:
+            # components, or None for a call that failed (GDPO gives it the failure score)
+            d["reward_extra"] = None if self.reward_extra is None else dict(self.reward_extra)
         if self.agent is not None:
             d["agent"] = self.agent.to_dict()
         if self.routed:
@@ -85,6 +90,7 @@ class Trajectory:
         return cls(ids=list(d["ids"]), logprobs=[float(x) for x in d["logprobs"]],
                    versions=[int(v) for v in d["versions"]], finish=d["finish"],
                    reward=d["reward"], score=d.get("score", d["reward"]),
+                   reward_extra=d.get("reward_extra", {}),
                    interrupted=int(d["interrupted"]), text=d["text"],
                    agent=agent, routed=routed, routed_len=sum(len(c) for c in routed))
 
@@ -274,6 +280,7 @@ class TrajectoryRunner:
         if t.reward is not None:
             t.sample.reward = t.reward
             t.sample.score = t.score if t.score is not None else t.reward
+            t.sample.reward_extra = None if t.reward_extra is None else dict(t.reward_extra)
             t.future = _done(t.reward)
         elif self.scorer is not None:
             fut = asyncio.ensure_future(self.scorer.submit(t.sample))
@@ -451,6 +458,7 @@ def _store_reward(t: Trajectory) -> Callable:
         if not fut.cancelled() and fut.exception() is None:
             t.reward = float(fut.result())
             t.score = t.sample.score if t.sample is not None else None
+            t.reward_extra = t.sample.reward_extra if t.sample is not None else {}
     return cb
 
 

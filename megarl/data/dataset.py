@@ -7,7 +7,8 @@ step. A row is a JSON object (jsonl line, or parquet row) with:
 - ``prompt`` (the key is ``data.prompt_key``): a list of chat messages ``{role, content}``,
   rendered with the tokenizer's chat template and a generation prompt; or a plain string,
   tokenized as is (a document, with the tokenizer's own special tokens such as BOS);
-- ``data_source``: a string naming the task (it picks the default reward function);
+- ``data_source`` (the key is ``data.reward_fn_key``): a string naming the task (it picks
+  the default reward function);
 - ``reward_model``: an object with ``ground_truth`` (any non-null value) and optional ``style``;
 - ``extra_info``: an optional object handed to the reward function.
 
@@ -16,6 +17,9 @@ not rows but still counted, so numbers match an editor). Bad rows are reported a
 ``file:row: field: problem``. A file that cannot be read at all (missing, binary, a broken
 parquet, empty, or with no usable row) is a ``ConfigError`` naming it, whatever
 ``data.bad_rows`` says. Every error is one line, so the CLI prints it without a traceback.
+Chat prompts are templated here and nowhere else (the rollout, validation and the agent loop
+all start from these token ids), so ``data.apply_chat_template_kwargs`` is honoured by
+passing it to the one ``apply_chat_template`` call below.
 Everything is loaded into memory: the sample buffer and the streaming of huge corpora are
 deliberately left out.
 """
@@ -44,11 +48,17 @@ _BINARY_MAGIC = {b"PAR1": "a parquet file", b"\x1f\x8b": "gzip data", b"PK\x03\x
                  b"\x28\xb5\x2f\xfd": "zstd data", b"BZh": "bzip2 data"}
 # A problem text quotes values; a huge one must not flood the one-line message.
 _MAX_PROBLEM = 200
+# apply_chat_template arguments megarl sets itself: a user's value would change what the
+# call returns (text, not ids; a dict; tensors) or what the prompt ends with.
+_RESERVED_TEMPLATE_KWARGS = ("conversation", "add_generation_prompt", "tokenize", "return_dict",
+                             "return_tensors", "continue_final_message")
 
 
 @dataclass(frozen=True)
 class Prompt:
-    """One tokenized prompt; ``uid`` is stable across runs (``file_stem:row``)."""
+    """One tokenized prompt; ``uid`` is stable across runs (``file_stem:row``).
+    ``data_source`` is the row's ``data.reward_fn_key`` column (``data_source`` by default):
+    the name the reward is chosen by, as verl's reward managers pass it."""
 
     index: int
     uid: str
@@ -186,7 +196,33 @@ def _is_text(s: str) -> bool:
     return True
 
 
-def check_row(row: Any, prompt_key: str = "prompt") -> Optional[tuple[str, str]]:
+def check_template_kwargs(kwargs: Any, key: str = "data.apply_chat_template_kwargs") -> dict:
+    """``kwargs`` as a plain dict of extra ``apply_chat_template`` arguments, or a
+    ``ConfigError`` naming ``key`` (not a mapping, a non-string name, a reserved argument)."""
+    if kwargs is None:
+        return {}
+    if isinstance(kwargs, DictConfig):
+        from omegaconf import OmegaConf
+        kwargs = OmegaConf.to_container(kwargs, resolve=True)
+    if not isinstance(kwargs, dict):
+        raise ConfigError(f"{key}: expected a mapping of apply_chat_template arguments "
+                          f"(e.g. {{enable_thinking: false}}), got {type(kwargs).__name__} "
+                          f"{repr(kwargs)[:_MAX_PROBLEM]}")
+    for name in kwargs:
+        if not isinstance(name, str) or not name.isidentifier():
+            hint = (f" (to set {name.split(':')[0]}, write {{{name.split(':')[0]}: ...}} with a "
+                    f"space after the colon, or {key}.{name.split(':')[0]}=...)"
+                    if isinstance(name, str) and ":" in name else "")
+            raise ConfigError(f"{key}: {name!r} is not a keyword argument name{hint}")
+        if name in _RESERVED_TEMPLATE_KWARGS:
+            raise ConfigError(f"{key}.{name}: megarl sets this argument itself (prompts are "
+                              f"rendered with add_generation_prompt=True, then tokenized); "
+                              f"remove it")
+    return dict(kwargs)
+
+
+def check_row(row: Any, prompt_key: str = "prompt",
+              reward_fn_key: str = "data_source") -> Optional[tuple[str, str]]:
     """Return ``(field, problem)`` for a malformed row, or None when the row is usable."""
     if not isinstance(row, dict):
         return "<row>", f"is {type(row).__name__}, expected an object"
@@ -204,10 +240,10 @@ def check_row(row: Any, prompt_key: str = "prompt") -> Optional[tuple[str, str]]
             return prompt_key, problem
     else:
         return prompt_key, f"is {type(prompt).__name__}, expected a string or a list of messages"
-    ds = row.get("data_source")
+    ds = row.get(reward_fn_key)
     if not isinstance(ds, str) or not ds:
         problem = "missing" if ds is None else f"expected a non-empty string, got {ds!r}"
-        return "data_source", problem
+        return reward_fn_key, problem
     rm = row.get("reward_model")
     if not isinstance(rm, dict):
         problem = "missing" if rm is None else f"is {type(rm).__name__}, expected an object"
@@ -237,6 +273,7 @@ class RLDataset:
     """
 
     def __init__(self, files, tokenizer, *, prompt_key: str = "prompt",
+                 reward_fn_key: str = "data_source", apply_chat_template_kwargs=None,
                  max_prompt_length: int = 256, filter_overlong_prompts: bool = True,
                  truncation: str = "error", bad_rows: str = "skip",
                  config_key: str = "data.train_files"):
@@ -246,10 +283,12 @@ class RLDataset:
             raise ConfigError(f"data.bad_rows: {bad_rows!r} is not one of {BAD_ROWS}")
         if max_prompt_length <= 0:
             raise ConfigError(f"data.max_prompt_length: must be positive, got {max_prompt_length}")
+        self.template_kwargs = check_template_kwargs(apply_chat_template_kwargs)
         self.paths = _as_paths(files, config_key)
         self.config_key = config_key
         self.tokenizer = tokenizer
         self.prompt_key = prompt_key
+        self.reward_fn_key = reward_fn_key
         self.max_prompt_length = max_prompt_length
         self.num_bad_rows = 0
         self.num_filtered = 0
@@ -271,7 +310,7 @@ class RLDataset:
 
     def _load_rows(self, bad_rows: str) -> list[tuple[str, str, dict]]:
         good, self.num_bad_rows = read_rows(self.paths, self.config_key, self.prompt_key,
-                                            bad_rows)
+                                            bad_rows, self.reward_fn_key)
         return good
 
     def _encode(self, rows: list[tuple[str, str, dict]]) -> list[list[int]]:
@@ -282,7 +321,7 @@ class RLDataset:
         if chat:
             rendered = [self._call(rows[i][1], self.tokenizer.apply_chat_template,
                                    rows[i][2][self.prompt_key], add_generation_prompt=True,
-                                   tokenize=False) for i in chat]
+                                   tokenize=False, **self.template_kwargs) for i in chat]
             # The template already holds any BOS the model wants: add no more special tokens.
             for i, e in zip(chat, self._batch([rows[i][1] for i in chat], rendered, False)):
                 ids[i] = e
@@ -324,7 +363,8 @@ class RLDataset:
                 self.num_truncated += 1
             rm = row["reward_model"]
             items.append(Prompt(index=len(items), uid=uid, prompt_ids=ids,
-                                raw_prompt=row[self.prompt_key], data_source=row["data_source"],
+                                raw_prompt=row[self.prompt_key],
+                                data_source=row[self.reward_fn_key],
                                 ground_truth=rm["ground_truth"],
                                 extra_info=dict(row.get("extra_info") or {})))
         if self.num_filtered:
@@ -334,7 +374,8 @@ class RLDataset:
 
 
 def read_rows(paths: Sequence[Path], config_key: str, prompt_key: str = "prompt",
-              bad_rows: str = "skip") -> tuple[list[tuple[str, str, dict]], int]:
+              bad_rows: str = "skip",
+              reward_fn_key: str = "data_source") -> tuple[list[tuple[str, str, dict]], int]:
     """((uid, where, row) for each good row of ``paths``, number of bad rows); bad rows are
     skipped or raised per ``bad_rows``. A file with no rows, or none usable, is an error
     either way."""
@@ -343,7 +384,7 @@ def read_rows(paths: Sequence[Path], config_key: str, prompt_key: str = "prompt"
         n_rows, n_good, first_bad = 0, 0, None
         for rowno, row, read_err in _read_rows(path, config_key):
             n_rows += 1
-            problem = ("<row>", read_err) if read_err else check_row(row, prompt_key)
+            problem = ("<row>", read_err) if read_err else check_row(row, prompt_key, reward_fn_key)
             if problem:
                 text = f"{path}:{rowno}: {problem[0]}: {problem[1][:_MAX_PROBLEM]}"
                 bad.append((f"{path}:{rowno}", text))
@@ -386,7 +427,8 @@ def _split_args(data_cfg, split: str) -> Optional[dict]:
     elif files is not None and not isinstance(files, (str, os.PathLike)):
         what = "a mapping" if isinstance(files, (dict, DictConfig)) else repr(files)
         raise ConfigError(f"data.{key}: expected a path or a list of paths, got {what}")
-    return dict(files=files, prompt_key=get("prompt_key"),
+    return dict(files=files, prompt_key=get("prompt_key"), reward_fn_key=get("reward_fn_key"),
+                apply_chat_template_kwargs=get("apply_chat_template_kwargs"),
                 max_prompt_length=get("max_prompt_length"),
                 filter_overlong_prompts=get("filter_overlong_prompts"),
                 truncation=get("truncation"), bad_rows=get("bad_rows"),
@@ -402,10 +444,12 @@ def scan_split(data_cfg, split: str = "train", sources: dict | None = None) -> i
     if args is None:
         return 0
     paths = _as_paths(args["files"], args["config_key"])
-    rows = read_rows(paths, args["config_key"], args["prompt_key"], args["bad_rows"])[0]
+    check_template_kwargs(args["apply_chat_template_kwargs"])
+    rows = read_rows(paths, args["config_key"], args["prompt_key"], args["bad_rows"],
+                     args["reward_fn_key"])[0]
     if sources is not None:
         for _, where, row in rows:
-            sources.setdefault(row["data_source"], where)
+            sources.setdefault(row[args["reward_fn_key"]], where)
     return len(rows)
 
 

@@ -120,6 +120,13 @@ def validation_metrics(samples: Sequence, rewards: Sequence[float], *,
         penalty = [r - a for r, a in zip(rewards, scores)]
         infos["overlong_reward"] = penalty
         infos["overlong"] = [float(p < 0) for p in penalty]
+    # the other numbers of the dicts the reward function returned (verl logs each such key
+    # as a variable): those every response has
+    extras = [getattr(s, "reward_extra", None) for s in samples]
+    if extras and all(extras):
+        for key in extras[0]:
+            if key not in infos and all(key in e for e in extras):
+                infos[key] = [e[key] for e in extras]
     m.update(per_source_metrics([s.data_source for s in samples], [s.uid for s in samples],
                                 infos))
     return m

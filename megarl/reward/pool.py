@@ -39,6 +39,7 @@ from typing import Callable, Optional
 
 from megarl.utils.errors import ConfigError
 from megarl.utils.imports import load_callable
+from megarl.reward import sandbox
 from megarl.reward.registry import load_reward_fn
 
 logger = logging.getLogger(__name__)
@@ -64,16 +65,38 @@ def _to_score(value) -> float:
     return score
 
 
+def _to_result(value) -> tuple[float, dict[str, float]]:
+    """(score, components): a returned dict's other finite numeric entries are the reward's
+    components (verl's reward_extra_info; GDPO normalises them one by one)."""
+    parts = {}
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if k == "score" or isinstance(v, (str, bytes)):
+                continue
+            try:
+                f = float(v)
+            except (TypeError, ValueError):
+                continue
+            if math.isfinite(f):
+                parts[str(k)] = f
+    return _to_score(value), parts
+
+
+def split_result(value) -> tuple[float, Optional[dict[str, float]]]:
+    """A pool result as (score, components); a failed call's (a bare failure score) has None."""
+    return value if isinstance(value, tuple) else (value, None)
+
+
 def reward_caller(spec: Optional[str]) -> Callable:
     """The reward function of `spec` as a worker's call: (data_source, solution, ground truth,
-    extra_info) -> a finite float."""
+    extra_info) -> (a finite float, the components of a returned dict)."""
     fn = load_reward_fn(spec)
 
     def call(data_source, solution_str, ground_truth, extra_info):
         # extra_info is passed only when there is some: many user functions take three args
         if extra_info is None:
-            return _to_score(fn(data_source, solution_str, ground_truth))
-        return _to_score(fn(data_source, solution_str, ground_truth, extra_info))
+            return _to_result(fn(data_source, solution_str, ground_truth))
+        return _to_result(fn(data_source, solution_str, ground_truth, extra_info))
     return call
 
 
@@ -205,15 +228,16 @@ class RewardPool:
         if self.overlong is not None:
             penalty = self.overlong(len(getattr(sample, "response_ids", ()) or ()))
 
-        def resolve(score: float):
+        def resolve(value):
+            score, sample.reward_extra = split_result(value)
             sample.score = score
             sample.reward = score + penalty
             if not fut.done():
                 fut.set_result(sample.reward)
 
-        def done(score: float, _error):
+        def done(value, _error):
             try:
-                loop.call_soon_threadsafe(resolve, score)
+                loop.call_soon_threadsafe(resolve, value)
             except RuntimeError:  # the loop was closed while we scored; nobody waits
                 pass
 
@@ -234,7 +258,7 @@ class RewardPool:
         """The same outside an event loop: a concurrent future of the score."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
         self._enqueue((data_source, solution_str, ground_truth, extra_info),
-                      lambda score, _err: fut.set_result(score))
+                      lambda value, _err: fut.set_result(split_result(value)[0]))
         return fut
 
     def _enqueue(self, args: tuple, done) -> None:
@@ -347,6 +371,8 @@ class RewardPool:
 
     def _replace(self, i: int) -> None:
         self._workers[i].kill()
+        # a worker killed inside a sandbox run leaves that run's host scratch directory
+        sandbox.sweep_scratch()
         self._restarts += 1
         self._workers[i] = _Worker(self._ctx, self.spec, self.CALLER, self.KIND)
 
@@ -426,6 +452,7 @@ class RewardPool:
         for w in self._workers:
             w.proc.join(timeout=2)
             w.kill()
+        sandbox.sweep_scratch()
         for job in jobs:
             job.done(self.failure_score, "pool closed")
         self._wake_r.close()

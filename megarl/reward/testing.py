@@ -49,3 +49,13 @@ def constant_for_even(data_source, solution_str, ground_truth, extra_info=None) 
     """1.0 whatever the response when ``ground_truth`` is an even number (every group of such a
     prompt has no spread), else the response's length: for dynamic sampling's tests."""
     return 1.0 if int(ground_truth) % 2 == 0 else float(len(solution_str))
+
+
+def scored_in_parts(data_source, solution_str, ground_truth, extra_info=None) -> dict:
+    """The built-in score and a brevity term as a dict of components (GDPO's input, as verl's
+    reward functions return them): ``acc`` the built-in score, ``brevity`` 1 / (1 + characters);
+    ``score`` their sum."""
+    value = default_compute_score(data_source, solution_str, ground_truth, extra_info)
+    acc = float(value["score"] if isinstance(value, dict) else value)
+    brevity = 1.0 / (1.0 + len(solution_str))
+    return {"score": acc + brevity, "acc": acc, "brevity": brevity}

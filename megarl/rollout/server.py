@@ -74,6 +74,10 @@ def _shapes(value) -> list[list[int]]:
     return value
 
 
+# The most rows of a tensor /get_weights_by_name returns (megarl asks for 100 at most).
+MAX_TRUNCATE_ROWS = 4096
+
+
 class RolloutServer:
     """aiohttp application around one engine.
 
@@ -373,8 +377,10 @@ class RolloutServer:
     async def get_weights(self, request):
         f = await self._fields(request, {"name", "truncate_size"})
         name = f.get_str("name", required=True)
+        # bounded: a reply is built in memory as JSON, and a whole large tensor (an embedding
+        # of 150k rows) would take gigabytes; stock SGLang reads the same field unbounded
         return web.json_response(self.engine.get_weights_by_name(
-            name, f.get_int("truncate_size", 100, lo=0)))
+            name, f.get_int("truncate_size", 100, lo=0, hi=MAX_TRUNCATE_ROWS)))
 
     async def weights_checker(self, request):
         f = await self._fields(request, {"action", "allow_quant_error", "skip_tensor_list",

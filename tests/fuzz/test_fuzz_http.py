@@ -273,6 +273,8 @@ def listed_cases(templates: dict) -> list[tuple]:
          render({**init, "backend": "nccl"}), 400, "backend"),
         ("truncate-size-a-word", "/get_weights_by_name",
          render({"name": NORM, "truncate_size": "a word"}), 400, "truncate_size"),
+        ("truncate-size-whole-tensors", "/get_weights_by_name",
+         render({"name": NORM, "truncate_size": 10 ** 9}), 400, "truncate_size"),
         ("weights-unknown-name", "/get_weights_by_name", render({"name": "nope"}), 400,
          "name"),
         ("unknown-sampling-param", "/generate",

@@ -374,7 +374,8 @@ def test_a_lost_trainer_worker_restarts_the_run_which_trains_every_prompt_once(
         quickstart_assets, tmp_path):
     """`trainer.max_restarts=2`, with partial rollout (unfinished groups cached across steps
     and checkpoints) and dynamic sampling (`algorithm.filter_groups`: groups whose rewards
-    are all the same dropped), on a mixture of experts at EP=2 with routing replay (`MOE_R3`): a
+    are all the same dropped) and GDPO (a reward dict's components, cached and checkpointed
+    with their samples), on a mixture of experts at EP=2 with routing replay (`MOE_R3`): a
     trainer worker SIGKILLed once the checkpoint of step 2 exists, and
     another (of the restarted run) wedged by SIGSTOP once that of step 4 does: alive, so
     nothing reports it lost, its state runs past `trainer.state_timeout_s` and fails by name.
@@ -388,6 +389,11 @@ def test_a_lost_trainer_worker_restarts_the_run_which_trains_every_prompt_once(
              "actor_rollout_ref.rollout.over_sample_prompts=6", "trainer.max_restarts=2",
              "trainer.restart_backoff_s=1", "trainer.state_timeout_s=15",
              "trainer.state_min_tokens_per_s=1e9", "algorithm.filter_groups.enable=true",
+             # GDPO on a reward returned as a dict of components: they travel with each
+             # sample, through the cached groups of the checkpoints too
+             "algorithm.adv_estimator=gdpo", "algorithm.gdpo_reward_keys=[acc,brevity]",
+             "algorithm.gdpo_reward_weights=[1.0,0.5]",
+             "reward.reward_fn=megarl.reward.testing:scored_in_parts",
              *MOE_R3(tmp_path)]
     proc = megarl("train", _args(quickstart_assets, tmp_path, *extra), start_new_session=True)
     out, code = _kill_a_trainer_worker_after_checkpoints(proc, tmp_path, [2, 4],
@@ -409,6 +415,10 @@ def test_a_lost_trainer_worker_restarts_the_run_which_trains_every_prompt_once(
     # prompt + its tokens so far, less the last one, which never ran through the model
     started = [t for g in state["partial"]["groups"] for t in g["samples"] if t["ids"]]
     assert started and all(t["routed"]["shape"][1:] == [2, 2] for t in started)
+    scored = [t for g in state["partial"]["groups"] for t in g["samples"]
+              if t["reward"] is not None]
+    assert all(set(t["reward_extra"]) == {"acc", "brevity"} for t in scored)
+    assert len(scalars(tmp_path, "gdpo/brevity/mean")) == 8
     assert "cached prompt group(s) restored" in out
     for n, k in enumerate(saved, 1):
         assert f"step {k} restart: restart {n} after: " in out

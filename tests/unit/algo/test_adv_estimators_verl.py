@@ -315,11 +315,18 @@ def _error(*overrides: str) -> str:
 def test_unknown_and_unbuilt_names_are_config_errors_naming_the_key():
     msg = _error("algorithm.adv_estimator=grpo_pask")
     assert msg.startswith("algorithm.adv_estimator:") and "did you mean `grpo_passk`?" in msg
-    for name in ("gdpo", "grpo_vectorized", "optimal_token_baseline",
-                 "tir_optimal_token_baseline"):
+    for name in ("grpo_vectorized", "optimal_token_baseline", "tir_optimal_token_baseline"):
         msg = _error(f"algorithm.adv_estimator={name}")
         assert msg.startswith(f"algorithm.adv_estimator: verl's {name!r} is not built"), msg
-    assert "one score per response" in _error("algorithm.adv_estimator=gdpo")
+    gdpo = ("algorithm.adv_estimator=gdpo", "algorithm.gdpo_reward_keys=[fmt,acc]")
+    assert _error("algorithm.adv_estimator=gdpo").startswith("algorithm.gdpo_reward_keys:")
+    assert "2 gdpo_reward_keys" in _error(*gdpo, "algorithm.gdpo_reward_weights=[1.0]")
+    assert "use_kl_in_reward would have no effect" in _error(*gdpo,
+                                                             "algorithm.use_kl_in_reward=true")
+    assert "overlong penalty" in _error(
+        *gdpo, "reward.reward_kwargs.overlong_buffer_cfg.enable=true",
+        "reward.reward_kwargs.overlong_buffer_cfg.len=4")
+    assert "norm_adv_by_std_in_grpo" in _error(*gdpo, "algorithm.norm_adv_by_std_in_grpo=false")
     msg = _error("algorithm.adv_estimator=grpo_passk", "actor_rollout_ref.rollout.n=1")
     assert msg.startswith("algorithm.adv_estimator:") and "rollout.n=1" in msg
     msg = _error("algorithm.adv_estimator=remax", "actor_rollout_ref.rollout.partial_rollout=true")
@@ -338,8 +345,43 @@ def test_unknown_name_stops_the_cli_before_the_controller_starts(monkeypatch, ca
     fake.run = lambda cfg, val_only=False: started.append(cfg)
     monkeypatch.setitem(sys.modules, "megarl.controller.driver", fake)
     quickstart = str(Path(__file__).resolve().parents[3] / "configs" / "quickstart.yaml")
-    for name in ("grpo_pask", "gdpo"):
+    for name in ("grpo_pask", "grpo_vectorized"):
         assert main(["train", "--config", quickstart, f"algorithm.adv_estimator={name}"]) == 2
         assert "algorithm.adv_estimator" in capsys.readouterr().err and not started
     assert main(["train", "--config", quickstart, "algorithm.adv_estimator=opo"]) == 0
     assert started[0].algorithm.adv_estimator == "opo"
+
+
+def test_gdpo_takes_the_reward_dicts_components_through_the_train_step():
+    """The components a reward function returned (kept by the pool beside the score, on each
+    Sample) reach gdpo through `steps.advantages`, weighted as configured; a failed call's
+    sample counts reward.failure_score in each; a missing entry is an error naming the key."""
+    from types import SimpleNamespace
+
+    from megarl.controller.steps import advantages
+    from megarl.observability.metrics import MetricsTracker
+
+    b = GDPO_CASES[(SEEDS[0], GDPO_WEIGHTS[-1], True)]
+    comps = b["components"].clone()
+    comps[:, 2] = -1.5  # sample 2's call failed: every component is the failure score
+    extras = [{"fmt": float(comps[0, i]), "acc": float(comps[1, i]), "len": float(comps[2, i]),
+               "pred": 3.0} for i in range(len(b["uids"]))]
+    extras[2] = None
+    cfg = load_config(None, ["algorithm.adv_estimator=gdpo",
+                             "algorithm.gdpo_reward_keys=[fmt,acc,len]",
+                             "algorithm.gdpo_reward_weights=[1.0,0.5,2.0]",
+                             "reward.failure_score=-1.5"])
+    samples = [SimpleNamespace(uid=u, reward_extra=e, data_source="d")
+               for u, e in zip(b["uids"], extras)]
+    rec = SimpleNamespace(step=0, samples=samples,
+                          batch={"rewards": torch.zeros(len(samples)), "response_mask": b["mask"]})
+    st = SimpleNamespace(cfg=cfg, metrics=MetricsTracker())
+    advantages(st, rec)
+    torch.testing.assert_close(rec.batch["advantages"], gdpo_advantages(
+        comps, b["uids"], b["mask"], [1.0, 0.5, 2.0]))
+    got = st.metrics.pop(0)
+    assert got["gdpo/acc/mean"] == pytest.approx(float(comps[1].mean()))
+    assert got["gdpo/len/min"] == pytest.approx(float(comps[2].min()))
+    samples[5].reward_extra = {"fmt": 1.0}
+    with pytest.raises(RuntimeError, match=r"gdpo_reward_keys: 'acc' is not among .*\['fmt'\]"):
+        advantages(st, rec)

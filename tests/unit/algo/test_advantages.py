@@ -69,7 +69,8 @@ def test_broadcast_to_tokens():
 
 # --- Dr. GRPO, RLOO, REINFORCE++ (+ baseline) and the dispatcher -------------------------------
 from megarl.algo.advantages import (ADV_ESTIMATORS, compute_advantages,  # noqa: E402
-                                    discounted_returns, drgrpo_advantages, gpg_advantages,
+                                    discounted_returns, drgrpo_advantages, gdpo_advantages,
+                                    gpg_advantages,
                                     grpo_passk_advantages, masked_whiten, opo_advantages,
                                     reinforce_plus_plus_advantages,
                                     reinforce_plus_plus_baseline_advantages, rloo_advantages,
@@ -176,7 +177,13 @@ def test_dispatcher_matches_estimators():
     torch.testing.assert_close(
         compute_advantages("remax", REWARDS, GROUPS, mask, baselines=base),
         bt(REWARDS - base, mask))
-    assert set(cases) | {"gae", "remax"} == set(ADV_ESTIMATORS)
+    # gdpo: each component's GRPO advantage, weighted, whitened (test_adv_estimators_verl.py)
+    comps = torch.stack([REWARDS, REWARDS.flip(0)])
+    torch.testing.assert_close(
+        compute_advantages("gdpo", REWARDS, GROUPS, mask, components=comps,
+                           component_weights=[1.0, 0.5]),
+        gdpo_advantages(comps, GROUPS, mask, [1.0, 0.5]))
+    assert set(cases) | {"gae", "remax", "gdpo"} == set(ADV_ESTIMATORS)
 
 
 def test_dispatcher_sums_token_rewards_for_group_estimators():
@@ -206,6 +213,8 @@ def test_all_masked_and_zero_variance_no_nan(name):
     groups = ["a", "a", "b", "b"]
     # remax: a baseline equal to the reward is its "no spread"
     kw = {"baselines": r} if name == "remax" else {}
+    if name == "gdpo":  # its components, each without spread
+        kw = {"components": torch.stack([r, 2 * r])}
     for mask in (torch.zeros(4, 3), torch.tensor([[1, 1, 0], [1, 0, 0], [0, 0, 0], [1, 1, 1]])):
         adv = compute_advantages(name, r, groups, mask, **kw)
         assert adv.shape == (4, 3) and torch.count_nonzero(adv) == 0, name

@@ -29,6 +29,8 @@ NOT_READ_BY_A_RUN = {
     # planning only: preflight refuses them in a run (test_preflight.py)
     "actor_rollout_ref.model.override_config": "--dry-run only",
     "actor_rollout_ref.model.hf_config_path": "--dry-run only",
+    # verl's key; verl 0.9.1 ignores it too: megarl keeps every row's raw chat (schema.py)
+    "data.return_raw_chat": "accepted for verl's scripts, no effect",
 }
 
 

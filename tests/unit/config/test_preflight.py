@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -178,3 +179,39 @@ def test_a_data_source_without_a_reward_is_refused_naming_file_and_row(tmp_path,
         preflight(_cfg(tmp_path, qwen_dir, *args))
     preflight(_cfg(tmp_path, qwen_dir, *args,
                    "reward.reward_fn=megarl.reward.testing:length_score"))
+
+
+def test_a_run_that_executes_model_code_checks_the_sandbox_first(tmp_path, qwen_dir, data,
+                                                                   monkeypatch):
+    """Code rows (or the python tool) make preflight run the sandbox's self-check and set its
+    caps for the run's processes; a run without model code leaves the sandbox alone."""
+    from megarl.config.preflight import _runs_model_code
+
+    for var in ("MEGARL_SANDBOX_MAX_TIME_S", "MEGARL_SANDBOX_MAX_MEMORY_MB",
+                "MEGARL_SANDBOX_ALLOW_UNHARDENED"):
+        monkeypatch.delenv(var, raising=False)
+    train, val = data
+    args = (f"data.train_files={train}", f"data.val_files={val}")
+    preflight(_cfg(tmp_path, qwen_dir, *args))
+    assert "MEGARL_SANDBOX_MAX_TIME_S" not in os.environ
+    rows = [_row(i) for i in range(5)]
+    rows[2].update(data_source="codecontests",
+                   reward_model={"ground_truth": json.dumps([{"input": "", "output": "1"}])})
+    train.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    cfg = _cfg(tmp_path, qwen_dir, *args, "reward.sandbox.max_time_limit_s=7")
+    assert "'codecontests'" in _runs_model_code(cfg, {"codecontests": "train.jsonl:3"})
+    try:
+        from megarl.reward.sandbox import check
+
+        check()
+    except Exception as err:  # noqa: BLE001
+        with pytest.raises(ConfigError, match="reward.sandbox: data_source 'codecontests'"):
+            preflight(cfg)
+        pytest.skip(f"no sandbox on this host ({err}): checked that preflight refuses the run")
+    preflight(cfg)
+    assert os.environ["MEGARL_SANDBOX_MAX_TIME_S"] == "7.0"
+    tool = _cfg(tmp_path, qwen_dir, "actor_rollout_ref.rollout.multi_turn.enable=true",
+                "actor_rollout_ref.rollout.multi_turn.tools=[python]")
+    assert "python tool" in _runs_model_code(tool, {})
+    with pytest.raises(ConfigError, match="reward.sandbox.max_memory_limit_mb"):
+        _cfg(tmp_path, qwen_dir, *args, "reward.sandbox.max_memory_limit_mb=0")

@@ -167,6 +167,12 @@ def test_per_source_metrics_of_a_two_source_validation():
         for sec, var in (("val-core", "acc"), ("val-aux", "reward"),
                          ("val-aux", "overlong_reward"), ("val-aux", "overlong"))}
     assert not any("overlong" in k for k in validation_metrics(samples, rewards))
+    # a reward dict's other numbers: a variable each, when every response has it
+    for i, s in enumerate(samples):
+        s.reward_extra = {"fmt": float(i), **({"pred": 1.0} if i else {})}
+    m = validation_metrics(samples, rewards)
+    assert m["val-aux/math/fmt/mean@1"] == pytest.approx(3.5)
+    assert not any("/pred/" in k for k in m)
 
 
 def test_per_source_metrics_equal_verls():

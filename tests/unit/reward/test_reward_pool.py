@@ -157,3 +157,30 @@ def test_finish_reason_and_length_reach_the_reward_in_extra_info():
         # and the length in tokens: a right start cut at the cap loses 0.1 per token after it
         assert asyncio.run(score_all(pool, [stopped, cut])) == [1.0, pytest.approx(0.2)]
     assert cut.extra_info == {"index": 1}  # the sample's own dict is left as the data had it
+
+
+def test_a_returned_dicts_numbers_are_kept_beside_the_score():
+    """The other numbers of a dict a reward function returns are the sample's reward_extra
+    (GDPO's components); a failed call has none (None), a bare number an empty dict."""
+    from megarl.controller.trajectory import Trajectory
+
+    good = sample("3", "3", "megarl/last_digit")
+    good.extra_info = {"index": 0}
+    bare = sample("3", "3", "megarl/last_digit")
+    with RewardPool("megarl.reward.testing:scored_in_parts", num_workers=1,
+                    timeout_s=30) as pool:
+        asyncio.run(score_all(pool, [good]))
+    assert good.reward_extra == {"acc": 1.0, "brevity": 0.5} and good.score == 1.5
+    with RewardPool("megarl.reward.testing:raises", num_workers=1, timeout_s=30,
+                    failure_score=-1.0) as pool:
+        failed = sample("x", "3")
+        asyncio.run(score_all(pool, [failed]))
+    assert failed.reward_extra is None and failed.reward == -1.0
+    with RewardPool(None, num_workers=1, timeout_s=30) as pool:
+        asyncio.run(score_all(pool, [bare]))
+    assert bare.reward_extra == {}
+    # a scored trajectory carries them through a checkpoint (partial rollout's cache)
+    for extra in ({"acc": 1.0, "brevity": 0.5}, None, {}):
+        t = Trajectory(ids=[2], logprobs=[0.0], versions=[0], finish="stop", reward=1.5,
+                       score=1.5, reward_extra=extra)
+        assert Trajectory.from_dict(t.to_dict()).reward_extra == extra
