@@ -98,6 +98,7 @@ def test_the_one_node_qwen3_job_loads_as_verl_users_expect(job):
     cfg = load_config(CONFIG, [])
     assert cfg.actor_rollout_ref.model.path == str(job)  # ${oc.env:QWEN3_8B,...}
     assert list(cfg.trainer.logger) == ["console", "wandb"]
+    assert dict(cfg.data.apply_chat_template_kwargs) == {"enable_thinking": False}
     assert cfg.trainer.generate_ahead_steps == 2 and cfg.actor_rollout_ref.async_pipeline
     assert (cfg.trainer.device, cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node) == \
         ("cuda", 1, 8)
