@@ -31,6 +31,10 @@ def offline(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb_dir"))
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.setenv("WANDB_ERROR_REPORTING", "false")
+    # W&B's own start-up deadlines (its service process, then init) are short for a loaded
+    # 2-core machine: one run of the fast tier beside multi-rank tests failed once here
+    monkeypatch.setenv("WANDB__SERVICE_WAIT", "300")
+    monkeypatch.setenv("WANDB_INIT_TIMEOUT", "300")
     (tmp_path / "wandb_dir").mkdir()
     for var in ("MLFLOW_TRACKING_URI", "MLFLOW_RUN_ID"):
         monkeypatch.delenv(var, raising=False)
