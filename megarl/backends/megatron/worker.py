@@ -276,7 +276,8 @@ class MegatronWorker:
         `routed_experts` [rows, S, layers, k] (the engine's choices). The routers see tokens
         as Megatron's [S, b] flattened, or a packed row's tokens back to back. Positions the
         engine never ran (padding, each sequence's last token) get experts 0..k-1: their
-        outputs feed no log-prob that is used."""
+        outputs feed no log-prob that is used. Under sequence parallelism a router sees only
+        its TP rank's slice of the (TP-padded) sequence: both are cut to it."""
         packed = mb.get("_packed")
         mask = mb.get("attention_mask")
         if mask is None:
@@ -300,10 +301,13 @@ class MegatronWorker:
                 if total > flat.shape[0]:  # the tail evening out stages (or EP ranks)
                     flat = torch.cat([flat, spare.expand(total - flat.shape[0],
                                                          *flat.shape[1:])])
+            real, flat = self._sequence_shard(real), (
+                self._sequence_shard(flat, spare) if routed is not None else None)
         else:
-            real = mask.transpose(0, 1).reshape(-1)
+            real = self._sequence_shard(mask.transpose(0, 1)).reshape(-1)
             if routed is not None:
-                flat = routed.transpose(0, 1).reshape(-1, *routed.shape[2:])
+                flat = self._sequence_shard(routed.transpose(0, 1), spare)
+                flat = flat.reshape(-1, *routed.shape[2:])
         self._real = real
         if routed is None:
             return
@@ -314,6 +318,22 @@ class MegatronWorker:
             replay.clear_indices()
             replay.set_target_indices(flat[:, layer].long().contiguous())
             replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+
+    def _sequence_shard(self, t: torch.Tensor, fill=None) -> torch.Tensor:
+        """This TP rank's slice of `t` [s, ...] (the model's sequence order) under sequence
+        parallelism, after padding s to the model's length (`fill` along the new positions:
+        False, or the spare experts); `t` itself without SP."""
+        if self.seq_multiple == 1:
+            return t
+        s = self._model_len(t.shape[0])
+        if s > t.shape[0]:
+            pad = t.new_zeros(s - t.shape[0], *t.shape[1:])
+            if fill is not None:
+                pad[...] = fill
+            t = torch.cat([t, pad])
+        n = s // self.seq_multiple
+        r = self.ps.get_tensor_model_parallel_rank()
+        return t[r * n:(r + 1) * n]
 
     def moe_metrics(self, micro_batches: int, prefix: str = "moe/") -> dict:
         """Per-layer expert load of the training passes since the last call (over
@@ -333,8 +353,9 @@ class MegatronWorker:
         for layer, got in self._load.items():
             load[layer] = got
         self._load = {}
-        # TP ranks saw the same tokens: count them once
-        if ps.get_tensor_model_parallel_rank() != 0:
+        # TP ranks saw the same tokens: count them once (under sequence parallelism each saw
+        # its own slice of the sequence: all count)
+        if ps.get_tensor_model_parallel_rank() != 0 and not self.config.sequence_parallel:
             load.zero_()
         losses = {name: entry["values"].to(dev, torch.float64)
                   for name, entry in sorted(get_moe_layer_wise_logging_tracker().items())

@@ -65,8 +65,6 @@ def main():
                                moe=MoESettings(ep=ep, etp=int(os.environ["PARITY_ETP"])
                                                if os.environ.get("PARITY_ETP") else None),
                                sequence_parallel=sp)
-            if sp and w.args.is_moe and not w.config.sequence_parallel:
-                continue
             r.update({("sp:" if sp else "") + k: v for k, v in compare(w, hf, sp).items()})
         results[d] = r
     if dist.get_rank() == 0:
