@@ -39,6 +39,7 @@ class ModelSpec:
     collective_timeout_s: float = 1800.0  # its process groups' (trainer.state_timeout_s)
     moe: MoESettings = MoESettings()  # expert layout and routing (a mixture of experts only)
     recompute: dict | None = None  # Megatron's recompute settings (a model that trains)
+    sequence_parallel: bool = False  # Megatron's SP (`<section>.megatron.sequence_parallel`)
 
 
 @dataclass(frozen=True)
@@ -115,7 +116,8 @@ def megatron_spec(cfg, role: str, schedule_steps: int | None = None) -> Megatron
                           transformer_impl=m.transformer_impl,
                           collective_timeout_s=float(cfg.trainer.state_timeout_s),
                           moe=moe_settings(m),
-                          recompute=recompute_settings(m.override_transformer_config, False))
+                          recompute=recompute_settings(m.override_transformer_config, False),
+                          sequence_parallel=bool(m.sequence_parallel))
         loss = CriticLossSpec(float(c.cliprange_value),
                               c.loss_agg_mode or arr.actor.loss_agg_mode,
                               int(cfg.data.max_response_length))
@@ -135,7 +137,9 @@ def megatron_spec(cfg, role: str, schedule_steps: int | None = None) -> Megatron
                       moe=moe_settings(m, replay),
                       recompute=recompute_settings(m.override_transformer_config,
                                                    arr.model.enable_gradient_checkpointing)
-                      if trains else None)
+                      if trains else None,
+                      # a logp replica runs the actor's setting at its own TP
+                      sequence_parallel=bool(m.sequence_parallel))
     if not trains:
         return MegatronSpec(role, model, arr.model.path)
     loss = ActorLossSettings.from_config(arr.actor, cfg.data.max_response_length,

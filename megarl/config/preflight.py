@@ -266,15 +266,14 @@ def _check_model_files(cfg, path: Path) -> None:
     if cfg.algorithm.adv_estimator == "gae":
         trained.append(("critic.megatron", cfg.critic.megatron))
     for prefix, m in trained:
-        if args.is_moe and m.tensor_model_parallel_size > 1:
-            # megatron-core 0.16's MoE layer refuses to train under TP without sequence
-            # parallelism, which megarl does not run; EP spreads the experts instead
-            raise ConfigError(f"{prefix}.tensor_model_parallel_size: "
-                              f"{m.tensor_model_parallel_size}, but training a mixture of "
-                              f"experts under TP needs sequence parallelism, which megarl "
-                              f"does not run yet; use TP=1 with {prefix}."
-                              f"expert_model_parallel_size (TP>1 is fine for the reference "
-                              f"and a logp replica)")
+        if args.is_moe and m.tensor_model_parallel_size > 1 and not m.sequence_parallel:
+            # megatron-core 0.16's MoE layer trains under TP only with sequence parallelism
+            raise ConfigError(f"{prefix}.sequence_parallel: false, but training a mixture of "
+                              f"experts at {prefix}.tensor_model_parallel_size="
+                              f"{m.tensor_model_parallel_size} needs sequence parallelism "
+                              f"(megatron-core 0.16's MoE layer); set it true, or use TP=1 "
+                              f"with {prefix}.expert_model_parallel_size (TP>1 without it is "
+                              f"fine for the reference and a logp replica)")
     for key, on in (("actor_rollout_ref.rollout.enable_rollout_routing_replay",
                      arr.rollout.enable_rollout_routing_replay),
                     ("actor_rollout_ref.actor.router_replay.mode",

@@ -418,6 +418,13 @@ class MegatronConfig:
     the group's devices / PP, and EP the model's num_experts."""
     expert_tensor_parallel_size: Optional[int] = None
     """Ranks each expert is split over (ETP); null: the TP width."""
+    sequence_parallel: bool = False
+    """Megatron's sequence parallelism (verl's key) at TP > 1: norms and the residual stream
+    sharded over the sequence across the TP ranks (an all-gather before and a reduce-scatter
+    after each TP linear, in place of the all-reduce), so activations outside attention and
+    the MLP take 1/TP of the memory; sequences are padded to a multiple of TP, and the
+    numbers are those without it. Ignored at TP=1. verl defaults it to true; megarl to
+    false, so a config that leaves it out runs as before this key existed."""
     override_transformer_config: TransformerOverrides = field(
         default_factory=TransformerOverrides)
     """Router settings of a mixture of experts (Megatron's names, verl's path)."""

@@ -56,10 +56,11 @@ FORMULAS = [
     "trainer   = N·e (params) + N·4 (fp32 main grads) + N·(4 master if e<4 + 8 Adam m,v) "
     "/ (DP if use_distributed_optimizer else 1; the experts' share / expert-DP = devices / "
     "(PP·EP·ETP)) + activations",
-    "activations = max(train, logp): train = L·s·b·h·(10 + 24/TP)·e/2 "
-    "[Korthikanti et al. 2022, SDPA, no sequence parallel; with gradient checkpointing "
-    "L·s·b·h·e + one such layer] × PP micro-batches in flight + 2·s·b·V/TP·4 (fp32 logits "
-    "+ their grad), b = actor.ppo_micro_batch_size_per_gpu; logp = s·b'·V/TP·4, "
+    "activations = max(train, logp): train = L·s·b·h·(10 + 24/TP)·e/2, with "
+    "megatron.sequence_parallel L·s·b·h·(34/TP)·e/2 "
+    "[Korthikanti et al. 2022, SDPA; with gradient checkpointing "
+    "L·s·b·h·e (/TP with sequence parallelism) + one such layer] × PP micro-batches in "
+    "flight + 2·s·b·V/TP·4 (fp32 logits + their grad), b = actor.ppo_micro_batch_size_per_gpu; logp = s·b'·V/TP·4, "
     "b' = rollout.log_prob_micro_batch_size_per_gpu",
     "with use_dynamic_bsz (packed micro-batches) s·b is the pass's token budget "
     "(*_max_token_len_per_gpu; at least s, as a longer sequence goes alone)",
@@ -115,7 +116,10 @@ def _activation_bytes(cfg: DictConfig, a: ModelArgs) -> int:
     tp, pp, e = m.tensor_model_parallel_size, m.pipeline_model_parallel_size, \
         itemsize(m.params_dtype)
     sbh = micro_batch_tokens(cfg, "actor") * a.hidden_size
-    layer = sbh * (10 + 24 / tp) * e / 2
+    # sequence parallelism shards the norms', residuals' and dropouts' share (the 10) over TP
+    sp = bool(m.sequence_parallel) and tp > 1
+    layer = sbh * (34 / tp if sp else 10 + 24 / tp) * e / 2
+    kept = sbh * e / (tp if sp else 1)  # a recomputed group's input: one [s, b, h] slice
     layers = a.num_layers // pp
     rc = recompute_settings(m.override_transformer_config,
                             arr.model.enable_gradient_checkpointing)
@@ -125,10 +129,10 @@ def _activation_bytes(cfg: DictConfig, a: ModelArgs) -> int:
         stack = layers * layer
     elif rc["recompute_method"] == "uniform":  # each group's input kept, one group live
         n = min(rc["recompute_num_layers"], layers)
-        stack = -(-layers // n) * sbh * e + n * layer
+        stack = -(-layers // n) * kept + n * layer
     else:  # block: the first n layers kept as inputs, the others whole
         n = min(rc["recompute_num_layers"], layers)
-        stack = n * sbh * e + (layers - n) * layer + layer
+        stack = n * kept + (layers - n) * layer + layer
     train = stack * pp + 2 * _logits_bytes(a, m, micro_batch_tokens(cfg, "actor"))
     logp = _logits_bytes(a, m, micro_batch_tokens(cfg, "logp"))
     return int(max(train, logp))

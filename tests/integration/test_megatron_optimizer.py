@@ -1,5 +1,6 @@
 """Megatron's DDP and optimizer (what GPUs run) on the CPU: the same steps as plain AdamW, at
-DP=2 with and without the distributed optimizer and overlapped grad reduce; bf16 and fp16
+DP=2 with and without the distributed optimizer and overlapped grad reduce, and at TP=2 with
+sequence parallelism (the norms' weight grads summed over TP); bf16 and fp16
 params with fp32 main params within half-precision tolerance of fp32; a checkpoint resumes
 mid-schedule to the same curve, and in the other dtype with a fresh optimizer."""
 import pytest
@@ -58,6 +59,16 @@ def test_megatron_optimizer_at_dp2_equals_adamw_at_dp1(tmp_path, tiny_qwen2, tor
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
     torch_dp2 = _curve(tmp_path, tiny_qwen2, 2, f"{M}.optimizer=torch")
     _same(torch_dp2, got)
+
+
+def test_tp2_with_sequence_parallelism_equals_tp1(tmp_path, tiny_qwen2, torch_dp1):
+    """Megatron's sequence parallelism over gloo: every norm sees half the sequence on each
+    rank, so its weight grad is right only once finalize_model_grads sums it over TP; the
+    losses, grad norms and (through the updates) the weights stay those of TP=1."""
+    got = _curve(tmp_path, tiny_qwen2, 2, f"{M}.tensor_model_parallel_size=2",
+                 f"{M}.sequence_parallel=true")
+    assert all(s["update_skipped"] == 0.0 for s in got)
+    _same(torch_dp1, got)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])

@@ -1,6 +1,7 @@
 """Megatron GPTModel built from an HF config reproduces the HF model (TP=1, TP=2, PP=2) for
 Qwen2, Llama 3 (llama3 RoPE scaling), Qwen3 and Qwen3-MoE (every token through its top-2 of 8
-experts, expert weights TP-split at TP=2)."""
+experts, expert weights TP-split at TP=2). The TP=2 job also runs every model with sequence
+parallelism (`sp:` keys), padded and packed (THD), 17-token rows that SP pads to 18."""
 import pytest
 
 from launch_helpers import SCRIPTS, read_json, torchrun
@@ -11,12 +12,16 @@ def test_logits_logprobs_entropy_match_hf(tmp_path, tiny_qwen2, tiny_llama, tiny
                                           tiny_qwen3_moe, tp, pp):
     models = (tiny_qwen2, tiny_llama, tiny_qwen3, tiny_qwen3_moe)
     out = tmp_path / "parity.json"
-    torchrun(SCRIPTS / "parity.py", tp * pp, out, tp, pp, *models)
+    torchrun(SCRIPTS / "parity.py", tp * pp, out, tp, pp, *models,
+             env={"PARITY_SP": "1"} if tp > 1 else None)
     res = read_json(out)
     assert set(res) == set(map(str, models))
     for model, r in res.items():
-        assert r["logits"] <= 1e-4, (model, r)
-        for temp in ("1.0", "0.7"):
-            assert r[f"logprobs@{temp}"] <= 1e-5, (model, r)
-            assert r[f"entropy@{temp}"] <= 1e-5, (model, r)
-            assert r[f"pos0@{temp}"] == 0.0
+        runs = [""] + (["sp:"] if tp > 1 else [])
+        for sp in runs:
+            assert r[f"{sp}logits"] <= 1e-4, (model, r)
+            for temp in ("1.0", "0.7"):
+                for layout in ("", "packed_") if sp else ("",):
+                    assert r[f"{sp}{layout}logprobs@{temp}"] <= 1e-5, (model, r)
+                    assert r[f"{sp}{layout}entropy@{temp}"] <= 1e-5, (model, r)
+                    assert r[f"{sp}{layout}pos0@{temp}"] == 0.0

@@ -14,7 +14,9 @@ from test_train_e2e import megarl, scalars
 def test_expert_parallel_model_equals_hf_and_replays_routing(tmp_path, tiny_qwen3_moe):
     """EP=2 over the two data-parallel ranks (each runs the same rows; tokens cross to the
     experts' ranks), each expert split over the two TP ranks (ETP = TP). (EP=2 alone: the
-    GRPO run's first, on-policy step below.)"""
+    GRPO run's first, on-policy step below.) The same again with sequence parallelism, which
+    megatron-core 0.16 needs to train an MoE under TP: equal to transformers, padded and
+    packed, replaying a forced routing, and two training steps with replay."""
     out = tmp_path / "moe.json"
     torchrun(SCRIPTS / "moe_replay.py", 4, out, tiny_qwen3_moe, 2)
     r = read_json(out)
@@ -24,6 +26,11 @@ def test_expert_parallel_model_equals_hf_and_replays_routing(tmp_path, tiny_qwen
     assert r["forced_not_taken"] == 0, r   # every real token took the replayed experts
     assert r["forced_padded"] <= 1e-5 and r["forced_packed"] <= 1e-5, r
     assert r["ignored_without_replay"] <= 1e-5, r
+    assert r["sp_logits"] <= 1e-4, r
+    for layout in ("padded", "packed"):
+        assert r[f"sp_logprobs_{layout}"] <= 1e-5 and r[f"sp_entropy_{layout}"] <= 1e-5, r
+        assert r[f"sp_forced_{layout}"] <= 1e-5, r
+    assert r["train_finite"] and "moe/expert_load_max" in r["train_metrics"], r
 
 
 MOE_KEYS = "actor_rollout_ref.actor.megatron.override_transformer_config"

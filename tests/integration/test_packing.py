@@ -4,7 +4,7 @@ One ragged batch (rows of 1 token to the full width), a policy and a critic, pad
 packed side by side in one torchrun job per layout (tests/integration/scripts/packing_check.py):
 log-probs, entropies, values, losses and grad norms over ten optimizer steps agree to 1e-5
 (fp32), at DP=2 (ranks with 9 and 2 rows: the second runs a micro-batch of filler to keep the
-micro-batch counts equal), TP=2 and PP=2."""
+micro-batch counts equal), TP=2 (the packed side with sequence parallelism) and PP=2."""
 import pytest
 
 from launch_helpers import SCRIPTS, read_json, torchrun

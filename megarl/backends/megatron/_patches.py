@@ -10,7 +10,14 @@ CPU, gloo):
 - activation recompute (`tensor_parallel.random.CheckpointFunction`, what
   `enable_gradient_checkpointing` turns on) saves and restores the CUDA generator's state
   around each recomputed layer: on the CPU there is none, and the CPU generator's state, which
-  it saves and restores as well, is the one that matters.
+  it saves and restores as well, is the one that matters;
+- sequence parallelism runs the decoder inside `get_cuda_rng_tracker().fork()`, which swaps
+  CUDA generator states that a CPU process has none of (`cpu_rng_tracker`).
+Sequence parallelism needs no collective beyond gloo's: torch's gloo backend has
+`reduce_scatter_tensor` (since torch 2.2: an all-reduce, then each rank keeps its chunk, so
+exactly the sums the all-reduce without SP makes; asynchronous since 2.3) and
+`all_gather_into_tensor`, the two that Megatron's SP mappings and linears call; megarl admits
+torch >= 2.6 (tests/unit/backends/test_gloo_sp_collectives.py checks them exact).
 `apply()` redirects those to the CPU. It is a no-op when CUDA is available, so GPU runs use
 Megatron exactly as shipped.
 
@@ -111,6 +118,25 @@ def apply() -> None:
     tp_random._set_cuda_rng_state = lambda *a, **k: None
     _applied = True
     logger.debug("megatron-core CPU patches applied (megatron-core %s)", version)
+
+
+def cpu_rng_tracker() -> None:
+    """Megatron's model-parallel RNG tracker with its named states on a CPU process, where
+    `model_parallel_cuda_manual_seed` cannot run (it reads the CUDA generator). The states are
+    placeholders: `apply()` made getting and setting a CUDA RNG state no-ops, so `fork()`
+    (which sequence parallelism and the MoE experts enter) only checks the name and keeps
+    the CPU generator, the one CPU dropout draws from, as it is. No-op with CUDA."""
+    if cuda_available():
+        return
+    from megatron.core.tensor_parallel import random as tp_random
+
+    tracker = tp_random.get_cuda_rng_tracker()
+    tracker.reset()
+    for name in (tp_random._DATA_PARALLEL_RNG_TRACKER_NAME,
+                 tp_random._MODEL_PARALLEL_RNG_TRACKER_NAME,
+                 tp_random._EXPERT_PARALLEL_RNG_TRACKER_NAME):
+        tracker.states_[name] = None
+    tracker._is_initialized = True
 
 
 _tensor_type = torch.Tensor.type

@@ -200,9 +200,12 @@ def recompute_settings(overrides, gradient_checkpointing: bool) -> dict | None:
 
 def transformer_config(args: ModelArgs, tp: int, pp: int, params_dtype: str = "float32",
                        moe: MoESettings | None = None, recompute: dict | bool | None = None,
-                       **overrides):
+                       sequence_parallel: bool = False, **overrides):
     """Megatron's TransformerConfig of `args`. `recompute`: Megatron's recompute settings
-    (`recompute_settings`; True: FULL_RECOMPUTE), None or False for none."""
+    (`recompute_settings`; True: FULL_RECOMPUTE), None or False for none.
+    `sequence_parallel`: Megatron's sequence parallelism (norms and the residual stream
+    sharded over the sequence across TP ranks); it only exists with TP > 1 (Megatron refuses
+    it at TP=1), so at TP=1 it is ignored, as verl and Megatron-LM do."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     dtype = DTYPES[params_dtype]
@@ -223,7 +226,7 @@ def transformer_config(args: ModelArgs, tp: int, pp: int, params_dtype: str = "f
         apply_rope_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
         # Every micro-batch of a call is padded to the same length, so pipeline stages can
         # exchange fixed-shape tensors.
-        variable_seq_lengths=False, sequence_parallel=False,
+        variable_seq_lengths=False, sequence_parallel=bool(sequence_parallel) and tp > 1,
     )
     if args.is_moe:
         moe = moe or MoESettings()
@@ -293,25 +296,84 @@ def layer_spec(impl: str = "auto", qk_norm: bool = False, num_experts: int = 0):
     return spec
 
 
+class RMSNorm(torch.nn.RMSNorm):
+    """torch's RMSNorm in the local spec's norm slots, the one Megatron's `WrappedTorchNorm`
+    builds, except that it runs under sequence parallelism (WrappedTorchNorm asserts it off).
+    Under SP each TP rank normalises its own slice of the sequence, so the weight's gradient
+    is a partial sum per rank: the weight is marked `sequence_parallel`, which is what
+    Megatron's `finalize_model_grads` all-reduces over TP (as its own fused norm marks it).
+    Q/K norms (`QKRMSNorm`) act on the whole sequence after the all-gather and are not
+    marked (Megatron all-reduces them under TP by name, since the heads differ by rank)."""
+
+    marks_sequence_parallel = True
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5,
+                 persist_layer_norm: bool = False, zero_centered_gamma: bool = False,
+                 normalization: str = "RMSNorm"):
+        if config.normalization != "RMSNorm" or config.layernorm_zero_centered_gamma:
+            raise ValueError(f"megarl's local norm is RMSNorm without zero-centred gamma, "
+                             f"got {config.normalization}")
+        super().__init__(normalized_shape=hidden_size, eps=eps)
+        self.sequence_parallel = bool(config.sequence_parallel) and self.marks_sequence_parallel
+        self.weight.sequence_parallel = self.sequence_parallel
+
+
+class QKRMSNorm(RMSNorm):
+    marks_sequence_parallel = False
+
+
+def block_spec(layer, config, impl: str = "auto"):
+    """The decoder's spec: Megatron's own for Transformer Engine layers (TE's norms run under
+    sequence parallelism), and for the local layers one whose every norm (the layers', the
+    Q/K norms, the final one) is `RMSNorm` above in place of `WrappedTorchNorm`."""
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.transformer_block import (TransformerBlockSubmodules,
+                                                             get_num_layers_to_build)
+
+    subs = layer.submodules
+    slots = [(subs, "input_layernorm"), (subs, "pre_mlp_layernorm")]
+    attn = getattr(subs.self_attention, "submodules", None)
+    if attn is not None:
+        slots += [(attn, "q_layernorm"), (attn, "k_layernorm")]
+    local = False
+    for holder, name in slots:
+        if getattr(holder, name, None) is WrappedTorchNorm:
+            setattr(holder, name, QKRMSNorm if name in ("q_layernorm", "k_layernorm")
+                    else RMSNorm)
+            local = True
+    if not local:
+        return layer  # TE's layers (or apex's fused norm, which handles SP itself)
+    return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config),
+                                      layer_norm=RMSNorm)
+
+
 class ValueHead(torch.nn.Module):
     """The critic's output layer: Linear(hidden, 1), replicated on every TP rank.
 
     It stands in for GPTModel's vocab-parallel `output_layer` (same call signature, so
     GPTModel's own forward runs it), which makes the model's output [b, s, 1] values instead
     of [b, s, vocab/TP] logits. Replicated, not split: one output column cannot be split over
-    TP, and the head is tiny. It needs no TP collective either way: without sequence
-    parallelism the final hidden states are whole on every TP rank, so every rank computes the
-    same values and the same gradients (which also reach the decoder whole, where the
-    vocab-parallel head would all-reduce partial ones). It starts at zero: the first values
-    are 0 on every rank, whatever the seed."""
+    TP, and the head is tiny. Without sequence parallelism the final hidden states are whole
+    on every TP rank, so every rank computes the same values and the same gradients (which
+    also reach the decoder whole, where the vocab-parallel head would all-reduce partial
+    ones). Under sequence parallelism each rank holds a slice of the sequence: the head
+    all-gathers it first, and in backward each rank keeps its own slice of the (identical)
+    gradient rather than summing TP copies of it (`tensor_parallel_output_grad=False`). It
+    starts at zero: the first values are 0 on every rank, whatever the seed."""
 
-    def __init__(self, hidden_size: int, dtype: torch.dtype):
+    def __init__(self, hidden_size: int, dtype: torch.dtype, sequence_parallel: bool = False):
         super().__init__()
         self.weight = torch.nn.Parameter(torch.zeros(1, hidden_size, dtype=dtype))
         self.bias = torch.nn.Parameter(torch.zeros(1, dtype=dtype))
+        self.gather_sequence = sequence_parallel
         self.sequence_parallel = False  # GPTModel's inference path reads it
 
     def forward(self, hidden, weight=None, runtime_gather_output=None):
+        if self.gather_sequence:
+            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+            hidden = gather_from_sequence_parallel_region(hidden,
+                                                          tensor_parallel_output_grad=False)
         return F.linear(hidden, self.weight, self.bias), None
 
 
@@ -329,8 +391,8 @@ def build_gpt_model(args: ModelArgs, config, make_vocab_size_divisible_by: int =
     _patches.apply()
     tp = ps.get_tensor_model_parallel_world_size()
     model = GPTModel(
-        config=config, transformer_layer_spec=layer_spec(transformer_impl, args.qk_norm,
-                                                             args.num_experts),
+        config=config, transformer_layer_spec=block_spec(
+            layer_spec(transformer_impl, args.qk_norm, args.num_experts), config),
         vocab_size=padded_vocab_size(args.vocab_size, make_vocab_size_divisible_by, tp),
         max_sequence_length=args.max_position_embeddings,
         pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
@@ -341,7 +403,8 @@ def build_gpt_model(args: ModelArgs, config, make_vocab_size_divisible_by: int =
         parallel_output=True,
     )
     if value_head and model.post_process:
-        model.output_layer = ValueHead(args.hidden_size, config.params_dtype)
+        model.output_layer = ValueHead(args.hidden_size, config.params_dtype,
+                                       config.sequence_parallel)
     if torch.cuda.is_available():
         model = model.cuda()
     return model

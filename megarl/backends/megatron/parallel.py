@@ -79,8 +79,11 @@ def init_distributed(tp: int = 1, pp: int = 1, *, ep: int = 1, etp: int | None =
                                  expert_tensor_parallel_size=etp,
                                  create_gloo_process_groups=has_gloo_groups(),
                                  distributed_timeout_minutes=max(1, math.ceil(timeout_s / 60)))
-    tensor_parallel.model_parallel_cuda_manual_seed(seed) if torch.cuda.is_available() else \
+    if torch.cuda.is_available():
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    else:
         torch.manual_seed(seed)
+        _patches.cpu_rng_tracker()
     logger.info("rank %d/%d: TP=%d PP=%d DP=%d%s (%s)", dist.get_rank(), world, tp, pp,
                 ps.get_data_parallel_world_size(),
                 f" EP={ep} ETP={etp}" if ep > 1 or etp != tp else "", dist.get_backend())

@@ -75,7 +75,7 @@ class MegatronWorker:
                  seed: int = 1234, load_hf: bool = True, trainable: bool = True,
                  value_model: bool = False, transformer_impl: str = "auto",
                  collective_timeout_s: float = 600.0, moe: mmodel.MoESettings | None = None,
-                 recompute: dict | bool | None = None):
+                 recompute: dict | bool | None = None, sequence_parallel: bool = False):
         # The converter's checks and layout rules, before any collective: a model that cannot
         # split over TP×PP fails here with the converter's message, not a Megatron assertion.
         self.args = read_model_args(model_dir)
@@ -90,7 +90,12 @@ class MegatronWorker:
         # what a checkpoint of this worker records, for conversion to rebuild the same model
         self.params_dtype, self.vocab_divisor = params_dtype, make_vocab_size_divisible_by
         self.config = mmodel.transformer_config(self.args, tp, pp, params_dtype, moe,
-                                                recompute=recompute)
+                                                recompute=recompute,
+                                                sequence_parallel=sequence_parallel)
+        # Under sequence parallelism every rank holds S / TP positions of the residual
+        # stream, so the sequences the model sees are padded to a multiple of TP (right
+        # padding: causal attention keeps it from every real token; outputs are cut back).
+        self.seq_multiple = tp if self.config.sequence_parallel else 1
         self.value_model = value_model
         self.model = mmodel.build_gpt_model(self.args, self.config, make_vocab_size_divisible_by,
                                             value_head=value_model,
@@ -125,7 +130,7 @@ class MegatronWorker:
                    seed=spec.seed, trainable=spec.optim is not None,
                    value_model=spec.value_model, transformer_impl=spec.transformer_impl,
                    collective_timeout_s=spec.collective_timeout_s, moe=spec.moe,
-                   recompute=spec.recompute)
+                   recompute=spec.recompute, sequence_parallel=spec.sequence_parallel)
 
     # ---------------------------------------------------------------- forward plumbing
     def _device(self):
@@ -149,7 +154,12 @@ class MegatronWorker:
             batch = _fill_rows(batch, fill)
         mbatches = [{k: (v[i:i + mbs].to(dev) if torch.is_tensor(v) else v)
                      for k, v in batch.items()} for i in range(0, n + fill, mbs)]
-        return mbatches, mbs, batch["input_ids"].shape[1]
+        return mbatches, mbs, self._model_len(batch["input_ids"].shape[1])
+
+    def _model_len(self, n: int) -> int:
+        """The sequence length the model runs for `n` tokens: a multiple of TP under
+        sequence parallelism."""
+        return -(-n // self.seq_multiple) * self.seq_multiple
 
     def _packed_micro_batches(self, batch: dict, max_tokens: int) -> tuple[list[dict], int, int]:
         """Rows split into micro-batches of at most `max_tokens` real tokens, balanced by
@@ -178,6 +188,8 @@ class MegatronWorker:
         equal = self._gathers_tokens()
         total = max(sum(n) for _, _, n in chunks) \
             if self.ps.get_pipeline_model_parallel_world_size() > 1 or equal else None
+        if total is not None:
+            total = self._model_len(total)
         if equal:
             # the allgather dispatcher gathers every EP rank's tokens in equal-sized parts:
             # all data-parallel ranks' packed rows take one length
@@ -187,7 +199,9 @@ class MegatronWorker:
         mbatches = []
         for rows, idx, n in chunks:
             mb = {kk: (v.to(dev) if torch.is_tensor(v) else v) for kk, v in rows.items()}
-            mb["_packed"] = pack(mb["input_ids"], n, total)
+            # under sequence parallelism a packed row ends in a padding segment that makes
+            # it a multiple of TP
+            mb["_packed"] = pack(mb["input_ids"], n, total or self._model_len(sum(n)))
             mb["_rows"] = idx.to(dev)
             mbatches.append(mb)
         return mbatches, 1, max(m["_packed"].input_ids.shape[1] for m in mbatches)
@@ -208,8 +222,13 @@ class MegatronWorker:
                             packed_seq_params=packed.params())
                 return out, functools.partial(loss_of, mb)
             ids = mb["input_ids"]
-            pos = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0).expand_as(ids)
+            width = ids.shape[1]
+            if seq > width:  # sequence parallelism: right padding up to a multiple of TP
+                ids = torch.cat([ids, ids.new_zeros(ids.shape[0], seq - width)], dim=1)
+            pos = torch.arange(seq, device=ids.device).unsqueeze(0).expand_as(ids)
             out = model(ids, pos, attention_mask=None)
+            if seq > width and self.ps.is_pipeline_last_stage():
+                out = out[:, :width]  # [b, s, ...]: the padding predicts nothing
             return out, functools.partial(loss_of, mb)
 
         try:
@@ -257,7 +276,8 @@ class MegatronWorker:
         `routed_experts` [rows, S, layers, k] (the engine's choices). The routers see tokens
         as Megatron's [S, b] flattened, or a packed row's tokens back to back. Positions the
         engine never ran (padding, each sequence's last token) get experts 0..k-1: their
-        outputs feed no log-prob that is used."""
+        outputs feed no log-prob that is used. Under sequence parallelism a router sees only
+        its TP rank's slice of the (TP-padded) sequence: both are cut to it."""
         packed = mb.get("_packed")
         mask = mb.get("attention_mask")
         if mask is None:
@@ -281,10 +301,13 @@ class MegatronWorker:
                 if total > flat.shape[0]:  # the tail evening out stages (or EP ranks)
                     flat = torch.cat([flat, spare.expand(total - flat.shape[0],
                                                          *flat.shape[1:])])
+            real, flat = self._sequence_shard(real), (
+                self._sequence_shard(flat, spare) if routed is not None else None)
         else:
-            real = mask.transpose(0, 1).reshape(-1)
+            real = self._sequence_shard(mask.transpose(0, 1)).reshape(-1)
             if routed is not None:
-                flat = routed.transpose(0, 1).reshape(-1, *routed.shape[2:])
+                flat = self._sequence_shard(routed.transpose(0, 1), spare)
+                flat = flat.reshape(-1, *routed.shape[2:])
         self._real = real
         if routed is None:
             return
@@ -295,6 +318,22 @@ class MegatronWorker:
             replay.clear_indices()
             replay.set_target_indices(flat[:, layer].long().contiguous())
             replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+
+    def _sequence_shard(self, t: torch.Tensor, fill=None) -> torch.Tensor:
+        """This TP rank's slice of `t` [s, ...] (the model's sequence order) under sequence
+        parallelism, after padding s to the model's length (`fill` along the new positions:
+        False, or the spare experts); `t` itself without SP."""
+        if self.seq_multiple == 1:
+            return t
+        s = self._model_len(t.shape[0])
+        if s > t.shape[0]:
+            pad = t.new_zeros(s - t.shape[0], *t.shape[1:])
+            if fill is not None:
+                pad[...] = fill
+            t = torch.cat([t, pad])
+        n = s // self.seq_multiple
+        r = self.ps.get_tensor_model_parallel_rank()
+        return t[r * n:(r + 1) * n]
 
     def moe_metrics(self, micro_batches: int, prefix: str = "moe/") -> dict:
         """Per-layer expert load of the training passes since the last call (over
@@ -314,8 +353,9 @@ class MegatronWorker:
         for layer, got in self._load.items():
             load[layer] = got
         self._load = {}
-        # TP ranks saw the same tokens: count them once
-        if ps.get_tensor_model_parallel_rank() != 0:
+        # TP ranks saw the same tokens: count them once (under sequence parallelism each saw
+        # its own slice of the sequence: all count)
+        if ps.get_tensor_model_parallel_rank() != 0 and not self.config.sequence_parallel:
             load.zero_()
         losses = {name: entry["values"].to(dev, torch.float64)
                   for name, entry in sorted(get_moe_layer_wise_logging_tracker().items())

@@ -12,9 +12,12 @@ over the TP ranks (ETP = TP). Rank 0 writes:
   routing, padded and packed, and the positions where Megatron's routers did not take it;
 - ignored_without_replay: the same batch on a worker without replay: its log-probs are its
   own routing's (difference from the unforced ones);
-- train_finite / train_metrics: at TP=1, a train step with replay ran, with finite metrics
-  and the expert-load ones (megatron-core 0.16 trains an MoE under TP only with sequence
-  parallelism, which megarl does not run).
+- train_finite / train_metrics: a train step with replay ran, with finite metrics and the
+  expert-load ones (at TP > 1 on the sequence-parallel worker: megatron-core 0.16 trains an
+  MoE under TP only with sequence parallelism);
+- sp_*: at TP > 1, a worker with sequence parallelism (each router sees its TP rank's slice
+  of the 17-token rows, padded to 18): its logits / logprobs / entropy against transformers,
+  padded and packed, and the forced routing replayed, padded and packed.
 """
 import json
 import sys
@@ -158,10 +161,26 @@ def main():
         m = mb["attention_mask"][:, 1:].float()
         return -(lp[:, 1:] * m).sum() / max(1.0, float(mask[:, 1:].sum())), {}
 
-    if tp == 1:
-        stats = replay.train_step(batch, loss_fn, micro_batch_size=2)
-        res["train_finite"] = all(torch.isfinite(torch.tensor(v)) for v in stats.values())
-        res["train_metrics"] = sorted(k for k in stats if k.startswith("moe/"))
+    trainer = replay
+    if tp > 1:
+        trainer = MegatronWorker(model_dir, tp, 1, optim=OptimConfig(lr=1e-4),
+                                 moe=MoESettings(ep=2, routing_replay=True),
+                                 sequence_parallel=True)
+        assert trainer.config.sequence_parallel
+        res["sp_logits"] = (trainer.forward_logits(ids) - ref).abs().max().item()
+        plain_batch = {"input_ids": ids, "attention_mask": mask}
+        want = logp_all.gather(-1, ids[:, 1:, None]).squeeze(-1)
+        for name, micro in (("padded", 2), ("packed", TokenBudget(24))):
+            got = trainer.compute_logp(plain_batch, micro_batch_size=micro, with_entropy=True)
+            res[f"sp_logprobs_{name}"] = (got["logprobs"][:, 1:] - want)[valid].abs().max().item()
+            res[f"sp_entropy_{name}"] = (got["entropy"][:, 1:] - ent)[valid].abs().max().item()
+            got = trainer.compute_logp(batch, micro_batch_size=micro)["logprobs"][:, 1:]
+            res[f"sp_forced_{name}"] = (got - want_lp)[real].abs().max().item()
+    stats = [trainer.train_step(batch, loss_fn, micro_batch_size=2) for _ in range(2)]
+    res["train_finite"] = all(torch.isfinite(torch.tensor(v)) for s in stats
+                              for v in s.values())
+    res["train_metrics"] = sorted(k for k in stats[0] if k.startswith("moe/"))
+    res["train_losses"] = [s["loss"] for s in stats] if "loss" in stats[0] else []
     # a worker without replay (same parallel layout) routes by itself whatever the batch
     # carries
     plain = MegatronWorker(model_dir, tp, 1, trainable=False, moe=MoESettings(ep=2))

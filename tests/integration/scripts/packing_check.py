@@ -6,7 +6,9 @@ Pairs of workers from the same HF weights, one padded (fixed micro-batch rows), 
 token budget): a policy and a critic. Over a few optimizer steps, rank 0 writes the largest
 relative differences of the log-probs, entropies, values, losses and grad norms (equal grad
 norms and equal outputs after each step: equal gradients). Data parallel ranks get different
-rows (and row counts) of the batch.
+rows (and row counts) of the batch. At TP > 1 the packed workers run with sequence
+parallelism (packed rows padded to a multiple of TP, the critic's head gathering the sequence,
+the norms' grads summed over TP) against padded ones without it: the same numbers.
 """
 import json
 import sys
@@ -42,11 +44,11 @@ def main():
     from megarl.backends.megatron.packing import TokenBudget
     from megarl.backends.megatron.worker import MegatronWorker
 
-    def worker(critic):
+    def worker(critic, sp=False):
         return MegatronWorker(model_dir, tp, pp, optim=OptimConfig(lr=1e-3, weight_decay=0.0),
-                              value_model=critic)
+                              value_model=critic, sequence_parallel=sp)
 
-    padded, packed = worker(False), worker(False)
+    padded, packed = worker(False), worker(False, sp=tp > 1)
     ps = padded.ps
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     batch, tokens = ragged_batch(padded.args.vocab_size, dp_rank, dp)
@@ -87,7 +89,7 @@ def main():
         loss = ((values - mb["advantages"]) ** 2 * m).sum() / tokens
         return loss, {"vsum": (values * m).sum() / tokens}
 
-    vpadded, vpacked = worker(True), worker(True)
+    vpadded, vpacked = worker(True), worker(True, sp=tp > 1)
     for _ in range(STEPS):
         note("values", vpadded.compute_values(batch, 3)["values"],
              vpacked.compute_values(batch, budget)["values"])

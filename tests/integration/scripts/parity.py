@@ -16,6 +16,33 @@ import torch.distributed as dist
 from megarl.backends.megatron.parallel import rank_program
 
 
+def compare(w, hf, packed: bool) -> dict:
+    """Largest differences of `w`'s logits, log-probs and entropies from `hf`'s."""
+    from megarl.backends.megatron.packing import TokenBudget
+
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, w.args.vocab_size, (3, 17), generator=g)
+    with torch.no_grad():
+        ref = hf(ids).logits
+    logits = w.forward_logits(ids).float().cpu()
+    r = {"logits": (logits - ref).abs().max().item()}
+    # micro-batch 2 of 3 rows: also exercises the filler row of the last micro-batch;
+    # packed: two micro-batches of 17 + 17 and 17 tokens
+    micros = [("", 2)] + ([("packed_", TokenBudget(34))] if packed else [])
+    for temp in (1.0, 0.7):
+        logp_all = torch.log_softmax(ref / temp, dim=-1)[:, :-1]
+        want = logp_all.gather(-1, ids[:, 1:, None]).squeeze(-1)
+        ent = -(logp_all.exp() * logp_all).sum(-1)
+        for name, micro in micros:
+            got = w.compute_logp({"input_ids": ids}, temperature=temp, micro_batch_size=micro,
+                                 with_entropy=True)
+            got = {k: v.float().cpu() for k, v in got.items()}
+            r[f"{name}logprobs@{temp}"] = (got["logprobs"][:, 1:] - want).abs().max().item()
+            r[f"{name}entropy@{temp}"] = (got["entropy"][:, 1:] - ent).abs().max().item()
+            r[f"{name}pos0@{temp}"] = got["logprobs"][:, 0].abs().max().item()
+    return r
+
+
 def main():
     out, tp, pp, dirs = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4:]
     from transformers import AutoModelForCausalLM
@@ -25,28 +52,20 @@ def main():
 
     results = {}
     ep = int(os.environ.get("PARITY_EP", 1))
+    # PARITY_SP=1: each model again with sequence parallelism (the same process groups), its
+    # numbers under "sp:" keys, and the packed (THD) path beside the padded one; 17 tokens
+    # are not a multiple of TP, nor are the packed rows, so both are padded for SP
+    sp_runs = [False] + ([True] if os.environ.get("PARITY_SP") == "1" else [])
     for d in dirs:
-        w = MegatronWorker(d, tp, pp, trainable=False,
-                           params_dtype=os.environ.get("PARITY_PARAMS_DTYPE", "float32"),
-                           moe=MoESettings(ep=ep, etp=int(os.environ["PARITY_ETP"]) if os.environ.get("PARITY_ETP") else None))
         hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
-        g = torch.Generator().manual_seed(0)
-        ids = torch.randint(0, w.args.vocab_size, (3, 17), generator=g)
-        with torch.no_grad():
-            ref = hf(ids).logits
-        logits = w.forward_logits(ids).float().cpu()
-        r = {"logits": (logits - ref).abs().max().item()}
-        for temp in (1.0, 0.7):
-            # micro-batch 2 of 3 rows: also exercises the filler row of the last micro-batch
-            got = w.compute_logp({"input_ids": ids}, temperature=temp, micro_batch_size=2,
-                                 with_entropy=True)
-            logp_all = torch.log_softmax(ref / temp, dim=-1)[:, :-1]
-            want = logp_all.gather(-1, ids[:, 1:, None]).squeeze(-1)
-            ent = -(logp_all.exp() * logp_all).sum(-1)
-            got = {k: v.float().cpu() for k, v in got.items()}
-            r[f"logprobs@{temp}"] = (got["logprobs"][:, 1:] - want).abs().max().item()
-            r[f"entropy@{temp}"] = (got["entropy"][:, 1:] - ent).abs().max().item()
-            r[f"pos0@{temp}"] = got["logprobs"][:, 0].abs().max().item()
+        r = {}
+        for sp in sp_runs:
+            w = MegatronWorker(d, tp, pp, trainable=False,
+                               params_dtype=os.environ.get("PARITY_PARAMS_DTYPE", "float32"),
+                               moe=MoESettings(ep=ep, etp=int(os.environ["PARITY_ETP"])
+                                               if os.environ.get("PARITY_ETP") else None),
+                               sequence_parallel=sp)
+            r.update({("sp:" if sp else "") + k: v for k, v in compare(w, hf, sp).items()})
         results[d] = r
     if dist.get_rank() == 0:
         with open(out, "w") as f:

@@ -124,7 +124,8 @@ def test_stock_sglang_without_a_server_python_is_refused_by_key(tmp_path, qwen_d
 def test_a_models_experts_are_checked_against_its_expert_layout(tmp_path, qwen_dir,
                                                                   tiny_qwen3_moe, data):
     """The preflight knows the model: EP on a dense model, routing replay on a dense model,
-    EP not dividing num_experts and training an MoE under TP are refused by key."""
+    EP not dividing num_experts and training an MoE under TP without sequence parallelism
+    are refused by key; with it, TP2 × EP2 × ETP2 trains."""
     train, val = data
     files = [f"data.train_files={train}", f"data.val_files={val}", "trainer.n_gpus_per_node=8",
              "trainer.separated_node_tasks=[[logp,actor-train,ref_logp],generate]",
@@ -139,7 +140,8 @@ def test_a_models_experts_are_checked_against_its_expert_layout(tmp_path, qwen_d
                           f"{arr}.ref.megatron.expert_model_parallel_size=3"],
          f"{arr}.ref.megatron.expert_model_parallel_size: .*num_experts=8 is not divisible"),
         (tiny_qwen3_moe, [f"{arr}.actor.megatron.tensor_model_parallel_size=2"],
-         f"{arr}.actor.megatron.tensor_model_parallel_size: 2, but training a mixture"),
+         f"{arr}.actor.megatron.sequence_parallel: false, but training a mixture of experts "
+         f"at {arr}.actor.megatron.tensor_model_parallel_size=2"),
     ]
     for model, extra, match in cases:
         with pytest.raises(ConfigError, match=match):
@@ -148,6 +150,12 @@ def test_a_models_experts_are_checked_against_its_expert_layout(tmp_path, qwen_d
                    f"{arr}.actor.megatron.expert_model_parallel_size=4",
                    f"{arr}.ref.megatron.tensor_model_parallel_size=2", f"{arr}.actor.use_kl_loss=true",
                    f"{arr}.ref.megatron.expert_model_parallel_size=2",
+                   f"{arr}.rollout.enable_rollout_routing_replay=true",
+                   f"{arr}.actor.router_replay.mode=R3"))
+    preflight(_cfg(tmp_path, tiny_qwen3_moe, *files,
+                   f"{arr}.actor.megatron.tensor_model_parallel_size=2",
+                   f"{arr}.actor.megatron.sequence_parallel=true",
+                   f"{arr}.actor.megatron.expert_model_parallel_size=2",
                    f"{arr}.rollout.enable_rollout_routing_replay=true",
                    f"{arr}.actor.router_replay.mode=R3"))
 

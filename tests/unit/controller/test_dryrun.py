@@ -294,3 +294,30 @@ def test_quickstart_plans_from_the_tiny_model(capsys, monkeypatch, tmp_path):
     assert "tiny qwen2 model" in out and "vocab 300, tied embeddings" in out
     assert "-m megarl.rollout.server" in out and "world 2, rank_offsets [1]" in out
     assert not (tmp_path / "outputs").exists()  # a dry run writes nothing
+
+
+def test_sequence_parallelism_shards_the_layers_activations_over_tp():
+    """Korthikanti et al.: per layer s·b·h·(10 + 24/TP)·e/2 without sequence parallelism,
+    s·b·h·(34/TP)·e/2 with it; with full recompute the kept layer inputs shrink by TP too."""
+    from megarl.controller import memory
+
+    a = ModelArgs.from_hf(dryrun.load_hf_config(load_config(QWEN2, []))[0])
+    M = "actor_rollout_ref.actor.megatron"
+
+    def train_bytes(*extra):  # the logp pass of one row stays under the train pass
+        cfg = load_config(QWEN2, ["actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=1",
+                                  f"{M}.tensor_model_parallel_size=4",
+                                  "actor_rollout_ref.model.enable_gradient_checkpointing=false",
+                                  *extra])
+        return memory._activation_bytes(cfg, a), cfg
+
+    plain, cfg = train_bytes()
+    sp, _ = train_bytes(f"{M}.sequence_parallel=true")
+    sbh = memory.micro_batch_tokens(cfg, "actor") * a.hidden_size
+    e = 2  # bfloat16
+    assert plain - sp == pytest.approx(a.num_layers * sbh * (10 + 24 / 4 - 34 / 4) * e / 2,
+                                       rel=1e-9)
+    ckpt = "actor_rollout_ref.model.enable_gradient_checkpointing=true"
+    assert train_bytes(ckpt, f"{M}.sequence_parallel=true")[0] < train_bytes(ckpt)[0]
+    one = train_bytes(f"{M}.tensor_model_parallel_size=1", f"{M}.sequence_parallel=true")[0]
+    assert one == train_bytes(f"{M}.tensor_model_parallel_size=1")[0]  # ignored at TP=1
