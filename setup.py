@@ -49,9 +49,12 @@ setup(
         # refuses to run split groups
         # and the two trackers below, the same lines (tests/contract reads this dict as a literal)
         "test": ["pytest>=8,<9.2", "pytest-timeout>=2.3", "pytest-xdist>=3.5", "msgspec>=0.18",
-                 "wandb>=0.19,<1", "mlflow-skinny>=3.0,<4", "sqlalchemy>=2.0", "alembic>=1.13"],
+                 "wandb>=0.19,<1", "mlflow-skinny>=3.0,<4", "sqlalchemy>=2.0", "alembic>=1.13",
+                 "math-verify[antlr4_13_2]>=0.9,<1"],
         # trainer.logger's trackers (docs/observability.md)
         "wandb": ["wandb>=0.19,<1"],
+        # the opt-in Math-Verify reward (megarl.reward.mathverify), as verl's math_verify
+        "math": ["math-verify[antlr4_13_2]>=0.9,<1"],
         # MLflow's client alone (no server, UI or ML flavours) and what its SQLite store needs:
         # the default store (a run's mlflow.db), as MLflow 3 refuses file stores
         "mlflow": ["mlflow-skinny>=3.0,<4", "sqlalchemy>=2.0", "alembic>=1.13"],
