@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +37,8 @@ def wandb_records(path: str | Path):
         if kind == 0 and n == 0 and crc == 0:  # zeros: padding to the block's end
             pos += left
             continue
+        if pos + 7 + n > len(data):  # a chunk still being written: the records so far
+            return
         chunk = data[pos + 7:pos + 7 + n]
         assert zlib.crc32(chunk, zlib.crc32(bytes([kind]))) == crc, f"{path}: bad CRC at {pos}"
         pos += 7 + n
@@ -68,6 +71,13 @@ def wandb_offline_runs(root: str | Path) -> list[WandbRun]:
     """The offline runs under `root` (a WANDB_DIR or a run directory), oldest first."""
     runs = []
     for f in sorted(Path(root).glob("wandb/offline-run-*/run-*.wandb")):
+        # W&B's service writes the file on its own; `finish()` returning does not promise the
+        # last records are on disk yet (a loaded CI run read one without its run record), so
+        # wait for the run's exit record, which is written last
+        deadline = time.monotonic() + 60
+        while not any(r.WhichOneof("record_type") == "exit" for r in wandb_records(f)) \
+                and time.monotonic() < deadline:
+            time.sleep(0.2)
         run = None
         for r in wandb_records(f):
             kind = r.WhichOneof("record_type")

@@ -49,6 +49,9 @@ def test_wandb_offline_run_reads_back(offline):
                                "flag": True, "name": "not a number"})
         # a validation of version 2 scored after step 3 was logged: kept, at step 2
         loggers.log(2, {"val-core/gsm8k/acc/mean@1": 0.5})
+    import wandb
+
+    wandb.teardown()  # the service process ends, having written everything it was sent
     (run,) = wandb_offline_runs(offline / "wandb_dir")
     assert (run.project, run.name) == ("proj", "exp")
     rollout = run.config["actor_rollout_ref"].pop("rollout")
