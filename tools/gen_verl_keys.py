@@ -356,7 +356,6 @@ RULES: list[tuple[str, str, str]] = [
     ("trainer.use_legacy_worker_impl", "noted", "verl's worker implementation switch"),
     ("trainer.use_v1", "noted", "verl's trainer implementation switch"),
     ("trainer.v1.*", "refused", "verl's v1 trainer; megarl's layout is trainer.separated_node_tasks/ratios"),
-    ("trainer.log_val_generations", "noted", "megarl's key of that name"),
     ("trainer.*", "refused", "not among megarl's trainer settings"),
     # the async recipes' own keys
     ("rollout.n", "noted", "megarl's samples per prompt are actor_rollout_ref.rollout.n"),

@@ -254,13 +254,16 @@ def start_program(cfg: dict, workdir: str, filt, weak: list) -> tuple[int, int]:
     os.close(err_r)
     allow = cfg["allow_unhardened"]
 
-    def step(name, fn, *args):
+    def step(name, fn, *args) -> bool:
+        """Apply one layer; False when it failed and the caller allows going on without."""
         try:
             fn(*args)
+            return True
         except (SetupError, OSError) as err:
             if not allow:
                 raise SetupError(f"{name}: {err}") from None
             weak.append(name)
+            return False
 
     try:
         for name, value in cfg["rlimits"].items():
@@ -272,14 +275,7 @@ def start_program(cfg: dict, workdir: str, filt, weak: list) -> tuple[int, int]:
             os.setgid(cfg["uid"])
             os.setuid(cfg["uid"])
         else:
-            nested = True
-            try:
-                enter_nested_userns()
-            except (SetupError, OSError) as err:
-                if not allow:
-                    raise SetupError(f"nested_uid: {err}") from None
-                weak.append("nested_uid")
-                nested = False
+            nested = step("nested_uid", enter_nested_userns)
             # a new user namespace starts with a full bounding set: drop it there
             step("bounding_set", drop_bounding_set)
             if nested:
