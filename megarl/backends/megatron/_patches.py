@@ -12,7 +12,10 @@ CPU, gloo):
   around each recomputed layer: on the CPU there is none, and the CPU generator's state, which
   it saves and restores as well, is the one that matters;
 - sequence parallelism runs the decoder inside `get_cuda_rng_tracker().fork()`, which swaps
-  CUDA generator states that a CPU process has none of (`cpu_rng_tracker`).
+  CUDA generator states that a CPU process has none of (`cpu_rng_tracker`);
+- context parallelism's RoPE slice (`rope_utils.get_pos_emb_on_this_cp_rank`) builds its
+  chunk index in pinned memory and moves it with `.cuda()`: `_pos_emb_on_this_cp_rank` is the
+  same slice on the CPU.
 Sequence parallelism needs no collective beyond gloo's: torch's gloo backend has
 `reduce_scatter_tensor` (since torch 2.2: an all-reduce, then each rank keeps its chunk, so
 exactly the sums the all-reduce without SP makes; asynchronous since 2.3) and
@@ -73,6 +76,18 @@ def _tensor_cuda_is_identity(fn):
     return wrapper
 
 
+def _pos_emb_on_this_cp_rank(pos_emb, seq_dim, cp_group):
+    """megatron-core 0.16's `get_pos_emb_on_this_cp_rank`, the same chunks (r and 2·CP-1-r of
+    2·CP along `seq_dim`), its index made on the embedding's device."""
+    if cp_group is None:
+        raise ValueError("cp_group must be provided to get positional embedding per CP rank")
+    cp, r = cp_group.size(), cp_group.rank()
+    idx = torch.tensor([r, 2 * cp - r - 1], device=pos_emb.device)
+    pos_emb = pos_emb.view(*pos_emb.shape[:seq_dim], 2 * cp, -1, *pos_emb.shape[seq_dim + 1:])
+    pos_emb = pos_emb.index_select(seq_dim, idx)
+    return pos_emb.view(*pos_emb.shape[:seq_dim], -1, *pos_emb.shape[seq_dim + 2:])
+
+
 def cuda_available() -> bool:
     return torch.cuda.is_available()
 
@@ -116,6 +131,13 @@ def apply() -> None:
 
     tp_random._get_cuda_rng_state = lambda *a, **k: None
     tp_random._set_cuda_rng_state = lambda *a, **k: None
+    from megatron.core.models.common.embeddings import rope_utils, rotary_pos_embedding
+
+    rope_utils.get_pos_emb_on_this_cp_rank = _pos_emb_on_this_cp_rank
+    rotary_pos_embedding.get_pos_emb_on_this_cp_rank = _pos_emb_on_this_cp_rank
+    from megatron.core.models.common.embeddings import yarn_rotary_pos_embedding as yarn
+
+    yarn.get_pos_emb_on_this_cp_rank = _pos_emb_on_this_cp_rank
     _applied = True
     logger.debug("megatron-core CPU patches applied (megatron-core %s)", version)
 

@@ -8,6 +8,10 @@ alone keeps real tokens from attending to pads. Packed sequences (Megatron's THD
 `PackedSeqParams.cu_seqlens_q`) attend causally within their own sequence: one batched SDPA
 call per distinct length, so the work is the sum of the squared lengths, not the square of
 the pack's.
+
+Context parallelism (context_parallel.py): each rank holds two chunks of every sequence; K and
+V are all-gathered over the CP group and each local query chunk attends to the keys at or
+before it (one SDPA call per chunk with an explicit causal mask offset by the chunk's start).
 """
 from __future__ import annotations
 
@@ -17,18 +21,20 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
 
+from . import context_parallel as cpar
+
 
 class SDPAttention(MegatronModule):
     def __init__(self, config, layer_number, attn_mask_type, attention_type,
                  attention_dropout=None, softmax_scale=None, cp_comm_type=None,
                  pg_collection=None):
         super().__init__(config=config)
-        if config.context_parallel_size != 1:
-            raise ValueError("SDPAttention does not support context parallelism")
         if pg_collection is None:
             from megatron.core.process_groups_config import ProcessGroupCollection
-            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups(
+                required_pgs=["tp", "cp"] if config.context_parallel_size > 1 else ["tp"])
         tp = pg_collection.tp.size()
+        self.cp_group = pg_collection.cp if config.context_parallel_size > 1 else None
         self.heads = config.num_attention_heads // tp
         self.groups = config.num_query_groups // tp
         self.head_dim = config.kv_channels
@@ -41,20 +47,43 @@ class SDPAttention(MegatronModule):
             raise NotImplementedError("SDPAttention: attention bias")
         if packed_seq_params is not None:
             return self._packed(query, key, value, packed_seq_params)
+        s, b = query.shape[0], query.shape[1]
+        if self.cp_group is not None:
+            cp = self.cp_group.size()
+            segs = (s * cp,)
+            key, value = (cpar.gather_sequence(t, segs, 0, self.cp_group, sum_grads=True)
+                          for t in (key, value))
+            out = self._cp_causal(*(t.permute(1, 2, 0, 3) for t in (query, key, value)))
+            return out.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.head_dim)
         # Megatron hands [s, b, heads, dim]; SDPA wants [b, heads, s, dim].
         out = self._causal(*(t.permute(1, 2, 0, 3) for t in (query, key, value)))
-        s, b = query.shape[0], query.shape[1]
         return out.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.head_dim)
 
-    def _causal(self, q, k, v):
-        """Causal SDPA on [b, heads, s, dim] (k, v with the query groups' heads)."""
+    def _causal(self, q, k, v, mask=None):
+        """Causal SDPA on [b, heads, s, dim] (k, v with the query groups' heads); `mask`: an
+        explicit boolean mask [s_q, s_k] instead of the square causal one."""
         if self.heads != self.groups:
             rep = self.heads // self.groups
             k = k.repeat_interleave(rep, dim=1)
             v = v.repeat_interleave(rep, dim=1)
         return F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, scale=self.scale,
+            q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale,
             dropout_p=self.dropout if self.training else 0.0)
+
+    def _cp_causal(self, q, k, v):
+        """Context parallelism: q [n, heads, 2c, dim] this rank's two chunks (r and
+        2·CP-1-r) of n sequences of length L = 2c·CP, k and v [n, groups, L, dim] whole, in
+        sequence order. Chunk j's queries see the keys [0, (j+1)·c), causally."""
+        cp, r = self.cp_group.size(), self.cp_group.rank()
+        c = q.shape[2] // 2
+        outs = []
+        for half, j in ((0, r), (1, 2 * cp - 1 - r)):
+            end = (j + 1) * c
+            qpos = torch.arange(j * c, end, device=q.device)
+            mask = torch.arange(end, device=q.device).unsqueeze(0) <= qpos.unsqueeze(1)
+            outs.append(self._causal(q[:, :, half * c:(half + 1) * c], k[:, :, :end],
+                                     v[:, :, :end], mask))
+        return torch.cat(outs, dim=2)
 
     def _packed(self, query, key, value, params):
         """THD: [t, heads, dim] tensors, sequences delimited by cu_seqlens -> [t, heads*dim].
@@ -66,6 +95,13 @@ class SDPAttention(MegatronModule):
                 params.cu_seqlens_q_padded, params.cu_seqlens_q):
             raise NotImplementedError("SDPAttention: padded packed sequences")
         bounds = params.cu_seqlens_q.tolist()
+        cp = self.cp_group.size() if self.cp_group is not None else 1
+        if cp > 1:
+            # the row's segments (whole, over the group); this rank holds 1/CP of each
+            segs = tuple(b - a for a, b in zip(bounds, bounds[1:]))
+            key, value = (cpar.gather_sequence(t, segs, 0, self.cp_group, sum_grads=True)
+                          for t in (key, value))
+            return self._packed_cp(query, key, value, bounds, cp)
         starts_of: dict[int, list[int]] = {}
         for a, b in zip(bounds, bounds[1:]):
             if b > a:
@@ -89,4 +125,29 @@ class SDPAttention(MegatronModule):
             outs.append(o.transpose(1, 2).reshape(n * length, self.heads * self.head_dim))
             order.append(idx)
         # back to packed order
+        return torch.cat(outs)[torch.argsort(torch.cat(order))]
+
+    def _packed_cp(self, query, key, value, bounds, cp):
+        """THD under context parallelism: `query` [t/CP, heads, dim] this rank's chunks of
+        each segment, key/value [t, groups, dim] the whole row in sequence order; segments of
+        one length in one batched call, as `_packed` does."""
+        groups: dict[int, list[tuple[int, int]]] = {}  # length -> (global start, local start)
+        local = 0
+        for a, b in zip(bounds, bounds[1:]):
+            if b > a:
+                groups.setdefault(b - a, []).append((a, local))
+            local += (b - a) // cp
+        order, outs = [], []
+        dev = query.device
+        for length, starts in groups.items():
+            n, m = len(starts), length // cp
+            gidx = (torch.tensor([g for g, _ in starts], device=dev).unsqueeze(1)
+                    + torch.arange(length, device=dev)).reshape(-1)
+            lidx = (torch.tensor([lo for _, lo in starts], device=dev).unsqueeze(1)
+                    + torch.arange(m, device=dev)).reshape(-1)
+            q = query[lidx].view(n, m, *query.shape[1:]).transpose(1, 2)
+            k, v = (t[gidx].view(n, length, *t.shape[1:]).transpose(1, 2) for t in (key, value))
+            o = self._cp_causal(q, k, v)
+            outs.append(o.transpose(1, 2).reshape(n * m, self.heads * self.head_dim))
+            order.append(lidx)
         return torch.cat(outs)[torch.argsort(torch.cat(order))]

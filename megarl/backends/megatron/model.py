@@ -200,12 +200,14 @@ def recompute_settings(overrides, gradient_checkpointing: bool) -> dict | None:
 
 def transformer_config(args: ModelArgs, tp: int, pp: int, params_dtype: str = "float32",
                        moe: MoESettings | None = None, recompute: dict | bool | None = None,
-                       sequence_parallel: bool = False, **overrides):
+                       sequence_parallel: bool = False, context_parallel: int = 1,
+                       **overrides):
     """Megatron's TransformerConfig of `args`. `recompute`: Megatron's recompute settings
     (`recompute_settings`; True: FULL_RECOMPUTE), None or False for none.
     `sequence_parallel`: Megatron's sequence parallelism (norms and the residual stream
     sharded over the sequence across TP ranks); it only exists with TP > 1 (Megatron refuses
-    it at TP=1), so at TP=1 it is ignored, as verl and Megatron-LM do."""
+    it at TP=1), so at TP=1 it is ignored, as verl and Megatron-LM do. `context_parallel`:
+    Megatron's context-parallel size (context_parallel.py)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     dtype = DTYPES[params_dtype]
@@ -219,6 +221,7 @@ def transformer_config(args: ModelArgs, tp: int, pp: int, params_dtype: str = "f
         add_qkv_bias=args.qkv_bias, qk_layernorm=args.qk_norm, hidden_dropout=0.0,
         attention_dropout=0.0,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        context_parallel_size=int(context_parallel),
         params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16, use_cpu_initialization=not on_gpu,
         # The fused kernels below are CUDA/apex-only; their unfused paths are exact.
@@ -267,12 +270,15 @@ def transformer_engine_usable() -> bool:
 _SPEC_LOGGED: set = set()
 
 
-def layer_spec(impl: str = "auto", qk_norm: bool = False, num_experts: int = 0):
+def layer_spec(impl: str = "auto", qk_norm: bool = False, num_experts: int = 0,
+               context_parallel: int = 1):
     """The transformer layer: Transformer Engine's (each pre-norm fused into the linear after
     it) for `transformer_engine`, or `auto` where TE is usable; else Megatron's local layers.
     Attention is torch's SDPA in both (on CUDA its flash / memory-efficient kernels), which
     takes the padding masks megarl's batches carry as they are. The HF maps and checkpoints
-    read both layouts (hf/mapping.py: `local_name`)."""
+    read both layouts (hf/mapping.py: `local_name`). Under context parallelism with TE
+    layers, TE's own CP attention (`TEDotProductAttention`, its ring over the CP group) is
+    the core attention; elsewhere SDPAttention's all-gather form."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     from .attention import SDPAttention
@@ -289,10 +295,18 @@ def layer_spec(impl: str = "auto", qk_norm: bool = False, num_experts: int = 0):
         why = {"local": "transformer_impl=local",
                "auto": "Transformer Engine not installed or no CUDA"}.get(impl, impl)
         what = f"Megatron local layers ({why}), torch SDPA attention"
+    core = SDPAttention
+    if use_te and context_parallel > 1:
+        from megatron.core.extensions.transformer_engine import TEDotProductAttention
+
+        core = TEDotProductAttention
+        what = what.replace("torch SDPA attention", "Transformer Engine CP attention")
+    elif context_parallel > 1:
+        what += f" (CP={context_parallel}: K/V all-gathered over the CP group)"
     if what not in _SPEC_LOGGED:  # once per process, not once per model
         _SPEC_LOGGED.add(what)
         logger.info("megatron: %s", what)
-    spec.submodules.self_attention.submodules.core_attention = SDPAttention
+    spec.submodules.self_attention.submodules.core_attention = core
     return spec
 
 
@@ -392,7 +406,8 @@ def build_gpt_model(args: ModelArgs, config, make_vocab_size_divisible_by: int =
     tp = ps.get_tensor_model_parallel_world_size()
     model = GPTModel(
         config=config, transformer_layer_spec=block_spec(
-            layer_spec(transformer_impl, args.qk_norm, args.num_experts), config),
+            layer_spec(transformer_impl, args.qk_norm, args.num_experts,
+                       config.context_parallel_size), config),
         vocab_size=padded_vocab_size(args.vocab_size, make_vocab_size_divisible_by, tp),
         max_sequence_length=args.max_position_embeddings,
         pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),

@@ -96,6 +96,15 @@ class Packed:
     cu_seqlens: torch.Tensor
     max_seqlen: int
     lengths: list[int]
+    seq_segments: list[int] | None = None
+    """Each sequence's segment when it is longer than the sequence (context parallelism pads
+    every sequence to a multiple of 2·CP); None: the sequences' own lengths."""
+
+    @property
+    def segments(self) -> tuple[int, ...]:
+        """Every segment of the row, the padding tail included."""
+        bounds = self.cu_seqlens.tolist()
+        return tuple(b - a for a, b in zip(bounds, bounds[1:]))
 
     def params(self):
         from megatron.core.packed_seq_params import PackedSeqParams
@@ -105,27 +114,34 @@ class Packed:
                                max_seqlen_kv=self.max_seqlen)
 
 
-def pack(input_ids: torch.Tensor, lengths: list[int], total: int | None = None) -> Packed:
+def pack(input_ids: torch.Tensor, lengths: list[int], total: int | None = None,
+         seq_segments: list[int] | None = None) -> Packed:
     """Pack the rows of `input_ids` [b, S] (row i's first lengths[i] tokens) into one row of
-    `total` tokens (default: their sum; more: a padding segment at the end)."""
-    used = sum(lengths)
+    `total` tokens (default: their sum; more: a padding segment at the end). `seq_segments`:
+    each sequence's segment, its tokens followed by padding (context parallelism)."""
+    seq_segs = list(lengths) if seq_segments is None else list(seq_segments)
+    if any(g < n for g, n in zip(seq_segs, lengths)):
+        raise ValueError(f"pack: segments {seq_segs} shorter than sequences {lengths}")
+    used = sum(seq_segs)
     total = used if total is None else total
     if total < used:
         raise ValueError(f"pack: {used} tokens do not fit in {total}")
-    segs = list(lengths) + ([total - used] if total > used else [])
-    ids = torch.cat([input_ids[i, :n] for i, n in enumerate(lengths)]
+    segs = seq_segs + ([total - used] if total > used else [])
+    ids = torch.cat([torch.cat([input_ids[i, :n], input_ids.new_zeros(g - n)])
+                     for i, (n, g) in enumerate(zip(lengths, seq_segs))]
                     + ([input_ids.new_zeros(total - used)] if total > used else []))
     pos = torch.cat([torch.arange(n, device=input_ids.device) for n in segs])
     cu = torch.tensor([0] + segs, dtype=torch.int32, device=input_ids.device).cumsum(0)
     return Packed(ids.unsqueeze(0), pos.unsqueeze(0), cu.to(torch.int32), max(segs),
-                  list(lengths))
+                  list(lengths), None if seq_segments is None else seq_segs)
 
 
-def shifted_index(lengths: list[int], device=None
+def shifted_index(lengths: list[int], device=None, segments: list[int] | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Where the packed next-token outputs go in [rows, S]: output j of the packed row (the
     prediction of packed token j + 1) is (row, col) = (i, t) for token t >= 1 of row i.
-    Returns (src j, row i, col t); the first token of each row has no prediction."""
+    Returns (src j, row i, col t); the first token of each row has no prediction.
+    `segments`: each row's segment in the pack, when longer than the row (`pack`)."""
     src, row, col = [torch.zeros(0, dtype=torch.long)], [torch.zeros(0, dtype=torch.long)], \
         [torch.zeros(0, dtype=torch.long)]
     start = 0
@@ -133,14 +149,15 @@ def shifted_index(lengths: list[int], device=None
         src.append(torch.arange(start, start + n - 1))
         row.append(torch.full((n - 1,), i, dtype=torch.long))
         col.append(torch.arange(1, n))
-        start += n
+        start += n if segments is None else segments[i]
     return tuple(torch.cat(x).to(device) for x in (src, row, col))
 
 
-def unpack_shifted(values: torch.Tensor, lengths: list[int], width: int) -> torch.Tensor:
+def unpack_shifted(values: torch.Tensor, lengths: list[int], width: int,
+                   segments: list[int] | None = None) -> torch.Tensor:
     """Packed per-position outputs [T'] (T' >= sum(lengths) - 1, output j belonging to
     packed position j) -> [rows, width] in token alignment: out[i, t] = values at the packed
     position of token t - 1 of row i; column 0 and the padding are 0. Differentiable."""
-    src, row, col = shifted_index(lengths, values.device)
+    src, row, col = shifted_index(lengths, values.device, segments)
     out = values.new_zeros(len(lengths), width)
     return out.index_put((row, col), values[src])

@@ -25,12 +25,14 @@ def has_gloo_groups() -> bool:
     return not torch.cuda.is_available()
 
 
-def init_distributed(tp: int = 1, pp: int = 1, *, ep: int = 1, etp: int | None = None,
+def init_distributed(tp: int = 1, pp: int = 1, *, cp: int = 1, ep: int = 1,
+                     etp: int | None = None,
                      rank: int | None = None,
                      world_size: int | None = None, master_addr: str | None = None,
                      master_port: int | None = None, timeout_s: float = 600.0,
                      seed: int = 1234) -> None:
     """Initialise torch.distributed (if not yet) and Megatron's TP/PP/DP groups, and its
+    context-parallel groups of `cp` ranks (context_parallel.py), and its
     expert groups for a mixture of experts (`ep` expert-parallel ranks, each expert split over
     `etp` ranks; None: over the TP ranks, Megatron's default); every group times a collective
     out after `timeout_s` (gloo raises; NCCL's watchdog aborts)."""
@@ -59,8 +61,8 @@ def init_distributed(tp: int = 1, pp: int = 1, *, ep: int = 1, etp: int | None =
         dist.init_process_group(backend, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout_s))
     world = dist.get_world_size()
-    if world % (tp * pp):
-        raise ValueError(f"world size {world} is not divisible by TP×PP = {tp}×{pp}")
+    if world % (tp * pp * cp):
+        raise ValueError(f"world size {world} is not divisible by TP×PP×CP = {tp}×{pp}×{cp}")
     etp = tp if etp is None else etp
     if (world // pp) % (ep * etp):
         raise ValueError(f"world size {world} over PP={pp} is not divisible by EP×ETP = "
@@ -69,12 +71,14 @@ def init_distributed(tp: int = 1, pp: int = 1, *, ep: int = 1, etp: int | None =
         have = (ps.get_tensor_model_parallel_world_size(),
                 ps.get_pipeline_model_parallel_world_size(),
                 ps.get_expert_model_parallel_world_size(),
-                ps.get_expert_tensor_parallel_world_size())
-        if have != (tp, pp, ep, etp):
-            raise RuntimeError(f"Megatron parallel_state already initialised with TP/PP/EP/ETP "
-                               f"{have}, not {(tp, pp, ep, etp)}")
+                ps.get_expert_tensor_parallel_world_size(),
+                ps.get_context_parallel_world_size())
+        if have != (tp, pp, ep, etp, cp):
+            raise RuntimeError(f"Megatron parallel_state already initialised with "
+                               f"TP/PP/EP/ETP/CP {have}, not {(tp, pp, ep, etp, cp)}")
         return
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                 context_parallel_size=cp,
                                  expert_model_parallel_size=ep,
                                  expert_tensor_parallel_size=etp,
                                  create_gloo_process_groups=has_gloo_groups(),
@@ -84,8 +88,8 @@ def init_distributed(tp: int = 1, pp: int = 1, *, ep: int = 1, etp: int | None =
     else:
         torch.manual_seed(seed)
         _patches.cpu_rng_tracker()
-    logger.info("rank %d/%d: TP=%d PP=%d DP=%d%s (%s)", dist.get_rank(), world, tp, pp,
-                ps.get_data_parallel_world_size(),
+    logger.info("rank %d/%d: TP=%d PP=%d DP=%d%s%s (%s)", dist.get_rank(), world, tp, pp,
+                ps.get_data_parallel_world_size(), f" CP={cp}" if cp > 1 else "",
                 f" EP={ep} ETP={etp}" if ep > 1 or etp != tp else "", dist.get_backend())
 
 

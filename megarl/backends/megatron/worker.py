@@ -31,6 +31,7 @@ from megarl.backends.megatron.hf import live
 from megarl.backends.megatron.hf.hf_io import HFReader
 from megarl.backends.megatron.hf.model_config import check_layout, read_model_args
 
+from . import context_parallel as cpar
 from . import model as mmodel
 from .logprobs import vocab_parallel_logprobs
 from .optim import OptimConfig, build_optimizer
@@ -75,13 +76,15 @@ class MegatronWorker:
                  seed: int = 1234, load_hf: bool = True, trainable: bool = True,
                  value_model: bool = False, transformer_impl: str = "auto",
                  collective_timeout_s: float = 600.0, moe: mmodel.MoESettings | None = None,
-                 recompute: dict | bool | None = None, sequence_parallel: bool = False):
+                 recompute: dict | bool | None = None, sequence_parallel: bool = False,
+                 context_parallel: int = 1):
         # The converter's checks and layout rules, before any collective: a model that cannot
         # split over TP×PP fails here with the converter's message, not a Megatron assertion.
         self.args = read_model_args(model_dir)
         self.moe = moe = moe or mmodel.MoESettings()
         check_layout(self.args, tp, pp, os.path.join(model_dir, "config.json"), moe.ep, moe.etp)
-        init_distributed(tp, pp, ep=moe.ep, etp=moe.etp, seed=seed,
+        self.cp = cp = int(context_parallel)
+        init_distributed(tp, pp, cp=cp, ep=moe.ep, etp=moe.etp, seed=seed,
                          timeout_s=collective_timeout_s)
         from megatron.core import parallel_state as ps
 
@@ -91,11 +94,15 @@ class MegatronWorker:
         self.params_dtype, self.vocab_divisor = params_dtype, make_vocab_size_divisible_by
         self.config = mmodel.transformer_config(self.args, tp, pp, params_dtype, moe,
                                                 recompute=recompute,
-                                                sequence_parallel=sequence_parallel)
+                                                sequence_parallel=sequence_parallel,
+                                                context_parallel=cp)
         # Under sequence parallelism every rank holds S / TP positions of the residual
         # stream, so the sequences the model sees are padded to a multiple of TP (right
         # padding: causal attention keeps it from every real token; outputs are cut back).
-        self.seq_multiple = tp if self.config.sequence_parallel else 1
+        # Under context parallelism every sequence is cut into 2·CP chunks (and each rank's
+        # share again into TP slices under SP).
+        self.seq_multiple = (tp if self.config.sequence_parallel else 1) * (2 * cp if cp > 1
+                                                                              else 1)
         self.value_model = value_model
         self.model = mmodel.build_gpt_model(self.args, self.config, make_vocab_size_divisible_by,
                                             value_head=value_model,
@@ -130,7 +137,8 @@ class MegatronWorker:
                    seed=spec.seed, trainable=spec.optim is not None,
                    value_model=spec.value_model, transformer_impl=spec.transformer_impl,
                    collective_timeout_s=spec.collective_timeout_s, moe=spec.moe,
-                   recompute=spec.recompute, sequence_parallel=spec.sequence_parallel)
+                   recompute=spec.recompute, sequence_parallel=spec.sequence_parallel,
+                   context_parallel=spec.context_parallel)
 
     # ---------------------------------------------------------------- forward plumbing
     def _device(self):
@@ -170,7 +178,9 @@ class MegatronWorker:
         shapes. Each micro-batch keeps its rows' own tensors ([rows, S], for the loss), the
         packed row under "_packed" and the rows' indices in the batch under "_rows"."""
         lengths = row_lengths(batch)
-        k = torch.tensor([count_micro_batches(lengths, max_tokens)], device=self._device())
+        # the budget counts per CP rank: a micro-batch's sequences are shared by CP ranks
+        k = torch.tensor([count_micro_batches(lengths, max_tokens * self.cp)],
+                         device=self._device())
         if self.ps.get_data_parallel_world_size() > 1:
             dist.all_reduce(k, op=dist.ReduceOp.MAX, group=self.ps.get_data_parallel_group())
         k = int(k.item())
@@ -186,7 +196,7 @@ class MegatronWorker:
             else:
                 chunks.append((filler, torch.tensor([-1]), [1]))
         equal = self._gathers_tokens()
-        total = max(sum(n) for _, _, n in chunks) \
+        total = max(sum(self._segments(n)) for _, _, n in chunks) \
             if self.ps.get_pipeline_model_parallel_world_size() > 1 or equal else None
         if total is not None:
             total = self._model_len(total)
@@ -201,10 +211,27 @@ class MegatronWorker:
             mb = {kk: (v.to(dev) if torch.is_tensor(v) else v) for kk, v in rows.items()}
             # under sequence parallelism a packed row ends in a padding segment that makes
             # it a multiple of TP
-            mb["_packed"] = pack(mb["input_ids"], n, total or self._model_len(sum(n)))
+            segs = self._segments(n)
+            mb["_packed"] = pack(mb["input_ids"], n, total or self._model_len(sum(segs)),
+                                 segs if self.cp > 1 else None)
             mb["_rows"] = idx.to(dev)
             mbatches.append(mb)
         return mbatches, 1, max(m["_packed"].input_ids.shape[1] for m in mbatches)
+
+    def _segments(self, lengths: list[int]) -> list[int]:
+        """Each sequence's segment of a packed row: itself, or under context parallelism
+        padded to a multiple of 2·CP (context_parallel.py)."""
+        return cpar.packed_segments(lengths, self.cp) if self.cp > 1 else list(lengths)
+
+    def _cp_segments(self, mb: dict, seq: int) -> tuple[int, ...]:
+        """The segments a micro-batch's row(s) are split over the CP ranks by."""
+        packed = mb.get("_packed")
+        return packed.segments if packed is not None else (seq,)
+
+    def _cp_local(self, t: torch.Tensor, segments: tuple[int, ...], dim: int) -> torch.Tensor:
+        """This CP rank's positions of `t` along `dim` (the whole sequence(s) there)."""
+        idx = cpar.local_index(segments, self.cp, self.ps.get_context_parallel_rank())
+        return t.index_select(dim, idx.to(t.device))
 
     def _run(self, batch: dict, micro: "int | TokenBudget", loss_of: Callable,
              forward_only: bool, prepared: tuple | None = None) -> list[dict]:
@@ -218,16 +245,23 @@ class MegatronWorker:
                 self._route_micro_batch(mb)
             packed = mb.get("_packed")
             if packed is not None:
-                out = model(packed.input_ids, packed.position_ids, attention_mask=None,
-                            packed_seq_params=packed.params())
+                ids, pos = packed.input_ids, packed.position_ids
+                if self.cp > 1:
+                    ids, pos = (self._cp_local(t, packed.segments, 1) for t in (ids, pos))
+                out = model(ids, pos, attention_mask=None, packed_seq_params=packed.params())
                 return out, functools.partial(loss_of, mb)
             ids = mb["input_ids"]
             width = ids.shape[1]
-            if seq > width:  # sequence parallelism: right padding up to a multiple of TP
+            if seq > width:  # SP / CP: right padding up to a multiple of TP / 2·CP
                 ids = torch.cat([ids, ids.new_zeros(ids.shape[0], seq - width)], dim=1)
             pos = torch.arange(seq, device=ids.device).unsqueeze(0).expand_as(ids)
+            if self.cp > 1:
+                # this rank's chunks; the outputs stay local (the losses gather per-token
+                # values, never logits: `_token_logprobs`, `_token_values`)
+                ids, pos = (self._cp_local(t, (seq,), 1) for t in (ids, pos))
+                mb["_seq"] = seq
             out = model(ids, pos, attention_mask=None)
-            if seq > width and self.ps.is_pipeline_last_stage():
+            if seq > width and self.cp == 1 and self.ps.is_pipeline_last_stage():
                 out = out[:, :width]  # [b, s, ...]: the padding predicts nothing
             return out, functools.partial(loss_of, mb)
 
@@ -293,16 +327,23 @@ class MegatronWorker:
             routed = torch.where(mask[..., None, None], routed, spare)
         if packed is not None:
             total = packed.input_ids.shape[1]
+            # each sequence's tokens at its segment's start (segments longer than their
+            # sequences under CP); the rest (the tail evening out stages or EP ranks, CP's
+            # padding) is no real token and routes to the spare experts
+            seq_segs = packed.seq_segments or packed.lengths
+            starts = [0]
+            for g in seq_segs[:-1]:
+                starts.append(starts[-1] + g)
+            where = torch.cat([torch.arange(a, a + n) for a, n in zip(starts, packed.lengths)]
+                              ).to(mask.device)
             real = torch.zeros(total, dtype=torch.bool, device=mask.device)
-            real[:sum(packed.lengths)] = torch.cat(
-                [mask[i, :n] for i, n in enumerate(packed.lengths)])
+            real[where] = torch.cat([mask[i, :n] for i, n in enumerate(packed.lengths)])
             if routed is not None:
-                flat = torch.cat([routed[i, :n] for i, n in enumerate(packed.lengths)])
-                if total > flat.shape[0]:  # the tail evening out stages (or EP ranks)
-                    flat = torch.cat([flat, spare.expand(total - flat.shape[0],
-                                                         *flat.shape[1:])])
-            real, flat = self._sequence_shard(real), (
-                self._sequence_shard(flat, spare) if routed is not None else None)
+                flat = spare.expand(total, *routed.shape[2:]).clone()
+                flat[where] = torch.cat([routed[i, :n] for i, n in enumerate(packed.lengths)])
+            segs = packed.segments
+            real, flat = self._sequence_shard(real, segments=segs), (
+                self._sequence_shard(flat, spare, segs) if routed is not None else None)
         else:
             real = self._sequence_shard(mask.transpose(0, 1)).reshape(-1)
             if routed is not None:
@@ -319,19 +360,24 @@ class MegatronWorker:
             replay.set_target_indices(flat[:, layer].long().contiguous())
             replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
 
-    def _sequence_shard(self, t: torch.Tensor, fill=None) -> torch.Tensor:
-        """This TP rank's slice of `t` [s, ...] (the model's sequence order) under sequence
-        parallelism, after padding s to the model's length (`fill` along the new positions:
-        False, or the spare experts); `t` itself without SP."""
+    def _sequence_shard(self, t: torch.Tensor, fill=None, segments=None) -> torch.Tensor:
+        """This rank's positions of `t` [s, ...] (the model's sequence order): padded to the
+        model's length (`fill` along the new positions: False, or the spare experts), this
+        CP rank's chunks of it (of each packed `segments`), and under sequence parallelism
+        this TP rank's slice of those; `t` itself without SP or CP."""
         if self.seq_multiple == 1:
             return t
-        s = self._model_len(t.shape[0])
+        s = self._model_len(t.shape[0]) if segments is None else t.shape[0]
         if s > t.shape[0]:
             pad = t.new_zeros(s - t.shape[0], *t.shape[1:])
             if fill is not None:
                 pad[...] = fill
             t = torch.cat([t, pad])
-        n = s // self.seq_multiple
+        if self.cp > 1:
+            t = self._cp_local(t, segments or (s,), 0)
+        if not self.config.sequence_parallel:
+            return t
+        n = t.shape[0] // self.ps.get_tensor_model_parallel_world_size()
         r = self.ps.get_tensor_model_parallel_rank()
         return t[r * n:(r + 1) * n]
 
@@ -383,6 +429,8 @@ class MegatronWorker:
         return out
 
     def _token_logprobs(self, mb, logits, temperature, with_entropy):
+        if self.cp > 1:
+            return self._token_logprobs_cp(mb, logits, temperature, with_entropy)
         packed = mb.get("_packed")
         ids = mb["input_ids"] if packed is None else packed.input_ids
         lp, ent = vocab_parallel_logprobs(logits[:, :-1], ids[:, 1:], self.args.vocab_size,
@@ -396,6 +444,39 @@ class MegatronWorker:
         lp = torch.cat([pad, lp], dim=1)
         if ent is not None:
             ent = torch.cat([pad, ent], dim=1)
+        return lp, ent
+
+    def _cp_gather(self, mb: dict, local: torch.Tensor) -> torch.Tensor:
+        """Per-position values [b, s/CP] of this CP rank -> [b, s] in sequence order, on every
+        CP rank (backward: each rank its own positions; context_parallel.py)."""
+        segs = self._cp_segments(mb, mb.get("_seq", 0))
+        return cpar.gather_sequence(local, segs, 1, self.ps.get_context_parallel_group())
+
+    def _token_logprobs_cp(self, mb, logits, temperature, with_entropy):
+        """`_token_logprobs` under context parallelism: each rank scores its own positions
+        against their next tokens (the whole row is on every rank), then the per-token
+        values are gathered and laid out as without CP."""
+        packed = mb.get("_packed")
+        ids = mb["input_ids"] if packed is None else packed.input_ids
+        segs = self._cp_segments(mb, mb.get("_seq", 0))
+        full = sum(segs)
+        nxt = torch.cat([ids[:, 1:], ids.new_zeros(ids.shape[0], 1 + full - ids.shape[1])], 1)
+        targets = self._cp_local(nxt, segs, 1)
+        lp, ent = vocab_parallel_logprobs(logits, targets, self.args.vocab_size, temperature,
+                                          with_entropy)
+        # [b, L]: position j's prediction of token j + 1
+        lp = self._cp_gather(mb, lp)
+        ent = self._cp_gather(mb, ent) if ent is not None else None
+        width = mb["input_ids"].shape[1]
+        if packed is not None:
+            segs_seq = packed.seq_segments
+            lp = unpack_shifted(lp[0], packed.lengths, width, segs_seq)
+            ent = unpack_shifted(ent[0], packed.lengths, width, segs_seq) \
+                if ent is not None else None
+            return lp, ent
+        pad = lp.new_zeros(ids.shape[0], 1)
+        lp = torch.cat([pad, lp[:, :width - 1]], dim=1)
+        ent = torch.cat([pad, ent[:, :width - 1]], dim=1) if ent is not None else None
         return lp, ent
 
     # ---------------------------------------------------------------- public operations
@@ -446,8 +527,13 @@ class MegatronWorker:
         (module doc)."""
         v = out[..., 0].float()
         packed = (mb or {}).get("_packed")
+        if self.cp > 1:
+            v = self._cp_gather(mb, v)
+            if packed is None:
+                v = v[:, :mb["input_ids"].shape[1]]
         if packed is not None:
-            return unpack_shifted(v[0], packed.lengths, mb["input_ids"].shape[1])
+            return unpack_shifted(v[0], packed.lengths, mb["input_ids"].shape[1],
+                                  packed.seq_segments)
         return torch.cat([v.new_zeros(v.shape[0], 1), v[:, :-1]], dim=1)
 
     @torch.no_grad()
@@ -472,9 +558,12 @@ class MegatronWorker:
         from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
         self.model.eval()
-        store = self._run({"input_ids": input_ids}, input_ids.shape[0],
-                          lambda mb, logits: (logits.new_zeros(()), {"logits": logits}),
-                          forward_only=True)
+        def keep(mb, logits):
+            if self.cp > 1:  # whole sequences (a test's size: logits are gathered)
+                logits = self._cp_gather(mb, logits)[:, :mb["input_ids"].shape[1]]
+            return logits.new_zeros(()), {"logits": logits}
+
+        store = self._run({"input_ids": input_ids}, input_ids.shape[0], keep, forward_only=True)
         B, S = input_ids.shape
         if self.ps.is_pipeline_last_stage():
             logits = torch.cat([gather_from_tensor_model_parallel_region(d["logits"])

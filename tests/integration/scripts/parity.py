@@ -2,7 +2,8 @@
 
 argv: out.json tp pp model_dir [model_dir ...]; rank 0 writes {model_dir: {metric: max_diff}}.
 PARITY_PARAMS_DTYPE (default float32) sets the Megatron side's params_dtype; transformers
-stays in float32 on the CPU, the reference. PARITY_EP (default 1): expert-parallel ranks for
+stays in float32 on the CPU, the reference. PARITY_CP (default 1): context-parallel ranks
+(world TP×PP×CP), the packed (THD) path beside the padded one. PARITY_EP (default 1): expert-parallel ranks for
 the mixture-of-experts models (the world is then larger than TP×PP: data-parallel ranks
 that each run the same rows, their tokens crossing to the experts' ranks).
 """
@@ -16,7 +17,7 @@ import torch.distributed as dist
 from megarl.backends.megatron.parallel import rank_program
 
 
-def compare(w, hf, packed: bool) -> dict:
+def compare(w, hf, packed: bool, cp: int = 1) -> dict:
     """Largest differences of `w`'s logits, log-probs and entropies from `hf`'s."""
     from megarl.backends.megatron.packing import TokenBudget
 
@@ -28,7 +29,8 @@ def compare(w, hf, packed: bool) -> dict:
     r = {"logits": (logits - ref).abs().max().item()}
     # micro-batch 2 of 3 rows: also exercises the filler row of the last micro-batch;
     # packed: two micro-batches of 17 + 17 and 17 tokens
-    micros = [("", 2)] + ([("packed_", TokenBudget(34))] if packed else [])
+    # (under CP the budget counts per CP rank: 34 // CP keeps the same micro-batches)
+    micros = [("", 2)] + ([("packed_", TokenBudget(34 // cp))] if packed else [])
     for temp in (1.0, 0.7):
         logp_all = torch.log_softmax(ref / temp, dim=-1)[:, :-1]
         want = logp_all.gather(-1, ids[:, 1:, None]).squeeze(-1)
@@ -56,6 +58,7 @@ def main():
     # numbers under "sp:" keys, and the packed (THD) path beside the padded one; 17 tokens
     # are not a multiple of TP, nor are the packed rows, so both are padded for SP
     sp_runs = [False] + ([True] if os.environ.get("PARITY_SP") == "1" else [])
+    cp = int(os.environ.get("PARITY_CP", 1))
     for d in dirs:
         hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
         r = {}
@@ -64,8 +67,9 @@ def main():
                                params_dtype=os.environ.get("PARITY_PARAMS_DTYPE", "float32"),
                                moe=MoESettings(ep=ep, etp=int(os.environ["PARITY_ETP"])
                                                if os.environ.get("PARITY_ETP") else None),
-                               sequence_parallel=sp)
-            r.update({("sp:" if sp else "") + k: v for k, v in compare(w, hf, sp).items()})
+                               sequence_parallel=sp, context_parallel=cp)
+            r.update({("sp:" if sp else "") + k: v
+                      for k, v in compare(w, hf, sp or cp > 1, cp).items()})
         results[d] = r
     if dist.get_rank() == 0:
         with open(out, "w") as f:
