@@ -233,6 +233,7 @@ RANGES: Dict[str, Range] = {
     "trainer.critic_warmup": NON_NEGATIVE,
     **{f"{section}.{key}": POSITIVE for section in MEGATRON_SECTIONS
        for key in ("expert_model_parallel_size", "expert_tensor_parallel_size",
+                   "context_parallel_size",
                    "override_transformer_config.moe_expert_capacity_factor",
                    "override_transformer_config.recompute_num_layers")},
     **{f"{section}.override_transformer_config.{key}": NON_NEGATIVE
@@ -425,6 +426,11 @@ class MegatronConfig:
     the MLP take 1/TP of the memory; sequences are padded to a multiple of TP, and the
     numbers are those without it. Ignored at TP=1. verl defaults it to true; megarl to
     false, so a config that leaves it out runs as before this key existed."""
+    context_parallel_size: int = 1
+    """Context parallelism (CP, verl's key): every sequence split over CP ranks in 2·CP
+    chunks (rank r holds chunks r and 2·CP-1-r, the causal-balance layout), attention over
+    the CP group; activations per rank shrink by CP. A group's device count must be a
+    multiple of TP×PP×CP. A logp replica runs the actor's."""
     override_transformer_config: TransformerOverrides = field(
         default_factory=TransformerOverrides)
     """Router settings of a mixture of experts (Megatron's names, verl's path)."""

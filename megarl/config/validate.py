@@ -28,15 +28,19 @@ _ARR = "actor_rollout_ref"
 # the group's device count. ``reward`` runs no model.
 _PARALLEL_KEYS = {
     "logp": (f"{_ARR}.logp.tensor_model_parallel_size",
-             f"{_ARR}.logp.pipeline_model_parallel_size"),
+             f"{_ARR}.logp.pipeline_model_parallel_size",
+             f"{_ARR}.actor.megatron.context_parallel_size"),
     "actor-train": (f"{_ARR}.actor.megatron.tensor_model_parallel_size",
-                    f"{_ARR}.actor.megatron.pipeline_model_parallel_size"),
+                    f"{_ARR}.actor.megatron.pipeline_model_parallel_size",
+                    f"{_ARR}.actor.megatron.context_parallel_size"),
     "ref_logp": (f"{_ARR}.ref.megatron.tensor_model_parallel_size",
-                 f"{_ARR}.ref.megatron.pipeline_model_parallel_size"),
+                 f"{_ARR}.ref.megatron.pipeline_model_parallel_size",
+                 f"{_ARR}.ref.megatron.context_parallel_size"),
     "generate": (f"{_ARR}.rollout.tensor_model_parallel_size",),
     "reward": (),
     "critic": ("critic.megatron.tensor_model_parallel_size",
-               "critic.megatron.pipeline_model_parallel_size"),
+               "critic.megatron.pipeline_model_parallel_size",
+               "critic.megatron.context_parallel_size"),
 }
 
 
@@ -487,8 +491,10 @@ def _models_on(cfg: DictConfig, plan: GroupPlan, plans: list[GroupPlan]) -> list
     if cfg.algorithm.adv_estimator == "gae" and critic_hosted(plans) is plan:
         out.append(("critic", "critic.megatron", cfg.critic.megatron))
     actor = m.actor.megatron
+    # the layout (TP, PP, CP); a logp replica has no CP key: it runs the actor's
     return [(name, key, n.tensor_model_parallel_size or actor.tensor_model_parallel_size,
-             n.pipeline_model_parallel_size or actor.pipeline_model_parallel_size)
+             n.pipeline_model_parallel_size or actor.pipeline_model_parallel_size,
+             n.get("context_parallel_size") or actor.context_parallel_size)
             for name, key, n in out]
 
 
@@ -542,7 +548,7 @@ def _expert_layouts(cfg: DictConfig, plan: GroupPlan, plans: list[GroupPlan]) ->
     keys = {"actor": f"{_ARR}.actor.megatron", "logp replica": f"{_ARR}.actor.megatron",
             "ref": f"{_ARR}.ref.megatron", "critic": "critic.megatron"}
     out = []
-    for name, _, tp, pp in _models_on(cfg, plan, plans):
+    for name, _, tp, pp, _cp in _models_on(cfg, plan, plans):
         m = own[name]
         etp = m.expert_tensor_parallel_size or tp
         out.append((name, keys[name], pp, m.expert_model_parallel_size, etp))
@@ -591,8 +597,14 @@ def _check_torchrun_sharing(cfg: DictConfig, plans: list[GroupPlan]) -> None:
         return
     for plan in plans:
         models = _models_on(cfg, plan, plans)
-        for name, key, tp, pp in models[1:]:
-            first, fkey, ftp, fpp = models[0]
+        for name, key, tp, pp, cp in models[1:]:
+            first, fkey, ftp, fpp, fcp = models[0]
+            if (tp, pp) == (ftp, fpp) and cp != fcp:
+                raise ConfigError(
+                    f"{key}.context_parallel_size: {cp}, but with trainer.launcher=torchrun "
+                    f"the {name} model on group '{plan.name}' shares the {first} model's "
+                    f"processes, which run {fkey}.context_parallel_size={fcp}; use the same "
+                    "size or give it a task group of its own")
             if (tp, pp) != (ftp, fpp):
                 raise ConfigError(
                     f"{key}.tensor_model_parallel_size/pipeline_model_parallel_size: {tp}×{pp}"

@@ -140,11 +140,14 @@ class TorchOptimizer(_Scheduled):
     def _sync_grads(self):
         from megatron.core import parallel_state as ps
 
-        dp = ps.get_data_parallel_world_size()
+        # over DP × CP, as Megatron's DDP: CP ranks hold partial gradients of one batch,
+        # each scaled by CP in Megatron's schedule, so the mean over DP·CP is the DP mean
+        dp = ps.get_data_parallel_world_size(with_context_parallel=True)
         if dp > 1:
+            group = ps.get_data_parallel_group(with_context_parallel=True)
             for p in self.params:
                 if p.grad is not None:
-                    dist.all_reduce(p.grad, group=ps.get_data_parallel_group())
+                    dist.all_reduce(p.grad, group=group)
                     p.grad.div_(dp)
         m = self.model
         if (ps.get_pipeline_model_parallel_world_size() > 1
