@@ -7,6 +7,7 @@ resume_at > 0: after that many steps the worker saves a checkpoint, a second wor
 in the same processes, loads it and trains the remaining steps (the curve is both together).
 Overrides are run-config keys in the CLI's syntax (the layout, the optimizer, the dtype);
 those after `--then` apply to the second worker only (a bf16 run resumed in fp32, say).
+OPTIM_TOKEN_BUDGET: packed micro-batches of that many tokens (per CP rank) instead of 2 rows.
 """
 import json
 import os
@@ -48,6 +49,13 @@ def main():
     def loss_fn(logprobs, entropy, mb):  # this rank's token mean; DDP averages over ranks
         return -(logprobs.float() * mb["loss_mask"]).sum() / tokens, {}
 
+    budget = os.environ.get("OPTIM_TOKEN_BUDGET")
+    if budget:
+        from megarl.backends.megatron.packing import TokenBudget
+
+        micro = TokenBudget(int(budget))
+    else:
+        micro = 2
     curve = []
     for i in range(steps):
         if resume_at and i == resume_at:
@@ -55,7 +63,7 @@ def main():
             w.save(path)
             w = MegatronWorker.from_spec(spec(then))  # fresh weights from HF, fresh optimizer
             w.load(path)
-        curve.append(w.train_step(batch, loss_fn, micro_batch_size=2))
+        curve.append(w.train_step(batch, loss_fn, micro_batch_size=micro))
     if dist.get_rank() == 0:
         with open(out, "w") as f:
             json.dump(curve, f)

@@ -57,7 +57,8 @@ def main():
     # PARITY_SP=1: each model again with sequence parallelism (the same process groups), its
     # numbers under "sp:" keys, and the packed (THD) path beside the padded one; 17 tokens
     # are not a multiple of TP, nor are the packed rows, so both are padded for SP
-    sp_runs = [False] + ([True] if os.environ.get("PARITY_SP") == "1" else [])
+    # (PARITY_SP=only: the SP run alone)
+    sp_runs = {"1": [False, True], "only": [True]}.get(os.environ.get("PARITY_SP"), [False])
     cp = int(os.environ.get("PARITY_CP", 1))
     for d in dirs:
         hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
