@@ -73,7 +73,8 @@ class TrainerWeightSync:
         # export, and its TP-rank-0 of each stage sends. Experts split over EP are the
         # exception: their EP ranks are other data-parallel ranks, and every one of them
         # takes part in the export's EP gathers.
-        first = ps.get_data_parallel_rank() == 0
+        # (context-parallel ranks hold the same weights as their CP rank 0: they stay out)
+        first = ps.get_data_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0
         self.exporter = first or (worker.args.is_moe
                                   and ps.get_expert_model_parallel_world_size() > 1)
         self.sender = first and ps.get_tensor_model_parallel_rank() == 0

@@ -12,11 +12,12 @@ from launch_helpers import SCRIPTS, read_json, run_tool, torchrun
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, tiny_qwen2):
     out = {}
-    for tp, pp in [(2, 1), (1, 2)]:
+    for tp, pp, cp in [(2, 1, 1), (1, 2, 1), (1, 1, 2)]:
         d = tmp_path_factory.mktemp("critic")
-        torchrun(SCRIPTS / "critic_curve.py", tp * pp, d / "out.json", tp, pp, tiny_qwen2,
-                 d / "ckpt")
-        out[(tp, pp)] = {**read_json(d / "out.json"), "ckpt": d / "ckpt", "dir": d}
+        torchrun(SCRIPTS / "critic_curve.py", tp * pp * cp, d / "out.json", tp, pp,
+                 tiny_qwen2, d / "ckpt", cp)
+        out[(tp, pp) if cp == 1 else ("cp", cp)] = {**read_json(d / "out.json"),
+                                                    "ckpt": d / "ckpt", "dir": d}
     return out
 
 
@@ -34,11 +35,16 @@ def test_value_loss_falls(runs, layout):
 
 
 def test_parallel_layouts_give_same_values(runs):
-    ref, got = runs[(2, 1)], runs[(1, 2)]
-    for a, b in zip(ref["curve"], got["curve"]):
-        assert abs(a["critic/vf_loss"] - b["critic/vf_loss"]) <= 1e-4, (ref, got)
-    for ra, rb in zip(ref["values"], got["values"]):
-        assert max(abs(x - y) for x, y in zip(ra, rb)) <= 1e-3
+    """TP=2, PP=2 and CP=2 (each sequence over two ranks, values gathered over them)."""
+    ref = runs[(2, 1)]
+    for got in (runs[(1, 2)], runs[("cp", 2)]):
+        for a, b in zip(ref["curve"], got["curve"]):
+            assert abs(a["critic/vf_loss"] - b["critic/vf_loss"]) <= 1e-4, (ref, got)
+        for ra, rb in zip(ref["values"], got["values"]):
+            assert max(abs(x - y) for x, y in zip(ra, rb)) <= 1e-3
+    from megarl.backends.megatron.checkpoint import read_meta
+
+    assert read_meta(runs[("cp", 2)]["ckpt"])["cp"] == 2
 
 
 def test_critic_checkpoint_converts_to_hf_token_classification(runs):

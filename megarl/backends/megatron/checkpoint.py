@@ -71,6 +71,9 @@ def save_checkpoint(worker, path, **meta) -> Path:
             json.dump({"format": "megarl-mcore-v1", "model_dir": str(worker.model_dir),
                        "tp": worker.ps.get_tensor_model_parallel_world_size(),
                        "pp": worker.ps.get_pipeline_model_parallel_world_size(),
+                       # context parallelism splits activations only: the weights are those
+                       # of CP=1, and a resume at another CP reads them as they are
+                       "cp": worker.ps.get_context_parallel_world_size(),
                        **_expert_layout(worker),
                        # the dtype and vocab padding the model was built with: conversion
                        # rebuilds it from these (it fell back to float32 and 128 without them)
@@ -117,8 +120,9 @@ def load_checkpoint(worker, path) -> dict:
                            f"unexpected {unexpected[:5]}")
     if worker.optimizer is not None:
         _load_optimizer(worker, Path(path), meta)
-    logger.info("loaded Megatron checkpoint %s (saved at TP=%s PP=%s%s)", path, meta.get("tp"),
-                meta.get("pp"), f" EP={meta['ep']} ETP={meta['etp']}" if "ep" in meta else "")
+    logger.info("loaded Megatron checkpoint %s (saved at TP=%s PP=%s CP=%s%s)", path,
+                meta.get("tp"), meta.get("pp"), meta.get("cp", 1),
+                f" EP={meta['ep']} ETP={meta['etp']}" if "ep" in meta else "")
     return meta
 
 

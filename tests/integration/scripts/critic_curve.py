@@ -1,7 +1,7 @@
 """Rank program: the critic (value model) from the run config — values in token alignment,
 a few clipped-value-loss steps on a fixed batch, a save/load round trip; rank 0 writes JSON.
 
-argv: out.json tp pp model_dir ckpt_dir
+argv: out.json tp pp model_dir ckpt_dir [cp]  (cp: context-parallel ranks, world TP×PP×CP)
 """
 import json
 import sys
@@ -17,6 +17,7 @@ STEPS = 6
 def main():
     out, tp, pp, model_dir, ckpt = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), \
         sys.argv[4], sys.argv[5]
+    cp = int(sys.argv[6]) if len(sys.argv) > 6 else 1
     from megarl.algo.value_loss import make_critic_loss_for_batch
     from megarl.backends.megatron.worker import MegatronWorker
     from megarl.cluster.spec import megatron_spec
@@ -26,8 +27,9 @@ def main():
         f"actor_rollout_ref.model.path={model_dir}", "algorithm.adv_estimator=gae",
         f"critic.megatron.tensor_model_parallel_size={tp}",
         f"critic.megatron.pipeline_model_parallel_size={pp}",
+        f"critic.megatron.context_parallel_size={cp}",
         "critic.optim.lr=3e-3", "critic.optim.weight_decay=0.0",
-        f"trainer.n_gpus_per_node={tp * pp}"])
+        f"trainer.n_gpus_per_node={tp * pp * cp}"])
     w = MegatronWorker.from_spec(megatron_spec(cfg, "critic").model)
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(0, w.args.vocab_size, (5, 12), generator=g)
