@@ -64,6 +64,10 @@ FORMULAS = [
     "b' = rollout.log_prob_micro_batch_size_per_gpu",
     "with use_dynamic_bsz (packed micro-batches) s·b is the pass's token budget "
     "(*_max_token_len_per_gpu; at least s, as a longer sequence goes alone)",
+    "context parallelism (megatron.context_parallel_size = CP): s·b above is one rank's "
+    "share, s·b/CP (the budget counts per CP rank: at least s/CP), and training adds the "
+    "K/V all-gathered over the CP group, L·s·b·2·kv_heads·head_dim/TP·e with s·b the whole "
+    "micro-batch's",
     "reference = N·e (params, ref layout) + s·b·V/TP·4 (fp32 logits), "
     "b = ref.log_prob_micro_batch_size_per_gpu",
     "rollout   = gpu_memory_utilization × capacity, reserved by each engine: "
@@ -115,7 +119,9 @@ def _activation_bytes(cfg: DictConfig, a: ModelArgs) -> int:
     m = arr.actor.megatron
     tp, pp, e = m.tensor_model_parallel_size, m.pipeline_model_parallel_size, \
         itemsize(m.params_dtype)
-    sbh = micro_batch_tokens(cfg, "actor") * a.hidden_size
+    cp = m.context_parallel_size
+    tokens = micro_batch_tokens(cfg, "actor", cp)
+    sbh = tokens * a.hidden_size
     # sequence parallelism shards the norms', residuals' and dropouts' share (the 10) over TP
     sp = bool(m.sequence_parallel) and tp > 1
     layer = sbh * (34 / tp if sp else 10 + 24 / tp) * e / 2
@@ -133,8 +139,10 @@ def _activation_bytes(cfg: DictConfig, a: ModelArgs) -> int:
     else:  # block: the first n layers kept as inputs, the others whole
         n = min(rc["recompute_num_layers"], layers)
         stack = n * kept + (layers - n) * layer + layer
-    train = stack * pp + 2 * _logits_bytes(a, m, micro_batch_tokens(cfg, "actor"))
-    logp = _logits_bytes(a, m, micro_batch_tokens(cfg, "logp"))
+    if cp > 1:  # each layer keeps the K and V it gathered, of the whole sequence(s)
+        stack += layers * tokens * cp * 2 * max(1, a.num_kv_heads // tp) * a.head_dim * e
+    train = stack * pp + 2 * _logits_bytes(a, m, tokens)
+    logp = _logits_bytes(a, m, micro_batch_tokens(cfg, "logp", cp))
     return int(max(train, logp))
 
 
@@ -143,6 +151,7 @@ def trainer_memory(cfg: DictConfig, a: ModelArgs, devices: int) -> list[MemoryIt
     (dense, experts), e = _rank_split(a, m), itemsize(m.params_dtype)
     n = dense + experts
     tp, pp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size
+    # the distributed optimizer shards over DP × CP (Megatron's), i.e. devices / (TP·PP)
     dp = devices // (tp * pp)
     # the experts' state shards over their own data-parallel ranks (Megatron's expert-DP)
     edp = devices // (pp * (m.expert_model_parallel_size if a.is_moe else 1)
@@ -162,7 +171,8 @@ def reference_memory(cfg: DictConfig, a: ModelArgs) -> list[MemoryItem]:
     n, e = _rank_params(a, ref.megatron), itemsize(ref.megatron.params_dtype)
     return [MemoryItem(f"reference params ({_count(n)} × {e} B)", n * e),
             MemoryItem("reference logits",
-                       _logits_bytes(a, ref.megatron, micro_batch_tokens(cfg, "ref")))]
+                       _logits_bytes(a, ref.megatron, micro_batch_tokens(
+                           cfg, "ref", ref.megatron.context_parallel_size)))]
 
 
 def replica_megatron(cfg: DictConfig) -> DictConfig:
@@ -183,7 +193,8 @@ def replica_memory(cfg: DictConfig, a: ModelArgs, stages: list[StageBuckets]
     hf = sum(s.total for s in stages)
     return [MemoryItem(f"replica params ({_count(n)} × {e} B)", n * e),
             MemoryItem("replica receiver (HF weights, live + staged)", 2 * hf),
-            MemoryItem("replica logits", _logits_bytes(a, m, micro_batch_tokens(cfg, "logp")))]
+            MemoryItem("replica logits", _logits_bytes(
+                a, m, micro_batch_tokens(cfg, "logp", m.context_parallel_size)))]
 
 
 def rollout_weights(cfg: DictConfig, stages: list[StageBuckets]) -> tuple[int, int]:

@@ -31,12 +31,13 @@ def micro_batching(cfg, role: str):
     raise ValueError(f"micro_batching: unknown role {role!r}")
 
 
-def micro_batch_tokens(cfg, role: str) -> int:
-    """Token slots of the largest micro-batch of `role`'s pass: rows × the padded width, or
-    the token budget (a single sequence longer than the budget goes alone, so at least the
-    width)."""
+def micro_batch_tokens(cfg, role: str, cp: int = 1) -> int:
+    """Token slots one rank holds of the largest micro-batch of `role`'s pass: rows × the
+    padded width, or the token budget (a single sequence longer than the budget goes alone,
+    so at least the width); under context parallelism (`cp` ranks) each rank holds 1/CP of
+    the sequences, and the budget counts per CP rank."""
     width = cfg.data.max_prompt_length + cfg.data.max_response_length
     micro = micro_batching(cfg, role)
     if isinstance(micro, TokenBudget):
-        return max(micro.max_tokens, width)
-    return micro * width
+        return max(micro.max_tokens, -(-width // cp))
+    return -(-micro * width // cp)

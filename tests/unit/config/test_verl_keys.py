@@ -131,7 +131,7 @@ def test_noted_keys_warn_once_naming_each(caplog):
     ("actor_rollout_ref.actor.megatron.param_offload=True", "tensor_model_parallel_size"),
     ("+actor_rollout_ref.actor.megatron.grad_offload=True", "gradient offload"),
     ("actor_rollout_ref.actor.strategy=fsdp", "Megatron-core only"),
-    ("actor_rollout_ref.actor.megatron.context_parallel_size=2", "no context parallelism"),
+    ("actor_rollout_ref.actor.megatron.dynamic_context_parallel=true", "static"),
     ("actor_rollout_ref.model.lora_rank=8", "LoRA"),
     ("async_training.use_dynamic_resource_scheduling=true", "fixed for the run"),
 ])

@@ -321,3 +321,33 @@ def test_sequence_parallelism_shards_the_layers_activations_over_tp():
     assert train_bytes(ckpt, f"{M}.sequence_parallel=true")[0] < train_bytes(ckpt)[0]
     one = train_bytes(f"{M}.tensor_model_parallel_size=1", f"{M}.sequence_parallel=true")[0]
     assert one == train_bytes(f"{M}.tensor_model_parallel_size=1")[0]  # ignored at TP=1
+
+
+def test_context_parallelism_divides_activations_and_budgets_count_per_rank():
+    """CP: one rank holds s·b/CP tokens of a micro-batch (the activations and logits shrink
+    by CP), plus the K/V it gathered of the whole sequence(s); a token budget counts per CP
+    rank; a group whose devices TP×PP×CP does not divide is refused, naming the key."""
+    from megarl.config import ConfigError
+    from megarl.controller import memory
+
+    a = ModelArgs.from_hf(dryrun.load_hf_config(load_config(QWEN2, []))[0])
+    M = "actor_rollout_ref.actor.megatron"
+    base = ["actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=1",
+            "actor_rollout_ref.model.enable_gradient_checkpointing=false"]
+
+    def train_bytes(*extra):
+        return memory._activation_bytes(load_config(QWEN2, [*base, *extra]), a)
+
+    cfg = load_config(QWEN2, base)
+    one, two = train_bytes(), train_bytes(f"{M}.context_parallel_size=2")
+    tp, e = cfg.actor_rollout_ref.actor.megatron.tensor_model_parallel_size, 2
+    tokens = memory.micro_batch_tokens(cfg, "actor")
+    kv = a.num_layers * tokens * 2 * max(1, a.num_kv_heads // tp) * a.head_dim * e
+    assert two == pytest.approx(one / 2 + kv, rel=1e-6)
+    assert two < 0.6 * one
+    budget = ["actor_rollout_ref.actor.use_dynamic_bsz=true",
+              "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=8192"]
+    cp2 = load_config(QWEN2, [*budget, f"{M}.context_parallel_size=2"])
+    assert memory.micro_batch_tokens(cp2, "actor", 2) == 8192  # per CP rank
+    with pytest.raises(ConfigError, match="context_parallel_size=3"):
+        load_config(QWEN2, [f"{M}.context_parallel_size=3"])
