@@ -507,7 +507,8 @@ def test_logp_on_a_group_of_its_own_matches_logp_beside_the_trainer(quickstart_a
     every version. The replica has a layout of its own (TP=2 on 2 of 5 CPU devices; the
     trainer is TP=1): the sync's HF-named weights are resharded into it. Its log-probs, and
     so the whole run, equal those of the seed layout where logp shares the trainer's group
-    (4 devices)."""
+    (4 devices), whose trainer runs at CP=2 (each sequence over its two ranks): the weights
+    it syncs are verified against the engines' too."""
     common = ["trainer.total_training_steps=3",
               "trainer.save_freq=-1", "trainer.test_freq=-1", "trainer.val_before_train=False",
               "+actor_rollout_ref.async_pipeline=True", "+trainer.generate_ahead_steps=2",
@@ -519,8 +520,11 @@ def test_logp_on_a_group_of_its_own_matches_logp_beside_the_trainer(quickstart_a
         "own": ["+trainer.sperated_node_tasks=[logp,ref_logp,actor-train,generate]",
                 "+trainer.sperated_node_ratios=[0.4,0.2,0.2,0.2]", "trainer.n_gpus_per_node=5",
                 "actor_rollout_ref.logp.tensor_model_parallel_size=2"],
+        # the trainer's two ranks split each sequence (context parallelism, CP=2: the
+        # actor's training and its LOGP pass), where the other layout's one rank holds it
         "shared": ["+trainer.sperated_node_tasks=[[logp,actor-train],ref_logp,generate]",
-                   "+trainer.sperated_node_ratios=[0.5,0.25,0.25]", "trainer.n_gpus_per_node=4"],
+                   "+trainer.sperated_node_ratios=[0.5,0.25,0.25]", "trainer.n_gpus_per_node=4",
+                   "actor_rollout_ref.actor.megatron.context_parallel_size=2"],
     }
     runs, outs = {}, {}
     for name, layout in layouts.items():
