@@ -15,6 +15,7 @@ before it (one SDPA call per chunk with an explicit causal mask offset by the ch
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -22,6 +23,18 @@ import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
 
 from . import context_parallel as cpar
+
+
+@functools.lru_cache(maxsize=8)
+def _offset_causal_mask(c: int, offset: int, device, dtype) -> torch.Tensor:
+    """Additive mask [c, offset + c]: query i (at position offset + i) sees keys 0..offset+i.
+    One tensor per shape, shared by every layer and call: SDPA keeps its mask for backward,
+    and a mask made per call (or a boolean one, which SDPA converts per call) would be kept
+    once per layer, as large as the layer's activations at long sequences."""
+    allowed = torch.arange(offset + c, device=device).unsqueeze(0) \
+        <= (offset + torch.arange(c, device=device)).unsqueeze(1)
+    return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(
+        ~allowed, float("-inf"))
 
 
 class SDPAttention(MegatronModule):
@@ -79,8 +92,7 @@ class SDPAttention(MegatronModule):
         outs = []
         for half, j in ((0, r), (1, 2 * cp - 1 - r)):
             end = (j + 1) * c
-            qpos = torch.arange(j * c, end, device=q.device)
-            mask = torch.arange(end, device=q.device).unsqueeze(0) <= qpos.unsqueeze(1)
+            mask = _offset_causal_mask(c, j * c, q.device, q.dtype) if j else None
             outs.append(self._causal(q[:, :, half * c:(half + 1) * c], k[:, :, :end],
                                      v[:, :, :end], mask))
         return torch.cat(outs, dim=2)
