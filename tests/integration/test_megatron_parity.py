@@ -2,8 +2,9 @@
 Qwen2, Llama 3 (llama3 RoPE scaling), Qwen3 and Qwen3-MoE (every token through its top-2 of 8
 experts, expert weights TP-split at TP=2). The TP=2 job also runs every model with sequence
 parallelism (`sp:` keys), padded and packed (THD), 17-token rows that SP pads to 18.
-Context parallelism: CP=2 (Qwen3: Q/K norms, head_dim 24) and CP=2 × TP=2 with SP (Qwen2:
-QKV bias, tied), padded and packed, 17-token rows padded to 2·CP (×TP) chunks."""
+Context parallelism: CP=2 (Qwen3-MoE: Qwen3's Q/K norms and head_dim 24, routed experts, and
+routing replay) and CP=2 × TP=2 with SP (Qwen2: QKV bias, tied), padded and packed, 17-token
+rows padded to 2·CP (×TP) chunks."""
 import pytest
 
 from launch_helpers import SCRIPTS, read_json, torchrun
@@ -30,14 +31,20 @@ def test_logits_logprobs_entropy_match_hf(tmp_path, tiny_qwen2, tiny_llama, tiny
 
 
 @pytest.mark.parametrize("tp,cp", [(1, 2), (2, 2)], ids=["cp2", "cp2-tp2-sp"])
-def test_context_parallel_matches_hf(tmp_path, tiny_qwen2, tiny_qwen3, tp, cp):
+def test_context_parallel_matches_hf(tmp_path, tiny_qwen2, tiny_qwen3_moe, tp, cp):
     """Each rank holds chunks r and 2·CP-1-r of every sequence (of every packed sequence),
-    attends over K/V gathered from the CP group; Megatron's RoPE slices the same chunks."""
-    model = tiny_qwen3 if tp == 1 else tiny_qwen2
+    attends over K/V gathered from the CP group; Megatron's RoPE slices the same chunks. At
+    CP=2 the MoE worker replays a forced routing (R3): each router takes the experts of its
+    rank's chunks."""
+    model = tiny_qwen3_moe if tp == 1 else tiny_qwen2
     out = tmp_path / "parity.json"
     torchrun(SCRIPTS / "parity.py", tp * cp, out, tp, 1, model,
-             env={"PARITY_CP": str(cp), **({"PARITY_SP": "only"} if tp > 1 else {})})
+             env={"PARITY_CP": str(cp), "PARITY_REPLAY": "1",
+                  **({"PARITY_SP": "only"} if tp > 1 else {})})
     r = read_json(out)[str(model)]
+    if tp == 1:
+        assert r["forced_vs_own"] > 0.05, r  # the forced routing really is another one
+        assert r["forced_padded"] <= 1e-5 and r["forced_packed"] <= 1e-5, r
     sp = "sp:" if tp > 1 else ""
     assert r[f"{sp}logits"] <= 1e-5, r
     for temp in ("1.0", "0.7"):

@@ -3,7 +3,9 @@
 argv: out.json tp pp model_dir [model_dir ...]; rank 0 writes {model_dir: {metric: max_diff}}.
 PARITY_PARAMS_DTYPE (default float32) sets the Megatron side's params_dtype; transformers
 stays in float32 on the CPU, the reference. PARITY_CP (default 1): context-parallel ranks
-(world TP×PP×CP), the packed (THD) path beside the padded one. PARITY_EP (default 1): expert-parallel ranks for
+(world TP×PP×CP), the packed (THD) path beside the padded one. PARITY_REPLAY=1: the MoE
+models with routing replay (R3), and a forced routing replayed (`forced_*`: log-probs against
+transformers' under the same routing, padded and packed). PARITY_EP (default 1): expert-parallel ranks for
 the mixture-of-experts models (the world is then larger than TP×PP: data-parallel ranks
 that each run the same rows, their tokens crossing to the experts' ranks).
 """
@@ -45,6 +47,31 @@ def compare(w, hf, packed: bool, cp: int = 1) -> dict:
     return r
 
 
+def forced_routing(w, hf, cp: int) -> dict:
+    """R3: a random routing (k distinct experts per token and layer, not the model's) in the
+    batch's `routed_experts`; the worker's log-probs against transformers' under it."""
+    from moe_replay import hf_logprobs
+
+    from megarl.backends.megatron.packing import TokenBudget
+
+    a = w.args
+    g = torch.Generator().manual_seed(5)
+    B, S, L, k, E = 3, 17, a.num_layers, a.moe_topk, a.num_experts
+    ids = torch.randint(0, a.vocab_size, (B, S), generator=g)
+    mask = torch.ones(B, S, dtype=torch.long)
+    mask[1, 12:] = 0  # a shorter row: padding the replay must skip
+    forced = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(B * S * L)])
+    forced = forced.reshape(B, S, L, k).to(torch.int16)
+    want = hf_logprobs(hf, ids, forced)
+    real = mask[:, 1:].bool()
+    r = {"forced_vs_own": (want - hf_logprobs(hf, ids))[real].abs().max().item()}
+    batch = {"input_ids": ids * mask, "attention_mask": mask, "routed_experts": forced}
+    for name, micro in (("padded", 2), ("packed", TokenBudget(24 // cp))):
+        got = w.compute_logp(batch, micro_batch_size=micro)["logprobs"][:, 1:]
+        r[f"forced_{name}"] = (got - want)[real].abs().max().item()
+    return r
+
+
 def main():
     out, tp, pp, dirs = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4:]
     from transformers import AutoModelForCausalLM
@@ -60,6 +87,7 @@ def main():
     # (PARITY_SP=only: the SP run alone)
     sp_runs = {"1": [False, True], "only": [True]}.get(os.environ.get("PARITY_SP"), [False])
     cp = int(os.environ.get("PARITY_CP", 1))
+    replay = os.environ.get("PARITY_REPLAY") == "1"
     for d in dirs:
         hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
         r = {}
@@ -67,10 +95,14 @@ def main():
             w = MegatronWorker(d, tp, pp, trainable=False,
                                params_dtype=os.environ.get("PARITY_PARAMS_DTYPE", "float32"),
                                moe=MoESettings(ep=ep, etp=int(os.environ["PARITY_ETP"])
-                                               if os.environ.get("PARITY_ETP") else None),
+                                               if os.environ.get("PARITY_ETP") else None,
+                                               routing_replay=replay),
                                sequence_parallel=sp, context_parallel=cp)
             r.update({("sp:" if sp else "") + k: v
                       for k, v in compare(w, hf, sp or cp > 1, cp).items()})
+            if replay and w.args.is_moe:
+                r.update({("sp:" if sp else "") + k: v
+                          for k, v in forced_routing(w, hf, cp).items()})
         results[d] = r
     if dist.get_rank() == 0:
         with open(out, "w") as f:
