@@ -1,6 +1,6 @@
 """Rank program: packed token-budget micro-batches against padded ones, on one ragged batch.
 
-argv: out.json tp pp model_dir
+argv: out.json tp pp model_dir [cp]  (cp: both workers at that context parallelism)
 
 Pairs of workers from the same HF weights, one padded (fixed micro-batch rows), one packed (a
 token budget): a policy and a critic. Over a few optimizer steps, rank 0 writes the largest
@@ -40,19 +40,21 @@ def ragged_batch(vocab: int, dp_rank: int, dp: int):
 
 def main():
     out, tp, pp, model_dir = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    cp = int(sys.argv[5]) if len(sys.argv) > 5 else 1
     from megarl.backends.megatron.optim import OptimConfig
     from megarl.backends.megatron.packing import TokenBudget
     from megarl.backends.megatron.worker import MegatronWorker
 
     def worker(critic, sp=False):
         return MegatronWorker(model_dir, tp, pp, optim=OptimConfig(lr=1e-3, weight_decay=0.0),
-                              value_model=critic, sequence_parallel=sp)
+                              value_model=critic, sequence_parallel=sp, context_parallel=cp)
 
     padded, packed = worker(False), worker(False, sp=tp > 1)
     ps = padded.ps
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     batch, tokens = ragged_batch(padded.args.vocab_size, dp_rank, dp)
-    budget = TokenBudget(WIDTH + 6)  # several micro-batches, one of them a long row alone
+    # several micro-batches, one of them a long row alone (the budget counts per CP rank)
+    budget = TokenBudget(-(-(WIDTH + 6) // cp))
     real = batch["attention_mask"].bool()
     diffs = {}
 
