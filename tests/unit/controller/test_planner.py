@@ -169,3 +169,25 @@ def test_plan_takes_a_rollout_tp_that_fits_where_the_configs_does_not(tmp_path):
         assert cfg.actor_rollout_ref.rollout.tensor_model_parallel_size == c.rollout_tp
     assert planner._rollout_tps(4, 8) == [4, 1, 2, 8]
     assert planner._rollout_tps(16, 8) == [16, 1, 2, 4, 8]
+
+
+def test_plan_knows_context_parallelism(tmp_path):
+    """With the actor at CP2 every layout the planner accepts gives the actor's groups (its
+    trainer, a logp replica) an even number of devices; the others are refused naming
+    context_parallel_size (the memory side: test_dryrun.py's CP test)."""
+    m = planner.measure(_trace(tmp_path))
+    cp2 = ["trainer.nnodes=1", "trainer.n_gpus_per_node=4",
+           "trainer.separated_node_tasks=[[logp,actor-train,ref_logp],[generate]]",
+           "trainer.separated_node_ratios=[0.5,0.5]",
+           *(f"actor_rollout_ref.{s}.megatron.tensor_model_parallel_size=1"
+             for s in ("actor", "ref")),
+           "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+           "actor_rollout_ref.actor.megatron.context_parallel_size=2"]
+    cands = planner.plan(QWEN2, cp2, m, gpu_memory_gib=141.0, aheads=[2])
+    ok = [c for c in cands if c.refused is None]
+    assert ok
+    for c in ok:
+        for g, d in zip(c.groups, c.devices):
+            if {"actor-train", "logp"} & set(g):
+                assert d % 2 == 0, c.label()
+    assert any("context_parallel_size=2" in (c.refused or "") for c in cands)
