@@ -16,6 +16,10 @@ a response token was sampled in at that token, beside the token's log-prob and r
 `micro_batch_size` is rows per micro-batch, or a `packing.TokenBudget`: micro-batches of at
 most that many real tokens, each packed into one row (no compute on padding); the outputs and
 the losses are the same either way (tests/integration/test_packing.py).
+
+Under context parallelism (`context_parallel`, context_parallel.py) each CP rank runs its
+chunks of every sequence; per-token outputs are gathered over the CP group before any loss
+or caller sees them, so everything above holds unchanged.
 """
 from __future__ import annotations
 
@@ -410,6 +414,8 @@ class MegatronWorker:
         dist.all_reduce(parts, group=ps.get_model_parallel_group())  # TP ranks and stages
         if ps.get_data_parallel_world_size() > 1:
             dist.all_reduce(parts, group=ps.get_data_parallel_group())
+        if self.cp > 1:  # CP ranks routed their own chunks of the same rows: all count
+            dist.all_reduce(parts[:L * E], group=ps.get_context_parallel_group())  # in place
         clear_aux_losses_tracker()
         load = parts[:L * E].view(L, E)
         out = {}
