@@ -285,8 +285,13 @@ def roles(cfg: DictConfig, g: GroupPlan, a: ModelArgs | None = None) -> tuple[st
 
 def _parallel(m: DictConfig, devices: int, a: ModelArgs | None = None) -> str:
     tp, pp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size
+    cp = m.get("context_parallel_size") or 1
     dist = ", distributed optimizer" if m.use_distributed_optimizer else ""
-    text = f"TP{tp} × PP{pp} × DP{devices // (tp * pp)}, {m.params_dtype}{dist}"
+    sp = " + SP" if m.get("sequence_parallel") and tp > 1 else ""
+    # CP ranks hold the same weights but split each sequence, so they are not data-parallel
+    # replicas: DP is what is left of the group after TP × CP × PP
+    cps = f" × CP{cp}" if cp > 1 else ""
+    text = f"TP{tp}{sp}{cps} × PP{pp} × DP{devices // (tp * cp * pp)}, {m.params_dtype}{dist}"
     if a is None or not a.is_moe:
         return text
     return f"{text}; {_experts(m, devices, a)}"

@@ -113,10 +113,10 @@ def test_qwen3_30b_a3b_plan_sends_every_expert_stock_sglang_loads(capsys):
     assert planned == want
     assert f"stage 0 (layers 0-47): {len(want)} tensors" in out
     # Expert parallelism 8 (ETP1) on both Megatron models: the trainer's 16 GPUs hold two
-    # replicas of every expert, the reference's 8 one; the trainer runs attention at TP1
-    # (an MoE trains under TP only with sequence parallelism)
-    assert "trainer (logp+actor-train): TP1 × PP1 × DP16, bfloat16, distributed optimizer; " \
-        "experts EP8 × ETP1: 16 of 128 per EP rank, expert-DP2" in out
+    # replicas of every expert, the reference's 8 one; the trainer's attention is verl's
+    # recipe layout, TP2 with sequence parallelism × CP2, so 4 data-parallel replicas
+    assert "trainer (logp+actor-train): TP2 + SP × CP2 × PP1 × DP4, bfloat16, distributed " \
+        "optimizer; experts EP8 × ETP1: 16 of 128 per EP rank, expert-DP2" in out
     assert "reference (ref_logp): TP4 × PP1 × DP2, bfloat16; experts EP8 × ETP1: 16 of 128 " \
         "per EP rank, expert-DP1" in out
     assert "128 experts (top-8, ffn 768)" in out
@@ -351,3 +351,28 @@ def test_context_parallelism_divides_activations_and_budgets_count_per_rank():
     assert memory.micro_batch_tokens(cp2, "actor", 2) == 8192  # per CP rank
     with pytest.raises(ConfigError, match="context_parallel_size=3"):
         load_config(QWEN2, [f"{M}.context_parallel_size=3"])
+
+
+def _activations_gib(out: str) -> float:
+    return float(re.search(r"trainer activations +([\d.]+) GiB", out).group(1))
+
+
+def test_long_response_config_fits_at_cp4_and_cp_saves_its_activations(capsys):
+    """configs/qwen3_8b_long_cp.yaml (Qwen3-8B, 32k-token responses): the dry run exits 0 at
+    TP4 + SP × CP4 with a per-CP-rank token budget, and its memory lines show what CP saves:
+    the same run at CP1 (each micro-batch a whole 33,792-token sequence) plans about three
+    times the activations."""
+    path = str(REPO / "configs" / "qwen3_8b_long_cp.yaml")
+    assert main(["train", "--config", path, "--dry-run"]) == 0
+    cp4 = capsys.readouterr().out
+    assert "trainer (logp+actor-train): TP4 + SP × CP4 × PP1 × DP1, bfloat16" in cp4
+    assert "--context-length 33792" in cp4
+    assert main(["train", "--config", path, "--dry-run",
+                 "actor_rollout_ref.actor.megatron.context_parallel_size=1"]) == 0
+    cp1 = capsys.readouterr().out
+    assert "TP4 + SP × PP1 × DP4" in cp1
+    # the whole sequence on each rank against a quarter of it, plus the gathered K/V at CP4
+    assert 2.5 < _activations_gib(cp1) / _activations_gib(cp4) < 3.5
+    # the distributed optimizer shards over DP × CP either way: the same state per GPU
+    state = re.compile(r"trainer optimizer \(12 B/param / 4\) +([\d.]+) GiB")
+    assert state.search(cp4).group(1) == state.search(cp1).group(1)
