@@ -25,6 +25,17 @@ Dynamic sampling (``algorithm.filter_groups``, `megarl.controller.filter_groups`
 whose samples all got the same reward is dropped when its last sample is scored; its slot
 goes to a new group, as a completed group's does. Only complete groups are judged, so a group
 cut off by the step's end is judged by the step that completes it.
+
+ReMax (``algorithm.adv_estimator=remax``). Each group also holds its prompt's greedy response
+(`PromptGroup.baseline`), run, aborted, resumed, cached and checkpointed as the group's samples
+are, its tokens' weight versions kept. A group is complete only when its baseline is finished
+and scored; its reward is then every sample's `Sample.baseline`. The baseline's versions do not
+count toward the group's staleness: staleness bounds the off-policy gap of the tokens that are
+trained, and the baseline is not trained; a baseline from older weights does not depend on the
+sampled responses, so the advantage stays an unbiased estimate (it only reduces less variance).
+A stale group that is regenerated regenerates its baseline too; one that is dropped, or dropped
+by dynamic sampling (judged by its samples' rewards, as without partial rollout), takes its
+baseline with it.
 """
 from __future__ import annotations
 
@@ -55,33 +66,47 @@ class PromptGroup:
     # twice (a group cached near an epoch's end beside the next epoch's draw of it, or two
     # epochs in one step of a small data set), and its requests' ids and seeds must differ
     serial: int = 0
+    baseline: Trajectory | None = None  # remax: the prompt's greedy response (not trained)
 
     @classmethod
-    def fresh(cls, prompt, n: int, step: int, serial: int = 0) -> "PromptGroup":
-        return cls(prompt, [Trajectory() for _ in range(n)], step, serial)
+    def fresh(cls, prompt, n: int, step: int, serial: int = 0,
+              remax: bool = False) -> "PromptGroup":
+        return cls(prompt, [Trajectory() for _ in range(n)], step, serial,
+                   Trajectory() if remax else None)
+
+    def _all(self) -> list[Trajectory]:
+        return self.samples + ([self.baseline] if self.baseline is not None else [])
 
     @property
     def complete(self) -> bool:
-        return all(t.finish is not None for t in self.samples)
+        """Every sample finished, and the baseline too (it is scored before the group is
+        handed on: `PartialRollout._run_group`)."""
+        return all(t.finish is not None for t in self._all())
 
     @property
     def started(self) -> bool:
-        return any(t.ids or t.finish for t in self.samples)
+        return any(t.ids or t.finish for t in self._all())
 
     def oldest_version(self) -> int | None:
+        """Of the trained tokens (the baseline's are not: see the module doc)."""
         vs = [min(t.versions) for t in self.samples if t.versions]
         return min(vs) if vs else None
 
     def restart(self) -> None:
         """Throw away every token (regenerate from the prompt under current weights)."""
         self.samples = [Trajectory() for _ in self.samples]
+        if self.baseline is not None:
+            self.baseline = Trajectory()
 
     def to_dict(self) -> dict:
         # The prompt is stored by dataset index + uid, checked on load: the data itself is
         # the dataset's, so a checkpoint cannot resume on a changed data set unnoticed.
-        return {"index": self.prompt.index, "uid": self.prompt.uid,
-                "first_step": self.first_step, "serial": self.serial,
-                "samples": [t.to_dict() for t in self.samples]}
+        d = {"index": self.prompt.index, "uid": self.prompt.uid,
+             "first_step": self.first_step, "serial": self.serial,
+             "samples": [t.to_dict() for t in self.samples]}
+        if self.baseline is not None:
+            d["baseline"] = self.baseline.to_dict()
+        return d
 
     @classmethod
     def from_dict(cls, d: dict, dataset) -> "PromptGroup":
@@ -90,8 +115,10 @@ class PromptGroup:
             raise ValueError(f"partial rollout cache: prompt {d['uid']!r} (row {idx}) is not "
                              "in this run's data set at that row; the data changed since the "
                              "checkpoint")
+        base = d.get("baseline")
         return cls(dataset[idx], [Trajectory.from_dict(t) for t in d["samples"]],
-                   int(d["first_step"]), int(d.get("serial", 0)))
+                   int(d["first_step"]), int(d.get("serial", 0)),
+                   Trajectory.from_dict(base) if base is not None else None)
 
 
 class PartialRollout:
@@ -101,7 +128,8 @@ class PartialRollout:
     def __init__(self, runner: TrajectoryRunner, loader, *, n: int, need: int, over: int,
                  max_staleness: int | None = None, stale_policy: str = "drop",
                  sampling_for: Callable | None = None,
-                 filter_max_gen_batches: int | None = None, filter_metric: str = "reward"):
+                 filter_max_gen_batches: int | None = None, filter_metric: str = "reward",
+                 remax: bool = False):
         if need <= 0 or n <= 0 or over < 0:
             raise ValueError(f"partial rollout: need={need}, n={n}, over={over}")
         self.runner, self.loader = runner, loader
@@ -113,6 +141,8 @@ class PartialRollout:
         # dynamic sampling: None is off; else the most loader draws one step may make (<= 0:
         # no limit)
         self.filter_max, self.filter_metric = filter_max_gen_batches, filter_metric
+        self.remax = remax  # each group also runs its prompt's greedy baseline response
+        self._baselines_done = 0  # baselines finished in the current step (the metric)
         self.cache: list[PromptGroup] = []
         self._stopping = False
         self.drawn = 0  # groups drawn so far: the next one's serial
@@ -131,6 +161,12 @@ class PartialRollout:
             raise ValueError(f"partial rollout cache: saved with rollout.n={state['n']}, this "
                              f"run has {self.n}")
         self.cache = [PromptGroup.from_dict(g, self.loader.dataset) for g in state["groups"]]
+        for g in self.cache:
+            # a cache saved with another estimator: a group gets (or loses) its baseline
+            if self.remax and g.baseline is None:
+                g.baseline = Trajectory()
+            elif not self.remax:
+                g.baseline = None
         if "drawn" in state:
             self.drawn = int(state["drawn"])
         else:  # a checkpoint from before groups had serials: number the restored ones
@@ -189,11 +225,12 @@ class PartialRollout:
                 batch = self.loader.next_batch()
                 metrics["rollout/prompts_drawn"] += len(batch)
                 for p in batch:
-                    queue.append(PromptGroup.fresh(p, self.n, step, self.drawn))
+                    queue.append(PromptGroup.fresh(p, self.n, step, self.drawn, self.remax))
                     self.drawn += 1
             return queue.popleft()
 
         self._stopping = False
+        self._baselines_done = 0
         active: dict[asyncio.Task, PromptGroup] = {}
         complete: list[PromptGroup] = []
 
@@ -244,26 +281,54 @@ class PartialRollout:
             "rollout/partial/cached_started_groups": float(sum(g.started
                                                                for g in self.cache)),
         })
+        if self.remax:
+            # requests: the greedy responses finished in this step (those of groups cached
+            # or dropped included); the mean: of the trained groups' baselines
+            out["rollout/remax/baseline_requests"] = float(self._baselines_done)
+            out["rollout/remax/baseline_reward_mean"] = (
+                sum(g.samples[0].sample.baseline for g in complete) / max(1, len(complete)))
         if self.filter_max is not None:
             out.update(filter_metrics(len(complete), len(filtered), draws,
                                       int(metrics["rollout/prompts_drawn"])))
         return StepRollout(samples, futures, out, dropped, filtered=filtered)
 
     async def _run_group(self, g: PromptGroup, step: int, sp: SamplingParams) -> bool:
-        """Run the group's samples; False when dynamic sampling drops it (complete, and
-        every reward the same)."""
-        await asyncio.gather(*[self._run_sample(g, i, step, sp)
-                               for i in range(len(g.samples))])
-        if self.filter_max is None or not g.complete:
+        """Run the group's samples (and remax's baseline); False when dynamic sampling drops
+        it (complete, and every reward the same). A complete remax group returns once its
+        baseline is scored, each sample's `baseline` set."""
+        jobs = [self._run_sample(g, i, step, sp) for i in range(len(g.samples))]
+        if g.baseline is not None:
+            jobs.append(self._run_baseline(g, step, sp))
+        await asyncio.gather(*jobs)
+        if not g.complete:
+            return True
+        if g.baseline is not None:
+            b = float(await g.baseline.future)
+            for t in g.samples:
+                t.sample.baseline = b
+        if self.filter_max is None:
             return True
         return await has_spread([t.future for t in g.samples], [t.sample for t in g.samples],
                                 self.filter_metric)
 
     async def _run_sample(self, g: PromptGroup, i: int, step: int, sp: SamplingParams) -> None:
-        t = g.samples[i]
         if self.sampling_for is not None:
             sp = self.sampling_for(g.prompt, i, sp)
+        await self._run(g, g.samples[i], step, sp, str(i), i)
 
+    async def _run_baseline(self, g: PromptGroup, step: int, sp: SamplingParams) -> None:
+        """ReMax's greedy response (verl: do_sample=False beside the sampled ones), under the
+        length budget of the group's first sample."""
+        if self.sampling_for is not None:
+            sp = self.sampling_for(g.prompt, 0, sp)
+        was_done = g.baseline.finish is not None
+        await self._run(g, g.baseline, step, dataclasses.replace(
+            sp, temperature=0.0, sampling_seed=None), "greedy", 0)
+        if g.baseline.finish is not None and not was_done:
+            self._baselines_done += 1
+
+    async def _run(self, g: PromptGroup, t: Trajectory, step: int, sp: SamplingParams,
+                   tag: str, i: int) -> None:
         def request_for(t: Trajectory, attempt: int) -> GenerateRequest:
             seed = sp.sampling_seed
             if seed is not None:  # reproducible per (step seed, draw, sample, position): two
@@ -276,10 +341,8 @@ class PartialRollout:
                                     sampling_seed=seed,
                                     min_new_tokens=max(0, sp.min_new_tokens - len(t.ids)),
                                     stop_token_ids=list(sp.stop_token_ids)),
-                True, f"s{step}-{g.prompt.uid}-{i}+{len(t.ids)}.{attempt}.g{g.serial}")
+                True, f"s{step}-{g.prompt.uid}-{tag}+{len(t.ids)}.{attempt}.g{g.serial}")
 
         if await self.runner.extend(t, sp.max_new_tokens, request_for,
                                     lambda: self._stopping, prompt=g.prompt):
             self.runner.finish(g.prompt, t)
-
-

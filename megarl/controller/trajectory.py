@@ -8,7 +8,8 @@ how many in flight, when to stop, and how each request is formed (rid, seed):
 
 - `PlainRollout` (here): every prompt of the step's batch, n samples each, all to the end.
 - `megarl.controller.partial.PartialRollout`: a fixed number of groups in flight, the tail cut
-  off and cached for later steps.
+  off and cached for later steps (remax: each group's greedy baseline
+  with it).
 - a user's function, named by import path in `actor_rollout_ref.rollout.rollout_fn`
   (`module:function`, as `reward.reward_fn`): `async fn(ctx, sampling) -> StepRollout`,
   `ctx` a `RolloutContext` (the runner, the loader, n, the step, the trainer's version);
@@ -450,7 +451,8 @@ def make_policy(rollout_cfg, runner: TrajectoryRunner, loader, *, need: int,
     return PartialRollout(runner, loader, n=int(rollout_cfg.n), need=need,
                           over=over if over is not None else max(1, need // 2),
                           max_staleness=max_staleness, stale_policy=stale_policy,
-                          filter_max_gen_batches=max_batches, filter_metric=metric)
+                          filter_max_gen_batches=max_batches, filter_metric=metric,
+                          remax=remax)
 
 
 def _store_reward(t: Trajectory) -> Callable:

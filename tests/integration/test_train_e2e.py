@@ -461,7 +461,8 @@ def test_kl_in_reward_with_adaptive_coefficient(quickstart_assets, tmp_path):
     """PPO-style in-reward KL: the reference model runs for it alone (no KL loss), the
     penalty is logged each step and the adaptive coefficient is checkpointed. ReMax's
     advantages, as verl's remax example trains them (with KL in the reward): one greedy
-    baseline response per prompt generated beside the samples. (Also run with each GENERATE
+    baseline response per prompt generated beside the samples, under partial rollout (each
+    group's baseline cut off, cached and checkpointed with it). (Also run with each GENERATE
     on one weight version: `trainer.sync_between_generations`.)"""
     extra = ["trainer.total_training_steps=3", "trainer.save_freq=3", "trainer.test_freq=-1",
              "trainer.val_before_train=False", "algorithm.use_kl_in_reward=True",
@@ -469,10 +470,13 @@ def test_kl_in_reward_with_adaptive_coefficient(quickstart_assets, tmp_path):
              "algorithm.kl_ctrl.target_kl=0.001",
              "algorithm.kl_ctrl.horizon=100", "actor_rollout_ref.actor.use_kl_loss=False",
              "algorithm.max_staleness=1", "trainer.sync_between_generations=true",
-             "algorithm.adv_estimator=remax"]
+             "algorithm.adv_estimator=remax", "actor_rollout_ref.rollout.partial_rollout=True"]
     megarl("train", _args(quickstart_assets, tmp_path, *extra))
-    assert scalars(tmp_path, "rollout/remax/baseline_requests") == {1: 8.0, 2: 8.0, 3: 8.0}
+    requests = scalars(tmp_path, "rollout/remax/baseline_requests")
+    # greedy responses finished per step: the trained groups' (8), maybe some of cached groups
+    assert sorted(requests) == [1, 2, 3] and sum(requests.values()) >= 24, requests
     assert len(scalars(tmp_path, "rollout/remax/baseline_reward_mean")) == 3
+    assert sum(scalars(tmp_path, "rollout/partial/aborted_requests").values()) > 0
     # sync_between_generations: SYNC(k) starts once GENERATE(k+1) has ended, one step off
     events = [e for e in json.loads((tmp_path / "megarl" / "t" / "timeline.json")
                                     .read_text())["traceEvents"] if e["ph"] == "X"]
@@ -487,6 +491,10 @@ def test_kl_in_reward_with_adaptive_coefficient(quickstart_assets, tmp_path):
                         "driver_state.json").read_text())
     # KL above target grows the coefficient from its initial 0.001
     assert state["kl_coef"] > 0.001
+    # each cached group holds its baseline (finished or cut off), its tokens' versions kept
+    base = [g["baseline"] for g in state["partial"]["groups"]]
+    assert base and any(b["ids"] for b in base)
+    assert all(len(b["versions"]) == len(b["ids"]) for b in base)
 
 
 def test_dual_buffer_synchronous_run_on_two_nodes(quickstart_assets, tmp_path):

@@ -329,9 +329,10 @@ def test_unknown_and_unbuilt_names_are_config_errors_naming_the_key():
     assert "norm_adv_by_std_in_grpo" in _error(*gdpo, "algorithm.norm_adv_by_std_in_grpo=false")
     msg = _error("algorithm.adv_estimator=grpo_passk", "actor_rollout_ref.rollout.n=1")
     assert msg.startswith("algorithm.adv_estimator:") and "rollout.n=1" in msg
-    msg = _error("algorithm.adv_estimator=remax", "actor_rollout_ref.rollout.partial_rollout=true")
+    msg = _error("algorithm.adv_estimator=remax",
+                 "actor_rollout_ref.rollout.rollout_fn=megarl.controller.trajectory:make_policy")
     assert msg.startswith("algorithm.adv_estimator: remax's greedy baseline") and \
-        "rollout.partial_rollout replaces it" in msg
+        "rollout.rollout_fn replaces them" in msg
 
 
 def test_unknown_name_stops_the_cli_before_the_controller_starts(monkeypatch, capsys):

@@ -101,12 +101,16 @@ def test_a_step_past_max_num_gen_batches_fails_naming_the_key(engine, parity_sco
         asyncio.run(policy.run_step(0, _sp(), 0))
 
 
+@pytest.mark.parametrize("remax", [False, True])
 def test_partial_rollout_drops_complete_groups_without_spread_exactly_once(
-        engine, parity_scorer):
+        engine, parity_scorer, remax):
+    """With remax, a group is judged by its samples' rewards once its baseline is scored too;
+    a dropped group's baseline goes with it (generated once, counted, never resumed)."""
     prompts = _prompts(96)
     loader = PromptLoader(prompts, BATCH, shuffle=False)
     pr = PartialRollout(_runner(engine, parity_scorer), loader, n=N, need=BATCH, over=2,
-                        filter_max_gen_batches=0)
+                        filter_max_gen_batches=0, remax=remax)
+    baselines = []
 
     async def go():
         trained, filtered = [], []
@@ -118,6 +122,9 @@ def test_partial_rollout_drops_complete_groups_without_spread_exactly_once(
             assert out.metrics["rollout/filter_groups/filtered_groups"] == len(out.filtered)
             trained += list(groups)
             filtered += out.filtered
+            if remax:
+                assert all(s.baseline is not None for s in out.samples)
+                baselines.append(out.metrics["rollout/remax/baseline_requests"])
             await engine.update_weight_version(str(k + 1), abort_all_requests=False)
         return trained, filtered
 
@@ -128,6 +135,9 @@ def test_partial_rollout_drops_complete_groups_without_spread_exactly_once(
     assert set(everything) == _drawn(loader.state_dict()["offset"], prompts)
     assert {u for u in everything if int(u[1:]) % 2 == 0} <= set(filtered) | set(cached)
     assert len(filtered) >= 2 * 4  # at least the even prompts of the trained steps' draws
+    if remax:  # one greedy response finished per group trained, dropped, or cached finished
+        assert sum(baselines) == len(trained) + len(filtered) + sum(
+            g.baseline.finish is not None for g in pr.cache)
 
 
 def _cfg(*overrides):
@@ -148,6 +158,13 @@ def test_the_config_key_picks_the_policy_a_run_builds(engine, parity_scorer):
                              max_staleness=None, stale_policy="drop", rollout_fn=None,
                              filter_groups=cfg.algorithm.filter_groups)
         assert type(policy) is kind
+    cfg = _cfg("algorithm.adv_estimator=remax", "actor_rollout_ref.rollout.partial_rollout=true")
+    validate_config(cfg)
+    assert make_policy(cfg.actor_rollout_ref.rollout, runner, loader, need=4, max_staleness=None,
+                       stale_policy="drop", rollout_fn=None, filter_groups=None,
+                       remax=True).remax
+    cfg = _cfg("algorithm.filter_groups.enable=true",
+               "actor_rollout_ref.rollout.partial_rollout=true")
     assert make_policy(cfg.actor_rollout_ref.rollout, runner, loader, need=4, max_staleness=None,
                        stale_policy="drop", rollout_fn=None,
                        filter_groups=cfg.algorithm.filter_groups).filter_max == 0

@@ -192,3 +192,67 @@ def test_stale_cached_groups_are_dropped_or_regenerated(engine, scorer, policy):
     else:
         assert not dropped
         assert m["rollout/stale_regenerated"] == len(started) * N
+
+
+def test_remax_baseline_is_cut_off_cached_and_resumed_with_its_group(engine, scorer):
+    """remax under partial rollout: each group's greedy response is aborted, cached and
+    checkpointed with its samples, resumed under newer versions, and scored before its group
+    is trained; every trained sample's `baseline` is the reward (length scorer: the text's
+    length) of its prompt's whole greedy response."""
+    import dataclasses as dc
+
+    prompts = _prompts(64)
+    loader = PromptLoader(prompts, 4, shuffle=False)
+    pr = _new(engine, loader, scorer, remax=True)
+
+    async def go():
+        trained, metrics = [], []
+        samples, futs, m, _ = await pr.run_step(0, _sp(1), 0)
+        await asyncio.gather(*futs)
+        trained += samples
+        metrics.append(m)
+        state = json.loads(json.dumps(pr.state_dict()))
+        cut = {g["uid"]: g["baseline"] for g in state["groups"]
+               if g["baseline"]["ids"] and g["baseline"]["finish"] is None}
+        # a second process resumes the cache, baselines and all
+        loader2 = PromptLoader(prompts, 4, shuffle=False)
+        loader2.load_state_dict(loader.state_dict())
+        pr2 = _new(engine, loader2, scorer, remax=True)
+        pr2.load_state_dict(state)
+        for a, b in zip(pr.cache, pr2.cache):
+            assert (a.baseline.ids, a.baseline.versions) == (b.baseline.ids, b.baseline.versions)
+        spans = []
+        for k in range(1, 4):
+            await _bump(engine, k)
+            samples, futs, m, _ = await pr2.run_step(k, _sp(k + 1), k)
+            await asyncio.gather(*futs)
+            trained += samples
+            metrics.append(m)
+            spans += [len(set(g.baseline.versions)) for g in pr2.cache]
+        greedy = await pr2.runner.prompts(
+            prompts[:loader2.state_dict()["offset"]],
+            dc.replace(_sp(), n=1, temperature=0.0, sampling_seed=None), "check")
+        return trained, metrics, state, cut, spans, pr2, greedy
+
+    trained, metrics, state, cut, spans, pr2, greedy = asyncio.run(go())
+    full = {s.uid: s for s in greedy.samples}
+    assert cut, "no baseline was cut off by step 0's end"
+    for uid, b in cut.items():  # the cut one kept its tokens and their versions
+        assert full[uid].response_ids[:len(b["ids"])] == b["ids"]
+        assert b["versions"] == [0] * len(b["ids"])
+    assert max(spans) >= 2, "no cached baseline spans two weight versions"
+    uids = [s.uid for s in trained]
+    assert len(set(uids)) == len(uids) // N, "a prompt was trained twice"
+    for s in trained:
+        assert s.baseline == float(len(full[s.uid].response_text)), s.uid
+    mean = [sum(s.baseline for s in trained[i:i + 2 * N:N]) / 2
+            for i in range(0, len(trained), 2 * N)]
+    assert [m["rollout/remax/baseline_reward_mean"] for m in metrics] == mean
+    assert sum(m["rollout/remax/baseline_requests"] for m in metrics) >= len(trained) // N
+    # a cache saved without remax gets fresh baselines; one loaded without remax loses them
+    plain = _new(engine, PromptLoader(prompts, 4, shuffle=False), scorer)
+    plain.load_state_dict(state)
+    assert all(g.baseline is None for g in plain.cache)
+    again = _new(engine, PromptLoader(prompts, 4, shuffle=False), scorer, remax=True)
+    again.load_state_dict(plain.state_dict())
+    assert all(g.baseline is not None and not g.baseline.ids for g in again.cache)
