@@ -491,10 +491,10 @@ def test_kl_in_reward_with_adaptive_coefficient(quickstart_assets, tmp_path):
                         "driver_state.json").read_text())
     # KL above target grows the coefficient from its initial 0.001
     assert state["kl_coef"] > 0.001
-    # each cached group holds its baseline (finished or cut off), its tokens' versions kept
+    # each cached group holds its baseline (finished, cut off or not started: which, depends
+    # on timing; test_partial_rollout.py cuts one off deterministically), its tokens' versions
     base = [g["baseline"] for g in state["partial"]["groups"]]
-    assert base and any(b["ids"] for b in base)
-    assert all(len(b["versions"]) == len(b["ids"]) for b in base)
+    assert base and all(len(b["versions"]) == len(b["ids"]) for b in base)
 
 
 def test_dual_buffer_synchronous_run_on_two_nodes(quickstart_assets, tmp_path):
