@@ -92,7 +92,7 @@ def _make(tmp_path_factory, arch: str) -> Path:
                            max_position_embeddings=131072 if arch == "llama" else 1024,
                            # Qwen3's head_dim is its own (128 at hidden 4096 / 32 heads in
                            # the 8B, but 128 at 5120 / 64 in the 32B): not hidden / heads here
-                           head_dim=24 if arch.startswith("qwen3") else None)
+                           head_dim=24 if arch.startswith(("qwen3", "glm4")) else None)
 
 
 @pytest.fixture(scope="session")
@@ -118,6 +118,14 @@ def tiny_qwen3_moe(tmp_path_factory) -> Path:
     """Qwen3-MoE-shaped: tiny_qwen3's attention, every MLP 8 routed experts (width 32), top-2
     renormalised, untied embeddings."""
     return _make(tmp_path_factory, "qwen3_moe")
+
+
+@pytest.fixture(scope="session")
+def tiny_glm4_moe(tmp_path_factory) -> Path:
+    """GLM-4.5-shaped: partial rotary 0.5 (12 of head_dim 24), QKV bias, QK-norm, layer 0
+    dense, layer 1 8 routed experts (sigmoid + correction bias, top-2, scaled 2.5) and one
+    shared expert, untied embeddings."""
+    return _make(tmp_path_factory, "glm4_moe")
 
 
 # Default-sized tiny models (make_tiny_model's defaults) for the rollout and weight-sync tests.

@@ -47,7 +47,7 @@ UPDATE_GROUP_NAME = "megarl-weights"  # as megarl.weight_sync.trainer names it, 
 # Norm weights stay float32 in megarl's Megatron model (the local spec's torch RMSNorm takes
 # no dtype), and the producer sends them as they are.
 # (Qwen3's per-head q_norm / k_norm included.)
-_FP32_SUFFIXES = ("norm.weight",)
+_FP32_SUFFIXES = ("norm.weight", "e_score_correction_bias")
 
 
 # ------------------------------------------------------------------------------ the plan
@@ -374,6 +374,9 @@ def stage_specs(a: ModelArgs, pp: int, params_dtype: str,
     stages[-1].append("model.norm.weight")
     if not a.tie_word_embeddings:
         stages[-1].append("lm_head.weight")
+    if a.moe_expert_bias:  # buffers, exported after every parameter (hf/live.named_tensors)
+        for i in range(a.first_k_dense, a.num_layers):
+            stages[i // per_stage].append(f"model.layers.{i}.mlp.gate.e_score_correction_bias")
     return [[TensorSpec(n, _dtype_of(n, params_dtype), shapes[n]) for n in names]
             for names in stages]
 
@@ -387,9 +390,12 @@ def _layer_export_order(a: ModelArgs, i: int, ep: int = 1) -> list[str]:
     if a.qk_norm:
         names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
     names.append(p + "post_attention_layernorm.weight")
-    if a.is_moe:
+    if a.is_moe and i >= a.first_k_dense:
         names.append(p + "mlp.gate.weight")  # the router
-        return names + _expert_export_order(a, p, ep)
+        names += _expert_export_order(a, p, ep)
+        if a.moe_shared_ffn_hidden_size:
+            names += [f"{p}mlp.shared_experts.{x}_proj.weight" for x in ("gate", "up", "down")]
+        return names
     return names + [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight",
                     p + "mlp.down_proj.weight"]
 

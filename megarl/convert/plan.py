@@ -56,9 +56,13 @@ def hf_shapes(a: ModelArgs) -> dict[str, tuple[int, ...]]:
                  "self_attn.o_proj.weight": (h, q), "mlp.gate_proj.weight": (f, h),
                  "mlp.up_proj.weight": (f, h), "mlp.down_proj.weight": (h, f),
                  "self_attn.q_norm.weight": (a.head_dim,), "self_attn.k_norm.weight": (a.head_dim,)}
-    fm = a.moe_ffn_hidden_size
+    fm, fs = a.moe_ffn_hidden_size, a.moe_shared_ffn_hidden_size
     per_layer.update({"mlp.gate.weight": (a.num_experts, h), "expert.gate_proj.weight": (fm, h),
-                      "expert.up_proj.weight": (fm, h), "expert.down_proj.weight": (h, fm)})
+                      "expert.up_proj.weight": (fm, h), "expert.down_proj.weight": (h, fm),
+                      "mlp.gate.e_score_correction_bias": (a.num_experts,),
+                      "mlp.shared_experts.gate_proj.weight": (fs, h),
+                      "mlp.shared_experts.up_proj.weight": (fs, h),
+                      "mlp.shared_experts.down_proj.weight": (h, fs)})
     out = {}
     for name in mapping.hf_names(a):
         layer = name.split(".", 3)
@@ -93,13 +97,18 @@ def mcore_params(a: ModelArgs, pp: int, padded_vocab: int) -> list[tuple[str, tu
             out += [(p + f"self_attention.{x}_layernorm.weight", (a.head_dim,), s) for x in "qk"]
         out += [(p + "self_attention.linear_proj.weight", (h, a.num_heads * a.head_dim), s),
                 (p + "pre_mlp_layernorm.weight", (h,), s)]
-        if a.is_moe:
-            fm = a.moe_ffn_hidden_size
+        if a.is_moe and i >= a.first_k_dense:
+            fm, fs = a.moe_ffn_hidden_size, a.moe_shared_ffn_hidden_size
             out.append((p + "mlp.router.weight", (a.num_experts, h), s))
+            if a.moe_expert_bias:  # a buffer, fp32 (mapping.FP32_BUFFERS)
+                out.append((p + "mlp.router.expert_bias", (a.num_experts,), s))
             for e in range(a.num_experts):
                 x = f"{p}mlp.experts.local_experts.{e}."
                 out += [(x + "linear_fc1.weight", (2 * fm, h), s),
                         (x + "linear_fc2.weight", (h, fm), s)]
+            if fs:
+                out += [(p + "mlp.shared_experts.linear_fc1.weight", (2 * fs, h), s),
+                        (p + "mlp.shared_experts.linear_fc2.weight", (h, fs), s)]
         else:
             out += [(p + "mlp.linear_fc1.weight", (2 * a.ffn_hidden_size, h), s),
                     (p + "mlp.linear_fc2.weight", (h, a.ffn_hidden_size), s)]

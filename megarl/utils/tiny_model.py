@@ -31,7 +31,7 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
-ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe")
+ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe", "glm4_moe")
 
 
 def _corpus(rng: random.Random, lines: int = 4000) -> list[str]:
@@ -67,7 +67,8 @@ def hf_config(arch: str, vocab_size: int, hidden_size: int, num_layers: int, num
               rope_theta: float, max_position_embeddings: int, eos_token_id: int,
               pad_token_id: int, head_dim: int | None = None,
               rope_scaling: dict | None = None):
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
+    from transformers import (Glm4MoeConfig, LlamaConfig, Qwen2Config, Qwen3Config,
+                              Qwen3MoeConfig)
 
     common = dict(
         vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
@@ -95,6 +96,19 @@ def hf_config(arch: str, vocab_size: int, hidden_size: int, num_layers: int, num
                               num_experts_per_tok=2, moe_intermediate_size=intermediate_size // 4,
                               norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
                               **common)
+    if arch == "glm4_moe":
+        # GLM-4.5's layout: partial rotary 0.5, QKV bias, the first layer dense, 8 routed
+        # experts (top-2, sigmoid, correction bias, renormalised, scaled) and one shared;
+        # QK-norm on (GLM-4.5-Air/355B ship it off; on here so its mapping is tested too)
+        common["rope_parameters"] = {"rope_type": "default", "rope_theta": rope_theta,
+                                     "partial_rotary_factor": 0.5}
+        common.pop("rope_theta")
+        return Glm4MoeConfig(attention_bias=True, head_dim=head_dim or hidden_size // num_heads,
+                             n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+                             moe_intermediate_size=intermediate_size // 4, norm_topk_prob=True,
+                             n_group=1, topk_group=1, routed_scaling_factor=2.5,
+                             first_k_dense_replace=1, use_qk_norm=True,
+                             num_nextn_predict_layers=0, **common)
     raise ValueError(f"arch: unknown architecture {arch!r}; expected one of {ARCHS}")
 
 
@@ -150,6 +164,11 @@ def make_tiny_model(out_dir: str | os.PathLike, arch: str = "qwen2", *, vocab_si
                 p.uniform_(0.5, 1.5)
             elif "bias" in name:
                 p.normal_(0.0, 0.05)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                # a real correction bias changes which experts are chosen, not the weights
+                b.copy_(torch.randn(b.shape, generator=torch.Generator().manual_seed(seed))
+                        * 0.1)
         if scaled_residual_init:
             # The token's own embedding then stays a larger part of the last hidden state, so
             # (embeddings tied) the random model repeats its input token more often: 1.6% of

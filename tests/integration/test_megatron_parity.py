@@ -1,6 +1,8 @@
 """Megatron GPTModel built from an HF config reproduces the HF model (TP=1, TP=2, PP=2) for
-Qwen2, Llama 3 (llama3 RoPE scaling), Qwen3 and Qwen3-MoE (every token through its top-2 of 8
-experts, expert weights TP-split at TP=2). The TP=2 job also runs every model with sequence
+Qwen2, Llama 3 (llama3 RoPE scaling), Qwen3, Qwen3-MoE (every token through its top-2 of 8
+experts, expert weights TP-split at TP=2) and GLM-4.5 (a dense first layer, then sigmoid
+routing with a correction bias, scaling and a shared expert; partial rotary; at PP=2 the dense
+layer is stage 0's, the MoE one stage 1's). The TP=2 job also runs every model with sequence
 parallelism (`sp:` keys), padded and packed (THD), 17-token rows that SP pads to 18.
 Context parallelism: CP=2 (Qwen3-MoE: Qwen3's Q/K norms and head_dim 24, routed experts, and
 routing replay) and CP=2 × TP=2 with SP (Qwen2: QKV bias, tied), padded and packed, 17-token
@@ -12,8 +14,8 @@ from launch_helpers import SCRIPTS, read_json, torchrun
 
 @pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2)], ids=["tp1", "tp2", "pp2"])
 def test_logits_logprobs_entropy_match_hf(tmp_path, tiny_qwen2, tiny_llama, tiny_qwen3,
-                                          tiny_qwen3_moe, tp, pp):
-    models = (tiny_qwen2, tiny_llama, tiny_qwen3, tiny_qwen3_moe)
+                                          tiny_qwen3_moe, tiny_glm4_moe, tp, pp):
+    models = (tiny_qwen2, tiny_llama, tiny_qwen3, tiny_qwen3_moe, tiny_glm4_moe)
     out = tmp_path / "parity.json"
     torchrun(SCRIPTS / "parity.py", tp * pp, out, tp, pp, *models,
              env={"PARITY_SP": "1"} if tp > 1 else None)

@@ -1,4 +1,5 @@
-"""Megatron-core GPTModel from a Hugging Face `config.json` (Llama, Qwen2, Qwen3, Qwen3-MoE).
+"""Megatron-core GPTModel from a Hugging Face `config.json` (Llama, Qwen2, Qwen3, Qwen3-MoE,
+GLM-4.5).
 
 Owns the mapping from HF hyper-parameters to Megatron's `TransformerConfig` and the layer
 spec. The spec is Megatron's local one with `SDPAttention` as core attention (see
@@ -19,6 +20,7 @@ logger = logging.getLogger(__name__)
 
 SUPPORTED_ARCHS = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                    "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe",
+                   "Glm4MoeForCausalLM": "glm4_moe",
                    # a critic in HF form (verl's too): the transformer + `score` (hidden -> 1)
                    "LlamaForTokenClassification": "llama",
                    "Qwen2ForTokenClassification": "qwen2",
@@ -85,6 +87,28 @@ class ModelArgs:
     norm_topk_prob: bool = False
     """The top-k routing probabilities renormalised to sum to 1 (softmax over the chosen
     experts' logits); else the full softmax's values are used as they are."""
+    # The fields below are generic MoE / attention facts (GLM-4.5 sets them today; the
+    # DeepSeek-V3 family sets the same ones), each mapped to one Megatron setting.
+    rotary_percent: float = 1.0
+    """Share of each head's channels RoPE rotates (``partial_rotary_factor``; GLM-4.5: 0.5,
+    the first half, rotate-half style, as Megatron's ``rotary_percent``)."""
+    moe_score_function: str = "softmax"
+    """softmax | sigmoid (GLM-4.5, DeepSeek-V3: sigmoid scores, top-k renormalised)."""
+    moe_expert_bias: bool = False
+    """A per-expert bias added to the scores for choosing experts only
+    (``e_score_correction_bias``; Megatron's ``expert_bias``, fp32, never updated in RL)."""
+    moe_num_groups: int = 0
+    """Expert groups for group-limited routing (``n_group``); 0: none."""
+    moe_group_topk: int = 0
+    """Groups each token may route into (``topk_group``)."""
+    moe_scaling_factor: float = 1.0
+    """Routing weights multiplied by this after top-k (``routed_scaling_factor``)."""
+    moe_shared_ffn_hidden_size: int = 0
+    """Width of the always-on shared expert(s) of each MoE layer (``moe_intermediate_size ×
+    n_shared_experts``); 0: none."""
+    first_k_dense: int = 0
+    """The first this many layers have a dense MLP (``first_k_dense_replace``, of width
+    ``intermediate_size``); the rest are mixtures."""
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> "ModelArgs":
@@ -105,7 +129,12 @@ class ModelArgs:
         hidden = hf["hidden_size"]
         if hf.get("use_sliding_window"):
             raise ValueError("config.json use_sliding_window=true: not supported")
-        moe = _moe_fields(hf) if arch == "qwen3_moe" else {}
+        moe = _moe_fields(hf) if arch == "qwen3_moe" else \
+            _glm4_moe_fields(hf) if arch == "glm4_moe" else {}
+        partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+        if isinstance(partial, bool) or not isinstance(partial, (int, float)) or \
+                not 0 < partial <= 1:
+            raise ValueError(f"config.json partial_rotary_factor={partial!r}: must be in (0, 1]")
         return cls(
             arch=arch, vocab_size=hf["vocab_size"], hidden_size=hidden,
             num_layers=hf["num_hidden_layers"], num_heads=heads,
@@ -117,8 +146,9 @@ class ModelArgs:
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             # Qwen2 always has QKV bias; Llama and Qwen3 have it only with attention_bias.
             qkv_bias=arch == "qwen2" or bool(hf.get("attention_bias", False)),
-            qk_norm=arch in ("qwen3", "qwen3_moe"),
-            rope_scaling_factor=scaling,
+            qk_norm=arch in ("qwen3", "qwen3_moe") or (
+                arch == "glm4_moe" and bool(hf.get("use_qk_norm", False))),
+            rope_scaling_factor=scaling, rotary_percent=float(partial),
             **moe,
         )
 
@@ -150,6 +180,53 @@ def _moe_fields(hf: dict[str, Any]) -> dict[str, Any]:
     return dict(num_experts=experts, moe_topk=topk,
                 moe_ffn_hidden_size=hf["moe_intermediate_size"],
                 norm_topk_prob=bool(hf.get("norm_topk_prob", False)))
+
+
+def _glm4_moe_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """GLM-4.5's routing: sigmoid scores plus a correction bias choose the experts,
+    group-limited, the chosen scores renormalised and scaled; shared experts; the first
+    `first_k_dense_replace` layers dense. Refused by key what Megatron's router does not
+    compute the same way: it always renormalises sigmoid top-k, and scores a group by its
+    top-(topk / topk_group) experts where transformers takes the top 2, which agree only
+    when there is one group or that quotient is 2."""
+    experts, topk = hf.get("n_routed_experts"), hf.get("num_experts_per_tok")
+    for key in ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size"):
+        value = hf.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"config.json {key}={value!r}: a GLM-4.5 MoE needs a positive "
+                             f"integer")
+    if topk > experts:
+        raise ValueError(f"config.json num_experts_per_tok={topk} exceeds n_routed_experts="
+                         f"{experts}")
+    if not hf.get("norm_topk_prob", True):
+        raise ValueError("config.json norm_topk_prob=false: Megatron's sigmoid router always "
+                         "renormalises the top-k scores")
+    groups, group_topk = hf.get("n_group", 1) or 1, hf.get("topk_group", 1) or 1
+    if experts % groups or group_topk > groups:
+        raise ValueError(f"config.json n_group={groups} topk_group={group_topk}: n_group must "
+                         f"divide n_routed_experts={experts} and be at least topk_group")
+    if groups > 1 and (topk % group_topk or topk // group_topk != 2):
+        raise ValueError(f"config.json n_group={groups} topk_group={group_topk}: Megatron "
+                         f"scores a group by its top num_experts_per_tok / topk_group experts, "
+                         f"transformers by its top 2; supported are n_group 1 or "
+                         f"num_experts_per_tok / topk_group = 2")
+    dense = hf.get("first_k_dense_replace", 0) or 0
+    if not isinstance(dense, int) or isinstance(dense, bool) or \
+            not 0 <= dense < hf["num_hidden_layers"]:
+        raise ValueError(f"config.json first_k_dense_replace={dense!r}: must be an integer in "
+                         f"[0, num_hidden_layers)")
+    shared = hf.get("n_shared_experts", 0) or 0
+    scale = hf.get("routed_scaling_factor", 1.0)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
+        raise ValueError(f"config.json routed_scaling_factor={scale!r}: must be positive")
+    return dict(num_experts=experts, moe_topk=topk,
+                moe_ffn_hidden_size=hf["moe_intermediate_size"], norm_topk_prob=True,
+                moe_score_function="sigmoid", moe_expert_bias=True,
+                moe_num_groups=groups if groups > 1 else 0,
+                moe_group_topk=group_topk if groups > 1 else 0,
+                moe_scaling_factor=float(scale),
+                moe_shared_ffn_hidden_size=hf["moe_intermediate_size"] * shared,
+                first_k_dense=dense)
 
 
 # Megatron-core's llama3 RoPE takes the factor; these three it holds at Llama 3.1/3.2/3.3's
@@ -240,8 +317,21 @@ def transformer_config(args: ModelArgs, tp: int, pp: int, params_dtype: str = "f
             expert_tensor_parallel_size=tp if moe.etp is None else moe.etp,
             # Qwen3-MoE: softmax over all experts, top-k, renormalised (norm_topk_prob), which
             # is a softmax over the top-k logits, Megatron's order without pre-softmax
-            moe_router_score_function="softmax", moe_router_pre_softmax=not args.norm_topk_prob,
+            moe_router_score_function=args.moe_score_function,
+            moe_router_pre_softmax=args.moe_score_function == "softmax" and not
+            args.norm_topk_prob,
             moe_router_dtype="fp32",
+            # sigmoid routers (GLM-4.5, DeepSeek-V3): the correction bias chooses experts and
+            # is a checkpoint value in RL, never updated by Megatron's load balancer (rate 0)
+            moe_router_enable_expert_bias=args.moe_expert_bias,
+            moe_router_bias_update_rate=0.0,
+            moe_router_num_groups=args.moe_num_groups or None,
+            moe_router_group_topk=args.moe_group_topk or None,
+            moe_router_topk_scaling_factor=(args.moe_scaling_factor
+                                            if args.moe_scaling_factor != 1.0 else None),
+            moe_shared_expert_intermediate_size=args.moe_shared_ffn_hidden_size or None,
+            moe_layer_freq=[0] * args.first_k_dense + [1] * (
+                args.num_layers - args.first_k_dense),
             # By default RL wants every token through its experts (no capacity, nothing
             # dropped) and no loss but its own (no load balancing); both are config keys.
             moe_expert_capacity_factor=moe.capacity_factor,
@@ -336,13 +426,36 @@ class QKRMSNorm(RMSNorm):
     marks_sequence_parallel = False
 
 
-def block_spec(layer, config, impl: str = "auto"):
+def block_spec(layer, config, impl: str = "auto", dense_layer=None, first_k_dense: int = 0):
     """The decoder's spec: Megatron's own for Transformer Engine layers (TE's norms run under
     sequence parallelism), and for the local layers one whose every norm (the layers', the
-    Q/K norms, the final one) is `RMSNorm` above in place of `WrappedTorchNorm`."""
-    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    Q/K norms, the final one) is `RMSNorm` above in place of `WrappedTorchNorm`.
+    `dense_layer`, `first_k_dense`: the first layers (global indices) built from the dense
+    spec, the rest from `layer` (an MoE model with dense first layers, GLM-4.5)."""
     from megatron.core.transformer.transformer_block import (TransformerBlockSubmodules,
                                                              get_num_layers_to_build)
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    layer, local = _local_norms(layer)
+    if dense_layer is None or not first_k_dense:
+        if not local:
+            return layer  # TE's layers (or apex's fused norm, which handles SP itself)
+        return TransformerBlockSubmodules(
+            layer_specs=[layer] * get_num_layers_to_build(config), layer_norm=RMSNorm)
+    dense_layer, _ = _local_norms(dense_layer)
+    offset = get_transformer_layer_offset(config)
+    specs = [dense_layer if offset + i < first_k_dense else layer
+             for i in range(get_num_layers_to_build(config))]
+    if local:
+        return TransformerBlockSubmodules(layer_specs=specs, layer_norm=RMSNorm)
+    from megatron.core.extensions.transformer_engine import TENorm
+
+    return TransformerBlockSubmodules(layer_specs=specs, layer_norm=TENorm)
+
+
+def _local_norms(layer):
+    """`layer` with its WrappedTorchNorm slots set to megarl's norms; whether it had any."""
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
     subs = layer.submodules
     slots = [(subs, "input_layernorm"), (subs, "pre_mlp_layernorm")]
@@ -355,10 +468,7 @@ def block_spec(layer, config, impl: str = "auto"):
             setattr(holder, name, QKRMSNorm if name in ("q_layernorm", "k_layernorm")
                     else RMSNorm)
             local = True
-    if not local:
-        return layer  # TE's layers (or apex's fused norm, which handles SP itself)
-    return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config),
-                                      layer_norm=RMSNorm)
+    return layer, local
 
 
 class ValueHead(torch.nn.Module):
@@ -404,15 +514,19 @@ def build_gpt_model(args: ModelArgs, config, make_vocab_size_divisible_by: int =
 
     _patches.apply()
     tp = ps.get_tensor_model_parallel_world_size()
+    dense = layer_spec(transformer_impl, args.qk_norm, 0, config.context_parallel_size) \
+        if args.first_k_dense else None
     model = GPTModel(
         config=config, transformer_layer_spec=block_spec(
             layer_spec(transformer_impl, args.qk_norm, args.num_experts,
-                       config.context_parallel_size), config),
+                       config.context_parallel_size), config,
+            dense_layer=dense, first_k_dense=args.first_k_dense),
         vocab_size=padded_vocab_size(args.vocab_size, make_vocab_size_divisible_by, tp),
         max_sequence_length=args.max_position_embeddings,
         pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
         share_embeddings_and_output_weights=args.tie_word_embeddings and not value_head,
-        position_embedding_type="rope", rotary_base=args.rope_theta, rotary_percent=1.0,
+        position_embedding_type="rope", rotary_base=args.rope_theta,
+        rotary_percent=args.rotary_percent,
         rope_scaling=args.rope_scaling_factor is not None,
         rope_scaling_factor=args.rope_scaling_factor or 8.0,
         parallel_output=True,

@@ -67,14 +67,14 @@ def test_qwen2_placement_servers_and_ranks(qwen2_out):
     assert out.count("megarl-weights-pp") == 1
 
 
-def _shipped_plan(capsys, config: str, model_json: str):
+def _shipped_plan(capsys, config: str, model_json: str, *extra: str):
     """Dry-run configs/`config` (it must exit 0): (its output, its ModelArgs, the planned
     tensor shapes by name, transformers' parameters of configs/models/`model_json` on the
     meta device)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     path = str(REPO / "configs" / config)
-    assert main(["train", "--config", path, "--dry-run"]) == 0
+    assert main(["train", "--config", path, "--dry-run", *extra]) == 0
     out = capsys.readouterr().out
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(
@@ -120,6 +120,37 @@ def test_qwen3_30b_a3b_plan_sends_every_expert_stock_sglang_loads(capsys):
     assert "reference (ref_logp): TP4 × PP1 × DP2, bfloat16; experts EP8 × ETP1: 16 of 128 " \
         "per EP rank, expert-DP1" in out
     assert "128 experts (top-8, ffn 768)" in out
+
+
+def test_glm45_355b_plan_sends_every_tensor_stock_sglang_loads(capsys):
+    """configs/glm45_355b.yaml (GLM-4.5: 3 dense layers, then 160 routed experts and a shared
+    one, sigmoid routing with a correction bias): the dry run exits 0 and fits 141 GiB GPUs,
+    and its plan names every checkpoint tensor of transformers' GLM-4.5 (its parameters, the
+    experts per expert, and the correction-bias buffer in fp32) with its shape."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from megarl.rollout.weights import expert_views
+
+    out, a, planned, params = _shipped_plan(capsys, "glm45_355b.yaml", "glm45_355b.json",
+                                            "--gpu-memory-gib", "141")
+    views = expert_views(params)
+    fused = {n for n, p in params.items() if p.dim() == 3}
+    want = {n: tuple(p.shape) for n, p in {**params, **views}.items() if n not in fused}
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(
+            AutoConfig.from_pretrained(REPO / "configs" / "models" / "glm45_355b.json"))
+    biases = {n: tuple(b.shape) for n, b in model.named_buffers()
+              if n.endswith("e_score_correction_bias")}
+    assert len(biases) == 92 - 3 and len(views) == 89 * 160 * 3
+    want.update(biases)
+    assert (a.first_k_dense, a.num_experts, a.moe_shared_ffn_hidden_size,
+            a.moe_score_function, a.moe_scaling_factor, a.rotary_percent) == (
+        3, 160, 1536, "sigmoid", 2.5, 0.5)
+    assert planned == want
+    specs = [s for stage in dryrun.stage_specs(a, 1, "bfloat16") for s in stage]
+    assert {s.dtype for s in specs if s.name in biases} == {"float32"}
+    assert "trainer (logp+actor-train): TP8 × PP4 × DP2" in out
+    assert "experts EP16 × ETP1: 10 of 160 per EP rank" in out
 
 
 def test_expert_layout_errors_name_the_config_key(capsys):

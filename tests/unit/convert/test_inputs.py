@@ -3,6 +3,7 @@ the converter, the Megatron worker and the train preflight alike."""
 import dataclasses
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -175,3 +176,53 @@ def test_out_dir_probe_leaves_nothing(tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(ConvertError, match=r"cannot be created \(.*file is not a directory\)"):
         inputs.check_out_dir(tmp_path / "file" / "out")
+
+
+GLM = json.loads((Path(__file__).resolve().parents[3] / "configs" / "models" /
+                  "glm45_355b.json").read_text())
+
+
+@pytest.mark.parametrize("change,needle", [
+    ({}, None),
+    # DeepSeek-V3's grouping: 8 groups, 4 chosen, top-8: Megatron's top-2 per group agrees
+    ({"n_group": 8, "topk_group": 4}, None),
+    ({"n_group": 8, "topk_group": 2}, "n_group=8 topk_group=2: Megatron scores a group by its "
+                                      "top num_experts_per_tok / topk_group experts"),
+    ({"n_group": 3}, "n_group must divide n_routed_experts=160"),
+    ({"norm_topk_prob": False}, "norm_topk_prob=false: Megatron's sigmoid router always "
+                                "renormalises"),
+    ({"first_k_dense_replace": 92}, "first_k_dense_replace=92: must be an integer in"),
+    ({"routed_scaling_factor": 0}, "routed_scaling_factor=0 must be a positive finite number"),
+    ({"partial_rotary_factor": 1.5}, "partial_rotary_factor=1.5: must be in (0, 1]"),
+    ({"n_routed_experts": None}, "n_routed_experts=None: a GLM-4.5 MoE needs a positive "
+                                 "integer"),
+])
+def test_glm45_config_json_refused_by_key_where_megatron_routes_otherwise(change, needle):
+    """GLM-4.5's config.json read into the generic MoE fields; what Megatron's router does not
+    compute as transformers does is refused naming the key, before any work."""
+    from megarl.backends.megatron.hf.model_config import model_args
+
+    cfg = {k: v for k, v in {**GLM, **change}.items() if v is not None}
+    if needle is None:
+        a = model_args(cfg, "config.json")
+        assert a.arch == "glm4_moe" and a.moe_expert_bias and a.first_k_dense == 3
+        assert layout_error(a, 8, 4, 16, 1) is None
+        return
+    with pytest.raises(ConvertError, match="config.json: ") as err:
+        model_args(cfg, "config.json")
+    assert needle in str(err.value)
+
+
+def test_glm45_transformer_config_keeps_the_correction_bias_fixed():
+    """Megatron's sigmoid router with its expert bias at update rate 0 (the RL run never moves
+    it), first-k dense layers as moe_layer_freq, the shared expert's width, scaling."""
+    from megarl.backends.megatron.model import MoESettings, transformer_config
+
+    a = ModelArgs.from_hf(GLM)
+    c = transformer_config(a, 8, 4, "bfloat16", MoESettings(ep=16, etp=1),
+                           sequence_parallel=True)
+    assert (c.moe_router_score_function, c.moe_router_enable_expert_bias,
+            c.moe_router_bias_update_rate, c.moe_router_topk_scaling_factor,
+            c.moe_shared_expert_intermediate_size, c.moe_router_num_groups) == (
+        "sigmoid", True, 0.0, 2.5, 1536, None)
+    assert c.moe_layer_freq == [0, 0, 0] + [1] * 89

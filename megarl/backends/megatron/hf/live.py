@@ -77,6 +77,16 @@ def _padded_vocab(model) -> int:
     return unwrap(model).vocab_size  # GPTModel keeps the padded size it was built with
 
 
+def named_tensors(model):
+    """The model's parameters, then the buffers that are checkpoint values (a sigmoid
+    router's `expert_bias`): (local name, tensor) pairs."""
+    root = unwrap(model)
+    yield from root.named_parameters()
+    for local, b in root.named_buffers():
+        if local.endswith(mapping.FP32_BUFFERS):
+            yield local, b
+
+
 @torch.no_grad()
 def load_hf_into(model, args: ModelArgs, get_hf: Callable[[str], torch.Tensor],
                  progress: Callable[[int], None] | None = None,
@@ -87,7 +97,7 @@ def load_hf_into(model, args: ModelArgs, get_hf: Callable[[str], torch.Tensor],
     this rank's shard."""
     padded = _padded_vocab(model)
     value = is_value_model(model)
-    for local, p in unwrap(model).named_parameters():
+    for local, p in named_tensors(model):
         name = global_name(model, local)
         if skip is not None and skip(name):
             continue
@@ -119,7 +129,7 @@ def export_hf(model, args: ModelArgs, dtype: torch.dtype | None = None
 
     ep = ps.get_expert_model_parallel_world_size() if args.is_moe else 1
     value = is_value_model(model)
-    for local, p in unwrap(model).named_parameters():
+    for local, p in named_tensors(model):
         name = global_name(model, local)
         if value and name in mapping.VALUE_HEAD:  # a critic's head: replicated, not gathered
             t = p.detach()
@@ -145,5 +155,6 @@ def export_hf(model, args: ModelArgs, dtype: torch.dtype | None = None
                       f"{mapping.with_expert_index(suffix, first + r * _local_experts(model))}",
                       part) for r, part in enumerate(parts)]
         for mname, full in named:
+            keep = mname.endswith(mapping.FP32_BUFFERS)  # the engines want it in fp32
             for hf_name, hf_t in mapping.hf_from_mcore(mname, full, args):
-                yield hf_name, hf_t if dtype is None else hf_t.to(dtype)
+                yield hf_name, hf_t if dtype is None or keep else hf_t.to(dtype)

@@ -1,4 +1,4 @@
-"""Pure HF <-> Megatron name and layout maps for the Llama, Qwen2 and Qwen3 families.
+"""Pure HF <-> Megatron name and layout maps for the Llama, Qwen2, Qwen3 and GLM-4.5 families.
 
 "Full" Megatron tensors are unsharded and carry global layer indices; the TP split of a full
 tensor is `shard()`, its inverse `unshard()`. The families share HF names; they differ only in
@@ -29,7 +29,12 @@ _LAYER_1TO1 = {
     "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
     # Qwen3-MoE's router: [experts, hidden], replicated over TP
     "mlp.router.weight": "mlp.gate.weight",
+    # a sigmoid router's score-correction bias (GLM-4.5): a Megatron buffer, fp32
+    "mlp.router.expert_bias": "mlp.gate.e_score_correction_bias",
+    "mlp.shared_experts.linear_fc2.weight": "mlp.shared_experts.down_proj.weight",
 }
+# Buffers (not parameters) the maps carry, kept fp32 on both sides.
+FP32_BUFFERS = ("mlp.router.expert_bias",)
 # One routed expert's SwiGLU inside a layer (Megatron's SequentialMLP): sharded over TP like
 # the dense MLP's linear_fc1 / linear_fc2, with the expert index in the name.
 _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$")
@@ -89,9 +94,12 @@ def with_expert_index(suffix: str, index: int) -> str:
 
 
 def _dense_kind(suffix: str) -> str:
-    """A routed expert's suffix as the dense MLP's (same TP layout); others unchanged."""
+    """A routed or shared expert's suffix as the dense MLP's (same TP layout); others
+    unchanged."""
     m = _EXPERT.match(suffix)
-    return f"mlp.{m.group(2)}.weight" if m else suffix
+    if m:
+        return f"mlp.{m.group(2)}.weight"
+    return suffix.replace("mlp.shared_experts.", "mlp.", 1)
 
 
 def partition_dim(name: str) -> int | None:
@@ -174,9 +182,10 @@ def mcore_from_hf(name: str, get_hf: Callable[[str], torch.Tensor], a: ModelArgs
     if suffix.startswith("self_attention.linear_qkv."):
         kind = suffix.rsplit(".", 1)[1]
         return fuse_qkv(*(get_hf(f"{pre}self_attn.{p}_proj.{kind}") for p in "qkv"), a)
-    if suffix == "mlp.linear_fc1.weight":
-        return torch.cat([get_hf(pre + "mlp.gate_proj.weight"),
-                          get_hf(pre + "mlp.up_proj.weight")], dim=0)
+    if suffix in ("mlp.linear_fc1.weight", "mlp.shared_experts.linear_fc1.weight"):
+        mlp = suffix[: -len("linear_fc1.weight")]
+        return torch.cat([get_hf(f"{pre}{mlp}gate_proj.weight"),
+                          get_hf(f"{pre}{mlp}up_proj.weight")], dim=0)
     expert = _EXPERT.match(suffix)
     if expert:
         e = f"{pre}mlp.experts.{int(expert.group(1))}."
@@ -209,9 +218,10 @@ def hf_from_mcore(name: str, full: torch.Tensor, a: ModelArgs) -> list[tuple[str
     if suffix.startswith("self_attention.linear_qkv."):
         kind = suffix.rsplit(".", 1)[1]
         return [(f"{pre}self_attn.{p}_proj.{kind}", t) for p, t in zip("qkv", split_qkv(full, a))]
-    if suffix == "mlp.linear_fc1.weight":
+    if suffix in ("mlp.linear_fc1.weight", "mlp.shared_experts.linear_fc1.weight"):
+        mlp = suffix[: -len("linear_fc1.weight")]
         gate, up = full.chunk(2, dim=0)
-        return [(pre + "mlp.gate_proj.weight", gate), (pre + "mlp.up_proj.weight", up)]
+        return [(f"{pre}{mlp}gate_proj.weight", gate), (f"{pre}{mlp}up_proj.weight", up)]
     expert = _EXPERT.match(suffix)
     if expert:
         e = f"{pre}mlp.experts.{int(expert.group(1))}."
@@ -235,10 +245,15 @@ def hf_names(a: ModelArgs) -> list[str]:
         if a.qk_norm:
             names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
         names += [p + "self_attn.o_proj.weight", p + "post_attention_layernorm.weight"]
-        if a.is_moe:
+        if a.is_moe and i >= a.first_k_dense:
             names.append(p + "mlp.gate.weight")
+            if a.moe_expert_bias:
+                names.append(p + "mlp.gate.e_score_correction_bias")
             for e in range(a.num_experts):
                 names += [f"{p}mlp.experts.{e}.{x}_proj.weight" for x in ("gate", "up", "down")]
+            if a.moe_shared_ffn_hidden_size:
+                names += [f"{p}mlp.shared_experts.{x}_proj.weight"
+                          for x in ("gate", "up", "down")]
         else:
             names += [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight",
                       p + "mlp.down_proj.weight"]

@@ -64,6 +64,9 @@ _FIELDS = {
     "num_experts_per_tok": (False, "int"),
     "moe_intermediate_size": (False, "int"), "norm_topk_prob": (False, "bool"),
     "decoder_sparse_step": (False, "int"),
+    # GLM-4.5 (and the DeepSeek-V3 family's routing keys)
+    "n_routed_experts": (False, "int"), "n_group": (False, "int"), "topk_group": (False, "int"),
+    "routed_scaling_factor": (False, "float"), "use_qk_norm": (False, "bool"),
 }
 
 
@@ -147,8 +150,11 @@ def layout_error(a: ModelArgs, tp: int, pp: int, ep: int = 1,
     if a.is_moe and a.moe_ffn_hidden_size % etp:
         return (f"moe_intermediate_size={a.moe_ffn_hidden_size} is not divisible by "
                 f"{'TP' if etp == tp else 'ETP'}={etp}")
-    if not a.is_moe and a.ffn_hidden_size % tp:
+    if (not a.is_moe or a.first_k_dense) and a.ffn_hidden_size % tp:
         return f"intermediate_size={a.ffn_hidden_size} is not divisible by TP={tp}"
+    if a.moe_shared_ffn_hidden_size % tp:
+        return (f"the shared experts' width (moe_intermediate_size × n_shared_experts = "
+                f"{a.moe_shared_ffn_hidden_size}) is not divisible by TP={tp}")
     if a.num_layers % pp:
         return (f"num_hidden_layers={a.num_layers} is not divisible by PP={pp} (every pipeline "
                 f"stage holds the same number of layers; uneven stages are not supported)")
