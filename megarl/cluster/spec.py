@@ -40,6 +40,7 @@ class ModelSpec:
     moe: MoESettings = MoESettings()  # expert layout and routing (a mixture of experts only)
     recompute: dict | None = None  # Megatron's recompute settings (a model that trains)
     sequence_parallel: bool = False  # Megatron's SP (`<section>.megatron.sequence_parallel`)
+    vpp: int | None = None  # model chunks per stage (`<section>.megatron.virtual_pipeline_...`)
 
 
 @dataclass(frozen=True)
@@ -117,7 +118,8 @@ def megatron_spec(cfg, role: str, schedule_steps: int | None = None) -> Megatron
                           collective_timeout_s=float(cfg.trainer.state_timeout_s),
                           moe=moe_settings(m),
                           recompute=recompute_settings(m.override_transformer_config, False),
-                          sequence_parallel=bool(m.sequence_parallel))
+                          sequence_parallel=bool(m.sequence_parallel),
+                          vpp=m.virtual_pipeline_model_parallel_size)
         loss = CriticLossSpec(float(c.cliprange_value),
                               c.loss_agg_mode or arr.actor.loss_agg_mode,
                               int(cfg.data.max_response_length))
@@ -139,7 +141,9 @@ def megatron_spec(cfg, role: str, schedule_steps: int | None = None) -> Megatron
                                                    arr.model.enable_gradient_checkpointing)
                       if trains else None,
                       # a logp replica runs the actor's setting at its own TP
-                      sequence_parallel=bool(m.sequence_parallel))
+                      sequence_parallel=bool(m.sequence_parallel),
+                      # a logp replica has its own PP (actor_rollout_ref.logp), no chunks
+                      vpp=None if role == "logp" else m.virtual_pipeline_model_parallel_size)
     if not trains:
         return MegatronSpec(role, model, arr.model.path)
     loss = ActorLossSettings.from_config(arr.actor, cfg.data.max_response_length,

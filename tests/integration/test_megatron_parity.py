@@ -1,10 +1,14 @@
 """Megatron GPTModel built from an HF config reproduces the HF model (TP=1, TP=2, PP=2) for
 Qwen2, Llama 3 (llama3 RoPE scaling), Qwen3 and Qwen3-MoE (every token through its top-2 of 8
 experts, expert weights TP-split at TP=2). The TP=2 job also runs every model with sequence
-parallelism (`sp:` keys), padded and packed (THD), 17-token rows that SP pads to 18."""
+parallelism (`sp:` keys), padded and packed (THD), 17-token rows that SP pads to 18. The PP=2
+job also runs a 4-layer Qwen2 (tied embeddings) at PP2 × VPP2 (`vpp:` keys): two model chunks
+per stage under Megatron's interleaved schedule."""
 import pytest
 
 from launch_helpers import SCRIPTS, read_json, torchrun
+
+from megarl.utils.tiny_model import make_tiny_model
 
 
 @pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2)], ids=["tp1", "tp2", "pp2"])
@@ -12,10 +16,23 @@ def test_logits_logprobs_entropy_match_hf(tmp_path, tiny_qwen2, tiny_llama, tiny
                                           tiny_qwen3_moe, tp, pp):
     models = (tiny_qwen2, tiny_llama, tiny_qwen3, tiny_qwen3_moe)
     out = tmp_path / "parity.json"
-    torchrun(SCRIPTS / "parity.py", tp * pp, out, tp, pp, *models,
-             env={"PARITY_SP": "1"} if tp > 1 else None)
+    env = {"PARITY_SP": "1"} if tp > 1 else {}
+    deep = None
+    if pp > 1:  # layers 0,1 | 2,3 chunks over the two stages: stage 0 holds 0 and 2
+        deep = make_tiny_model(tmp_path / "deep", "qwen2", num_layers=4, num_heads=4,
+                               num_kv_heads=2, rope_theta=5000.0)
+        env["PARITY_VPP_MODELS"] = str(deep)
+    torchrun(SCRIPTS / "parity.py", tp * pp, out, tp, pp, *models, env=env or None)
     res = read_json(out)
-    assert set(res) == set(map(str, models))
+    assert set(res) == set(map(str, models)) | ({str(deep)} if deep else set())
+    if deep is not None:
+        r = res.pop(str(deep))
+        assert r["vpp:logits"] <= 1e-4, r
+        for temp in ("1.0", "0.7"):
+            for layout in ("", "packed_", "mb1_"):
+                assert r[f"vpp:{layout}logprobs@{temp}"] <= 1e-5, r
+                assert r[f"vpp:{layout}entropy@{temp}"] <= 1e-5, r
+                assert r[f"vpp:{layout}pos0@{temp}"] == 0.0, r
     for model, r in res.items():
         runs = [""] + (["sp:"] if tp > 1 else [])
         for sp in runs:

@@ -71,6 +71,9 @@ def save_checkpoint(worker, path, **meta) -> Path:
             json.dump({"format": "megarl-mcore-v1", "model_dir": str(worker.model_dir),
                        "tp": worker.ps.get_tensor_model_parallel_world_size(),
                        "pp": worker.ps.get_pipeline_model_parallel_world_size(),
+                       # model chunks per stage: the tensors are saved with global layer
+                       # indices whatever the chunking, so any layout loads them
+                       "vpp": getattr(worker, "vpp", 1),
                        **_expert_layout(worker),
                        # the dtype and vocab padding the model was built with: conversion
                        # rebuilds it from these (it fell back to float32 and 128 without them)
@@ -117,8 +120,8 @@ def load_checkpoint(worker, path) -> dict:
                            f"unexpected {unexpected[:5]}")
     if worker.optimizer is not None:
         _load_optimizer(worker, Path(path), meta)
-    logger.info("loaded Megatron checkpoint %s (saved at TP=%s PP=%s%s)", path, meta.get("tp"),
-                meta.get("pp"), f" EP={meta['ep']} ETP={meta['etp']}" if "ep" in meta else "")
+    logger.info("loaded Megatron checkpoint %s (saved at TP=%s PP=%s VPP=%s%s)", path,
+                meta.get("tp"), meta.get("pp"), meta.get("vpp", 1), f" EP={meta['ep']} ETP={meta['etp']}" if "ep" in meta else "")
     return meta
 
 
@@ -131,10 +134,12 @@ def _load_optimizer(worker, path: Path, meta: dict) -> None:
     layout = _expert_layout(worker)
     # (a checkpoint from before EP existed was saved at EP=1, ETP=TP)
     saved = (meta.get("ep", 1), meta.get("etp", meta.get("tp"))) if layout else (None, None)
-    same = (meta.get("tp"), meta.get("pp"), meta.get("world"), *saved) == (
+    # and so do the chunks: a rank's optimizer holds its chunks' parameters
+    same = (meta.get("tp"), meta.get("pp"), meta.get("vpp", 1), meta.get("world"),
+            *saved) == (
         worker.ps.get_tensor_model_parallel_world_size(),
-        worker.ps.get_pipeline_model_parallel_world_size(), dist.get_world_size(),
-        layout.get("ep"), layout.get("etp"))
+        worker.ps.get_pipeline_model_parallel_world_size(), getattr(worker, "vpp", 1),
+        dist.get_world_size(), layout.get("ep"), layout.get("etp"))
     why = None if same else "it was saved on another layout"
     if why is None and not optim.is_file():
         why = "the checkpoint has none"

@@ -198,9 +198,39 @@ def recompute_settings(overrides, gradient_checkpointing: bool) -> dict | None:
     return dict(FULL_RECOMPUTE) if gradient_checkpointing else None
 
 
+VPP_KEY = "megatron.virtual_pipeline_model_parallel_size"
+
+
+def vpp_error(num_layers: int, pp: int, vpp: int | None) -> str | None:
+    """Why a virtual pipeline of `vpp` model chunks per stage cannot be laid out over `pp`
+    stages of a `num_layers`-layer model (None: it can; vpp None or 1: no virtual pipeline).
+    The caller names the key."""
+    if vpp is None or vpp == 1:
+        return None
+    if isinstance(vpp, bool) or not isinstance(vpp, int) or vpp < 1:
+        return f"{vpp!r} is not a positive integer or null"
+    if pp < 2:
+        return (f"{vpp} model chunks per stage need pipeline_model_parallel_size >= 2 (it "
+                f"is {pp}): the chunks interleave across pipeline stages")
+    if num_layers % (pp * vpp):
+        return (f"num_hidden_layers={num_layers} is not divisible by PP x VPP = "
+                f"{pp} x {vpp}")
+    return None
+
+
+def layer_offset(num_layers: int, pp: int, vpp: int | None, pp_rank: int,
+                 vp_stage: int = 0) -> int:
+    """The global index of the first layer of model chunk `vp_stage` on stage `pp_rank`:
+    chunks are dealt round-robin over the stages (chunk c of stage r holds the
+    (c x PP + r)-th run of num_layers / (PP x VPP) layers), Megatron's interleaved layout."""
+    vpp = vpp or 1
+    per_chunk = num_layers // (pp * vpp)
+    return (vp_stage * pp + pp_rank) * per_chunk
+
+
 def transformer_config(args: ModelArgs, tp: int, pp: int, params_dtype: str = "float32",
                        moe: MoESettings | None = None, recompute: dict | bool | None = None,
-                       sequence_parallel: bool = False, **overrides):
+                       sequence_parallel: bool = False, vpp: int | None = None, **overrides):
     """Megatron's TransformerConfig of `args`. `recompute`: Megatron's recompute settings
     (`recompute_settings`; True: FULL_RECOMPUTE), None or False for none.
     `sequence_parallel`: Megatron's sequence parallelism (norms and the residual stream
@@ -219,6 +249,8 @@ def transformer_config(args: ModelArgs, tp: int, pp: int, params_dtype: str = "f
         add_qkv_bias=args.qkv_bias, qk_layernorm=args.qk_norm, hidden_dropout=0.0,
         attention_dropout=0.0,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        # Megatron's interleaved schedule: `vpp` model chunks per stage (None: one)
+        virtual_pipeline_model_parallel_size=vpp if vpp and vpp > 1 else None,
         params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16, use_cpu_initialization=not on_gpu,
         # The fused kernels below are CUDA/apex-only; their unfused paths are exact.
@@ -322,7 +354,7 @@ class QKRMSNorm(RMSNorm):
     marks_sequence_parallel = False
 
 
-def block_spec(layer, config, impl: str = "auto"):
+def block_spec(layer, config, impl: str = "auto", vp_stage: int | None = None):
     """The decoder's spec: Megatron's own for Transformer Engine layers (TE's norms run under
     sequence parallelism), and for the local layers one whose every norm (the layers', the
     Q/K norms, the final one) is `RMSNorm` above in place of `WrappedTorchNorm`."""
@@ -343,7 +375,8 @@ def block_spec(layer, config, impl: str = "auto"):
             local = True
     if not local:
         return layer  # TE's layers (or apex's fused norm, which handles SP itself)
-    return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config),
+    return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(
+        config, vp_stage=vp_stage),
                                       layer_norm=RMSNorm)
 
 
@@ -378,8 +411,10 @@ class ValueHead(torch.nn.Module):
 
 
 def build_gpt_model(args: ModelArgs, config, make_vocab_size_divisible_by: int = 128,
-                    value_head: bool = False, transformer_impl: str = "auto"):
-    """Build this rank's pipeline stage of the model (parallel_state must be initialised).
+                    value_head: bool = False, transformer_impl: str = "auto",
+                    vp_stage: int | None = None):
+    """Build this rank's pipeline stage of the model (parallel_state must be initialised);
+    under a virtual pipeline its model chunk `vp_stage` (`build_model_chunks`: all of them).
 
     `value_head`: the critic, whose last stage ends in a `ValueHead` (output [b, s, 1]) and
     whose embeddings are never tied to an output layer."""
@@ -390,17 +425,22 @@ def build_gpt_model(args: ModelArgs, config, make_vocab_size_divisible_by: int =
 
     _patches.apply()
     tp = ps.get_tensor_model_parallel_world_size()
+    # the embedding lives in the first stage's first chunk, the output layer in the last
+    # stage's last chunk (ignore_virtual=False asks for the chunk's place, not the rank's)
+    virtual = vp_stage is not None
     model = GPTModel(
         config=config, transformer_layer_spec=block_spec(
-            layer_spec(transformer_impl, args.qk_norm, args.num_experts), config),
+            layer_spec(transformer_impl, args.qk_norm, args.num_experts), config,
+            vp_stage=vp_stage),
         vocab_size=padded_vocab_size(args.vocab_size, make_vocab_size_divisible_by, tp),
         max_sequence_length=args.max_position_embeddings,
-        pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
+        pre_process=ps.is_pipeline_first_stage(ignore_virtual=not virtual, vp_stage=vp_stage),
+        post_process=ps.is_pipeline_last_stage(ignore_virtual=not virtual, vp_stage=vp_stage),
         share_embeddings_and_output_weights=args.tie_word_embeddings and not value_head,
         position_embedding_type="rope", rotary_base=args.rope_theta, rotary_percent=1.0,
         rope_scaling=args.rope_scaling_factor is not None,
         rope_scaling_factor=args.rope_scaling_factor or 8.0,
-        parallel_output=True,
+        parallel_output=True, vp_stage=vp_stage,
     )
     if value_head and model.post_process:
         model.output_layer = ValueHead(args.hidden_size, config.params_dtype,
@@ -408,3 +448,35 @@ def build_gpt_model(args: ModelArgs, config, make_vocab_size_divisible_by: int =
     if torch.cuda.is_available():
         model = model.cuda()
     return model
+
+
+def build_model_chunks(args: ModelArgs, config, make_vocab_size_divisible_by: int = 128,
+                       value_head: bool = False, transformer_impl: str = "auto"):
+    """This rank's model chunks: one per virtual pipeline stage (`config`'s
+    virtual_pipeline_model_parallel_size; one chunk without a virtual pipeline), in chunk
+    order, which is also the order of their layers (`layer_offset`): a `ModelChunks`, or
+    without a virtual pipeline the one GPTModel."""
+    vpp = config.virtual_pipeline_model_parallel_size
+    if not vpp or vpp == 1:
+        return build_gpt_model(args, config, make_vocab_size_divisible_by, value_head,
+                               transformer_impl)
+    return ModelChunks([build_gpt_model(args, config, make_vocab_size_divisible_by, value_head,
+                                        transformer_impl, vp_stage=i) for i in range(vpp)])
+
+
+class ModelChunks(torch.nn.ModuleList):
+    """A rank's model chunks under a virtual pipeline, as one module: parameters, train/eval
+    and state dicts span every chunk. Its sharded state dict holds each chunk's under
+    `model{i}` (Megatron-LM's naming); the tensors inside carry global layer indices, so a
+    checkpoint saved with chunks loads into any other layout and the reverse."""
+
+    def sharded_state_dict(self, *args, **kwargs) -> dict:
+        return {f"model{i}": c.sharded_state_dict(*args, **kwargs) for i, c in enumerate(self)}
+
+    def load_state_dict(self, state, strict: bool = True):
+        missing, unexpected = [], []
+        for i, c in enumerate(self):
+            got = c.load_state_dict(state.get(f"model{i}", {}), strict=strict)
+            missing += [f"model{i}.{k}" for k in got.missing_keys]
+            unexpected += [f"model{i}.{k}" for k in got.unexpected_keys]
+        return missing, unexpected

@@ -26,6 +26,7 @@ def has_gloo_groups() -> bool:
 
 
 def init_distributed(tp: int = 1, pp: int = 1, *, ep: int = 1, etp: int | None = None,
+                     vpp: int | None = None,
                      rank: int | None = None,
                      world_size: int | None = None, master_addr: str | None = None,
                      master_port: int | None = None, timeout_s: float = 600.0,
@@ -69,12 +70,15 @@ def init_distributed(tp: int = 1, pp: int = 1, *, ep: int = 1, etp: int | None =
         have = (ps.get_tensor_model_parallel_world_size(),
                 ps.get_pipeline_model_parallel_world_size(),
                 ps.get_expert_model_parallel_world_size(),
-                ps.get_expert_tensor_parallel_world_size())
-        if have != (tp, pp, ep, etp):
-            raise RuntimeError(f"Megatron parallel_state already initialised with TP/PP/EP/ETP "
-                               f"{have}, not {(tp, pp, ep, etp)}")
+                ps.get_expert_tensor_parallel_world_size(),
+                ps.get_virtual_pipeline_model_parallel_world_size() or 1)
+        if have != (tp, pp, ep, etp, vpp or 1):
+            raise RuntimeError(f"Megatron parallel_state already initialised with "
+                               f"TP/PP/EP/ETP/VPP {have}, not {(tp, pp, ep, etp, vpp or 1)}")
         return
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                 virtual_pipeline_model_parallel_size=vpp if vpp and vpp > 1
+                                 else None,
                                  expert_model_parallel_size=ep,
                                  expert_tensor_parallel_size=etp,
                                  create_gloo_process_groups=has_gloo_groups(),
@@ -84,8 +88,8 @@ def init_distributed(tp: int = 1, pp: int = 1, *, ep: int = 1, etp: int | None =
     else:
         torch.manual_seed(seed)
         _patches.cpu_rng_tracker()
-    logger.info("rank %d/%d: TP=%d PP=%d DP=%d%s (%s)", dist.get_rank(), world, tp, pp,
-                ps.get_data_parallel_world_size(),
+    logger.info("rank %d/%d: TP=%d PP=%d%s DP=%d%s (%s)", dist.get_rank(), world, tp, pp,
+                f" VPP={vpp}" if vpp and vpp > 1 else "", ps.get_data_parallel_world_size(),
                 f" EP={ep} ETP={etp}" if ep > 1 or etp != tp else "", dist.get_backend())
 
 
