@@ -251,6 +251,12 @@ def transformer_config(args: ModelArgs, tp: int, pp: int, params_dtype: str = "f
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         # Megatron's interleaved schedule: `vpp` model chunks per stage (None: one)
         virtual_pipeline_model_parallel_size=vpp if vpp and vpp > 1 else None,
+        # Under a virtual pipeline a stage sends activations and grads to the same peer in one
+        # exchange (at PP=2 the next stage is also the previous); batched, gloo matches the
+        # two same-shaped messages by order and the peers post them in different orders, so
+        # activations and grads swap silently. Unbatched, Megatron sends the two directions
+        # on two process groups at PP=2 (and orders them by rank parity otherwise).
+        batch_p2p_comm=not (vpp and vpp > 1),
         params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16, use_cpu_initialization=not on_gpu,
         # The fused kernels below are CUDA/apex-only; their unfused paths are exact.
