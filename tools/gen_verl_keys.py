@@ -139,8 +139,6 @@ RULES: list[tuple[str, str, str]] = [
     ("*.megatron.param_offload", "refused", "parameter offload: " + _OFFLOAD),
     ("*.megatron.grad_offload", "refused", "gradient offload: " + _OFFLOAD),
     ("*.megatron.optimizer_offload", "refused", "optimizer offload: " + _OFFLOAD),
-    ("*.megatron.virtual_pipeline_model_parallel_size", "refused",
-     "megarl has no interleaved (virtual) pipeline stages; use pipeline_model_parallel_size"),
     ("*.megatron.context_parallel_size", "refused",
      "megarl has no context parallelism; long sequences are split by TP sequence parallel and "
      "packing (actor.use_dynamic_bsz, ppo_max_token_len_per_gpu)"),
