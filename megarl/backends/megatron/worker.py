@@ -69,6 +69,16 @@ def _layout_stats(batch: dict, mbatches: list[dict]) -> dict:
     return {"micro_batches": float(len(mbatches)), "padding_frac": 1.0 - real / max(slots, 1)}
 
 
+def _hf_layer_key(name: str) -> tuple[int, int]:
+    """Where an HF tensor name sorts: the embedding, the layers by index, then the rest."""
+    parts = name.split(".")
+    if "layers" in parts[:-1]:
+        i = parts.index("layers") + 1
+        if parts[i].isdigit():
+            return 1, int(parts[i])
+    return (0, 0) if "embed_tokens" in name else (2, 0)
+
+
 class MegatronWorker:
     def __init__(self, model_dir: str, tp: int = 1, pp: int = 1, *, params_dtype="float32",
                  optim: OptimConfig | None = None, make_vocab_size_divisible_by: int = 128,
@@ -602,7 +612,10 @@ class MegatronWorker:
             return mine
         parts = [None] * ps.get_pipeline_model_parallel_world_size()
         dist.all_gather_object(parts, mine, group=ps.get_pipeline_model_parallel_group())
-        return {k: v for part in parts for k, v in part.items()}
+        # in global layer order: under a virtual pipeline each stage holds non-adjacent runs
+        # of layers (the sort is stable: the order within a layer stays the export's)
+        return dict(sorted(((k, v) for part in parts for k, v in part.items()),
+                           key=lambda kv: _hf_layer_key(kv[0])))
 
     def save(self, path: str | os.PathLike, **meta) -> None:
         from .checkpoint import save_checkpoint
