@@ -149,7 +149,9 @@ def reshard(ckpt_dir, out_dir, tp: int = 1, pp: int = 1, progress: bool | None =
                        Path(ckpt_dir) / "optim", out_dir)
     keep = {k: v for k, v in meta.items() if k not in _LAYOUT_KEYS}
     t0 = time.monotonic()
-    old = {k: meta[k] for k in ("tp", "pp", "vpp", "ep", "etp") if k in meta}
+    old = {k: meta[k] for k in ("tp", "pp", "ep", "etp") if k in meta}
+    if meta.get("vpp", 1) > 1:  # model chunks per stage, where there were any
+        old["vpp"] = meta["vpp"]
     w.save(out_dir, **keep, resharded_from=str(Path(ckpt_dir).resolve()),
            resharded_from_layout=old)
     if dist.get_rank() == 0:

@@ -18,7 +18,8 @@ def _assert_bit_exact(src, dst):
 
 # qwen3_moe: Qwen3's attention (q/k norms, head_dim 24), routed experts split over TP and EP,
 # untied embeddings, no bias. (Qwen2's tied embeddings, QKV bias and dense MLP convert in
-# test_pp2_checkpoint_reads_back_at_pp1_and_pp2 and test_convert_trained.py, at PP2 and TP2;
+# test_pp2_vpp2_checkpoint_reads_back_at_pp1_and_pp2_vpp2 and test_convert_trained.py, at
+# PP2 x VPP2 and TP2;
 # Llama's tensors are Qwen2's without the bias, untied: the suite's time has no room for it.)
 @pytest.mark.parametrize("arch", ["qwen3_moe"])
 def test_hf_to_tp2_ep2_to_hf_roundtrip_and_reshard(tmp_path, request, arch):
