@@ -139,8 +139,6 @@ RULES: list[tuple[str, str, str]] = [
     ("*.megatron.param_offload", "refused", "parameter offload: " + _OFFLOAD),
     ("*.megatron.grad_offload", "refused", "gradient offload: " + _OFFLOAD),
     ("*.megatron.optimizer_offload", "refused", "optimizer offload: " + _OFFLOAD),
-    ("*.megatron.virtual_pipeline_model_parallel_size", "refused",
-     "megarl has no interleaved (virtual) pipeline stages; use pipeline_model_parallel_size"),
     ("*.megatron.sequence_parallel", "noted",
      "megarl turns Megatron's sequence parallel on whenever tensor_model_parallel_size > 1"),
     ("*.megatron.use_dist_checkpointing", "refused",

@@ -41,6 +41,7 @@ class ModelSpec:
     recompute: dict | None = None  # Megatron's recompute settings (a model that trains)
     sequence_parallel: bool = False  # Megatron's SP (`<section>.megatron.sequence_parallel`)
     context_parallel: int = 1  # CP ranks (`<section>.megatron.context_parallel_size`)
+    vpp: int | None = None  # model chunks per stage (`<section>.megatron.virtual_pipeline_...`)
 
 
 @dataclass(frozen=True)
@@ -119,7 +120,8 @@ def megatron_spec(cfg, role: str, schedule_steps: int | None = None) -> Megatron
                           moe=moe_settings(m),
                           recompute=recompute_settings(m.override_transformer_config, False),
                           sequence_parallel=bool(m.sequence_parallel),
-                          context_parallel=int(m.context_parallel_size))
+                          context_parallel=int(m.context_parallel_size),
+                          vpp=m.virtual_pipeline_model_parallel_size)
         loss = CriticLossSpec(float(c.cliprange_value),
                               c.loss_agg_mode or arr.actor.loss_agg_mode,
                               int(cfg.data.max_response_length))
@@ -142,7 +144,9 @@ def megatron_spec(cfg, role: str, schedule_steps: int | None = None) -> Megatron
                       if trains else None,
                       # a logp replica runs the actor's setting at its own TP
                       sequence_parallel=bool(m.sequence_parallel),
-                      context_parallel=int(m.context_parallel_size))
+                      context_parallel=int(m.context_parallel_size),
+                      # a logp replica has its own PP (actor_rollout_ref.logp), no chunks
+                      vpp=None if role == "logp" else m.virtual_pipeline_model_parallel_size)
     if not trains:
         return MegatronSpec(role, model, arr.model.path)
     loss = ActorLossSettings.from_config(arr.actor, cfg.data.max_response_length,

@@ -234,6 +234,7 @@ def _check_model(cfg) -> None:
 def _check_model_files(cfg, path: Path) -> None:
     """config.json, every weight file's header and the TP/PP layouts of the Megatron models,
     with the checks and words of the converter and the Megatron worker (convert/inputs.py)."""
+    from megarl.backends.megatron.model import vpp_error
     from megarl.convert.inputs import ConvertError, check_hf_dir, layout_error
 
     arr = cfg.actor_rollout_ref
@@ -262,6 +263,12 @@ def _check_model_files(cfg, path: Path) -> None:
                     f"{prefix}.tensor_model_parallel_size" if "TP=" in problem else
                     f"{prefix}.pipeline_model_parallel_size")
             raise ConfigError(f"{knob}: {path / 'config.json'}: {problem}")
+        vpp = getattr(m, "virtual_pipeline_model_parallel_size", None)
+        problem = vpp_error(args.num_layers, m.pipeline_model_parallel_size, vpp,
+                            int(getattr(m, "context_parallel_size", 1) or 1))
+        if problem:
+            raise ConfigError(f"{prefix}.virtual_pipeline_model_parallel_size={vpp}: "
+                              f"{path / 'config.json'}: {problem}")
     trained = [("actor_rollout_ref.actor.megatron", arr.actor.megatron)]
     if cfg.algorithm.adv_estimator == "gae":
         trained.append(("critic.megatron", cfg.critic.megatron))

@@ -234,6 +234,7 @@ RANGES: Dict[str, Range] = {
     **{f"{section}.{key}": POSITIVE for section in MEGATRON_SECTIONS
        for key in ("expert_model_parallel_size", "expert_tensor_parallel_size",
                    "context_parallel_size",
+                   "virtual_pipeline_model_parallel_size",
                    "override_transformer_config.moe_expert_capacity_factor",
                    "override_transformer_config.recompute_num_layers")},
     **{f"{section}.override_transformer_config.{key}": NON_NEGATIVE
@@ -412,6 +413,11 @@ class MegatronConfig:
     """Tensor-parallel width (TP)."""
     pipeline_model_parallel_size: int = 1
     """Pipeline-parallel depth (PP). A group's device count must be a multiple of TP×PP."""
+    virtual_pipeline_model_parallel_size: Optional[int] = None
+    """Model chunks per pipeline stage (VPP, verl's key): Megatron's interleaved schedule,
+    each stage holding VPP non-adjacent runs of layers, which shrinks the pipeline bubble.
+    Needs PP >= 2 and num_hidden_layers divisible by PP×VPP; a call's micro-batch count is
+    padded with empty micro-batches to a multiple of PP. null or 1: none."""
     expert_model_parallel_size: int = 1
     """Expert-parallel width (EP) of a mixture of experts: each EP rank holds num_experts / EP
     of every layer's experts, and tokens travel to their experts' ranks. EP ranks are taken

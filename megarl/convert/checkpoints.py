@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 
 # Keys of megarl_meta.json that describe the layout a checkpoint was written at; save sets them
 # (ep / etp for a mixture of experts).
-_LAYOUT_KEYS = ("format", "tp", "pp", "ep", "etp", "world")
+_LAYOUT_KEYS = ("format", "tp", "pp", "vpp", "ep", "etp", "world")
 
 
 def _rank_bytes(model) -> int:
@@ -47,7 +47,7 @@ def _expert_layout(w: MegatronWorker) -> str:
 
 def hf_to_mcore(hf_dir, out_dir, tp: int = 1, pp: int = 1, params_dtype: str = "float32",
                 make_vocab_size_divisible_by: int = 128, progress: bool | None = None,
-                ep: int = 1, etp: int | None = None) -> Path:
+                ep: int = 1, etp: int | None = None, vpp: int | None = None) -> Path:
     if not (Path(hf_dir) / "config.json").is_file():
         raise FileNotFoundError(f"--hf-dir {hf_dir}: no config.json")
     # an HF critic (ForTokenClassification, verl's form) becomes a Megatron critic
@@ -55,7 +55,7 @@ def hf_to_mcore(hf_dir, out_dir, tp: int = 1, pp: int = 1, params_dtype: str = "
     w = MegatronWorker(str(hf_dir), tp, pp, params_dtype=params_dtype, trainable=False,
                        load_hf=False, make_vocab_size_divisible_by=make_vocab_size_divisible_by,
                        value_model=any(a.endswith("ForTokenClassification") for a in archs),
-                       moe=MoESettings(ep=ep, etp=etp))
+                       moe=MoESettings(ep=ep, etp=etp), vpp=vpp)
     # Rank 0's own shard: every rank reads and slices the same number of tensors.
     n = sum(1 for _ in w.model.parameters())
     with Progress("hf2mcore load", n, _rank_bytes(w.model), progress) as bar:
@@ -68,15 +68,15 @@ def hf_to_mcore(hf_dir, out_dir, tp: int = 1, pp: int = 1, params_dtype: str = "
     return Path(out_dir)
 
 
-def _load_for_export(ckpt_dir, tp: int, pp: int, ep: int = 1,
-                     etp: int | None = None) -> tuple[MegatronWorker, dict, str]:
+def _load_for_export(ckpt_dir, tp: int, pp: int, ep: int = 1, etp: int | None = None,
+                     vpp: int | None = None) -> tuple[MegatronWorker, dict, str]:
     meta = read_meta(ckpt_dir)
     side = hf_side_dir(ckpt_dir)
     w = MegatronWorker(side, tp, pp, params_dtype=meta.get("params_dtype", "float32"),
                        trainable=False, load_hf=False,
                        make_vocab_size_divisible_by=meta.get("make_vocab_size_divisible_by", 128),
                        value_model=bool(meta.get("value_model", False)),
-                       moe=MoESettings(ep=ep, etp=etp))
+                       moe=MoESettings(ep=ep, etp=etp), vpp=vpp)
     t0 = time.monotonic()
     w.load(ckpt_dir)
     if dist.get_rank() == 0:
@@ -86,7 +86,8 @@ def _load_for_export(ckpt_dir, tp: int, pp: int, ep: int = 1,
 
 
 def mcore_to_hf(ckpt_dir, out_dir, tp: int = 1, pp: int = 1, dtype: str | None = None,
-                progress: bool | None = None, ep: int = 1, etp: int | None = None) -> Path:
+                progress: bool | None = None, ep: int = 1, etp: int | None = None,
+                vpp: int | None = None) -> Path:
     """Write an HF model directory from a Megatron checkpoint (rank 0 writes).
 
     With PP=1 the tensors stream (one full tensor in memory at a time); with PP>1 each stage's
@@ -96,7 +97,7 @@ def mcore_to_hf(ckpt_dir, out_dir, tp: int = 1, pp: int = 1, dtype: str | None =
     with ``num_labels=1``: the transformer plus ``score.weight``/``score.bias``, the form
     verl's critic loads with AutoModelForTokenClassification.
     """
-    w, meta, side = _load_for_export(ckpt_dir, tp, pp, ep, etp)
+    w, meta, side = _load_for_export(ckpt_dir, tp, pp, ep, etp, vpp)
     out_dtype = DTYPES[dtype or meta.get("params_dtype", "float32")]
     if pp == 1:
         tensors = w.export_hf(out_dtype)
@@ -130,7 +131,7 @@ def _as_critic(cfg: dict) -> dict:
 
 
 def reshard(ckpt_dir, out_dir, tp: int = 1, pp: int = 1, progress: bool | None = None,
-            ep: int = 1, etp: int | None = None) -> Path:
+            ep: int = 1, etp: int | None = None, vpp: int | None = None) -> Path:
     """Rewrite a Megatron checkpoint for another TP/PP(/EP/ETP) layout (model weights only).
 
     Reads at the new layout (dist-checkpointing reshards on load) and saves again. Optimizer
@@ -141,7 +142,7 @@ def reshard(ckpt_dir, out_dir, tp: int = 1, pp: int = 1, progress: bool | None =
     phases.
     """
     del progress
-    w, meta, _ = _load_for_export(ckpt_dir, tp, pp, ep, etp)
+    w, meta, _ = _load_for_export(ckpt_dir, tp, pp, ep, etp, vpp)
     if (Path(ckpt_dir) / "optim").is_dir() and dist.get_rank() == 0:
         logger.warning("reshard: dropping the optimizer state in %s (per rank of the old "
                        "layout); a run resumed from %s starts its optimizer fresh",
@@ -149,6 +150,8 @@ def reshard(ckpt_dir, out_dir, tp: int = 1, pp: int = 1, progress: bool | None =
     keep = {k: v for k, v in meta.items() if k not in _LAYOUT_KEYS}
     t0 = time.monotonic()
     old = {k: meta[k] for k in ("tp", "pp", "ep", "etp") if k in meta}
+    if meta.get("vpp", 1) > 1:  # model chunks per stage, where there were any
+        old["vpp"] = meta["vpp"]
     w.save(out_dir, **keep, resharded_from=str(Path(ckpt_dir).resolve()),
            resharded_from_layout=old)
     if dist.get_rank() == 0:

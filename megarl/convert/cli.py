@@ -39,6 +39,11 @@ def _parser(prog, description: str) -> argparse.ArgumentParser:
 def _layout_args(p: argparse.ArgumentParser, what: str) -> None:
     p.add_argument("--tp", type=int, default=1, help=f"tensor-parallel size {what}")
     p.add_argument("--pp", type=int, default=1, help=f"pipeline-parallel size {what}")
+    p.add_argument("--vpp", type=int, default=None,
+                   help=f"model chunks per pipeline stage {what} (a virtual pipeline, "
+                   "megatron.virtual_pipeline_model_parallel_size; needs --pp >= 2). Only "
+                   "the work's layout: a checkpoint holds global layer indices, so one saved "
+                   "at any VPP reads back at any other")
     p.add_argument("--ep", type=int, default=1,
                    help=f"expert-parallel size {what} (a mixture of experts: each EP rank holds "
                    "num_experts/EP experts of every layer)")
@@ -89,7 +94,8 @@ def hf_to_megatron_main(argv=None, prog=None) -> int:
         from .checkpoints import hf_to_mcore
 
         hf_to_mcore(a.hf_dir, a.out, a.tp, a.pp, a.params_dtype,
-                    a.make_vocab_size_divisible_by, progress=a.progress, ep=a.ep, etp=a.etp)
+                    a.make_vocab_size_divisible_by, progress=a.progress, ep=a.ep, etp=a.etp,
+                    vpp=a.vpp)
 
     return _run(a, lambda: plan.plan_hf2mcore(a.hf_dir, a.out, a.tp, a.pp, a.params_dtype,
                                               a.make_vocab_size_divisible_by, a.ep, a.etp),
@@ -112,7 +118,7 @@ def megatron_to_hf_main(argv=None, prog=None) -> int:
         from .checkpoints import mcore_to_hf
 
         mcore_to_hf(a.ckpt, a.out, a.tp, a.pp, a.dtype, progress=a.progress, ep=a.ep,
-                    etp=a.etp)
+                    etp=a.etp, vpp=a.vpp)
 
     return _run(a, lambda: plan.plan_mcore2hf(a.ckpt, a.out, a.tp, a.pp, a.dtype, a.ep, a.etp),
                 convert)
@@ -132,7 +138,8 @@ def reshard_main(argv=None, prog=None) -> int:
     def convert():
         from .checkpoints import reshard
 
-        reshard(a.ckpt, a.out, a.tp, a.pp, progress=a.progress, ep=a.ep, etp=a.etp)
+        reshard(a.ckpt, a.out, a.tp, a.pp, progress=a.progress, ep=a.ep, etp=a.etp,
+                vpp=a.vpp)
 
     return _run(a, lambda: plan.plan_reshard(a.ckpt, a.out, a.tp, a.pp, a.ep, a.etp), convert)
 

@@ -20,7 +20,8 @@ def _assert_bit_exact(src, dst):
 # TP and EP, untied embeddings) and more: QKV bias, a dense first layer, a shared expert and the
 # router's fp32 correction bias (a Megatron buffer), so it stands in for qwen3_moe here (the
 # suite's time has room for one MoE case). (Qwen2's tied embeddings, QKV bias and dense MLP
-# convert in test_pp2_checkpoint_reads_back_at_pp1_and_pp2 and test_convert_trained.py, at PP2 and TP2;
+# convert in test_pp2_vpp2_checkpoint_reads_back_at_pp1_and_pp2_vpp2 and test_convert_trained.py,
+# at PP2 x VPP2 and TP2;
 # Llama's tensors are Qwen2's without the bias, untied: the suite's time has no room for it.)
 @pytest.mark.parametrize("arch", ["glm4_moe"])
 def test_hf_to_tp2_ep2_to_hf_roundtrip_and_reshard(tmp_path, request, arch):
@@ -51,13 +52,30 @@ def test_hf_to_tp2_ep2_to_hf_roundtrip_and_reshard(tmp_path, request, arch):
     assert m.config.tie_word_embeddings == (arch in ("qwen2", "qwen3"))
 
 
-def test_pp2_checkpoint_reads_back_at_pp1_and_pp2(tmp_path, tiny_qwen2):
+def test_pp2_vpp2_checkpoint_reads_back_at_pp1_and_pp2_vpp2(tmp_path):
+    """A checkpoint written with two model chunks per stage (a 4-layer Qwen2, tied
+    embeddings: stage 0 holds layers 0 and 2) records its layout and reads back bit-exact at
+    PP=1 (no chunks) and at PP2 × VPP2, its HF tensors in global layer order."""
+    from safetensors import safe_open
+
+    from megarl.utils.tiny_model import make_tiny_model
+
+    deep = make_tiny_model(tmp_path / "deep", "qwen2", num_layers=4, num_heads=4,
+                           num_kv_heads=2, rope_theta=5000.0)
     ckpt = tmp_path / "mcore-pp2"
-    run_tool("convert_hf_to_megatron.py", "--hf-dir", tiny_qwen2, "--out", ckpt, "--pp", 2)
+    run_tool("convert_hf_to_megatron.py", "--hf-dir", deep, "--out", ckpt, "--pp", 2,
+             "--vpp", 2)
+    meta = json.loads((ckpt / "megarl_meta.json").read_text())
+    assert (meta["tp"], meta["pp"], meta["vpp"]) == (1, 2, 2)
     run_tool("convert_megatron_to_hf.py", "--ckpt", ckpt, "--out", tmp_path / "a")
-    run_tool("convert_megatron_to_hf.py", "--ckpt", ckpt, "--out", tmp_path / "b", "--pp", 2)
-    _assert_bit_exact(tiny_qwen2, tmp_path / "a")
-    _assert_bit_exact(tiny_qwen2, tmp_path / "b")
+    run_tool("convert_megatron_to_hf.py", "--ckpt", ckpt, "--out", tmp_path / "b", "--pp", 2,
+             "--vpp", 2)
+    _assert_bit_exact(deep, tmp_path / "a")
+    _assert_bit_exact(deep, tmp_path / "b")
+    (shard,) = (tmp_path / "b").glob("*.safetensors")
+    with safe_open(shard, "pt") as f:
+        layers = [int(k.split(".")[2]) for k in f.keys() if k.startswith("model.layers.")]
+    assert layers == sorted(layers) and set(layers) == {0, 1, 2, 3}
 
 
 def test_converter_rejects_missing_dirs_without_writing(tmp_path):

@@ -119,3 +119,20 @@ def test_checkpoint_resumes_mid_schedule(tmp_path, tiny_qwen2, nproc, extra):
     # Adam's moments, the fp32 main params and the schedule's position all come back: a
     # fresh optimizer (or bf16 weights without their main params) would leave the curve.
     _same(whole, resumed, tol=1e-6)
+
+
+def test_pp2_vpp2_equals_pp1_and_resumes(tmp_path, tiny_qwen2):
+    """A virtual pipeline (two model chunks per stage, Megatron's interleaved schedule, one
+    DDP per chunk, the tied embedding's grads summed between the first stage's first chunk
+    and the last stage's last) takes the steps of one rank with the whole model; its
+    checkpoint (chunks saved with global layer keys, the per-rank optimizer state) resumes
+    mid-schedule on the curve."""
+    from megarl.utils.tiny_model import make_tiny_model
+
+    deep = make_tiny_model(tmp_path / "deep", "qwen2", num_layers=4, num_heads=4,
+                           num_kv_heads=2, rope_theta=5000.0)
+    whole = _curve(tmp_path, deep, 1, f"{M}.optimizer=torch")
+    got = _curve(tmp_path, deep, 2, f"{M}.pipeline_model_parallel_size=2",
+                 f"{M}.virtual_pipeline_model_parallel_size=2", resume_at=3)
+    assert all(s["update_skipped"] == 0.0 for s in got)
+    _same(whole, got)

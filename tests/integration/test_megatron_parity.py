@@ -3,7 +3,9 @@ Qwen2, Llama 3 (llama3 RoPE scaling), Qwen3, Qwen3-MoE (every token through its 
 experts, expert weights TP-split at TP=2) and GLM-4.5 (a dense first layer, then sigmoid
 routing with a correction bias, scaling and a shared expert; partial rotary; at PP=2 the dense
 layer is stage 0's, the MoE one stage 1's). The TP=2 job also runs every model with sequence
-parallelism (`sp:` keys), padded and packed (THD), 17-token rows that SP pads to 18.
+parallelism (`sp:` keys), padded and packed (THD), 17-token rows that SP pads to 18. The PP=2
+job also runs a 4-layer Qwen2 (tied embeddings) at PP2 × VPP2 (`vpp:` keys): two model chunks
+per stage under Megatron's interleaved schedule.
 Context parallelism: CP=2 (Qwen3-MoE: Qwen3's Q/K norms and head_dim 24, routed experts, and
 routing replay) and CP=2 × TP=2 with SP (Qwen2: QKV bias, tied), padded and packed, 17-token
 rows padded to 2·CP (×TP) chunks."""
@@ -11,16 +13,31 @@ import pytest
 
 from launch_helpers import SCRIPTS, read_json, torchrun
 
+from megarl.utils.tiny_model import make_tiny_model
+
 
 @pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2)], ids=["tp1", "tp2", "pp2"])
 def test_logits_logprobs_entropy_match_hf(tmp_path, tiny_qwen2, tiny_llama, tiny_qwen3,
                                           tiny_qwen3_moe, tiny_glm4_moe, tp, pp):
     models = (tiny_qwen2, tiny_llama, tiny_qwen3, tiny_qwen3_moe, tiny_glm4_moe)
     out = tmp_path / "parity.json"
-    torchrun(SCRIPTS / "parity.py", tp * pp, out, tp, pp, *models,
-             env={"PARITY_SP": "1"} if tp > 1 else None)
+    env = {"PARITY_SP": "1"} if tp > 1 else {}
+    deep = None
+    if pp > 1:  # layers 0,1 | 2,3 chunks over the two stages: stage 0 holds 0 and 2
+        deep = make_tiny_model(tmp_path / "deep", "qwen2", num_layers=4, num_heads=4,
+                               num_kv_heads=2, rope_theta=5000.0)
+        env["PARITY_VPP_MODELS"] = str(deep)
+    torchrun(SCRIPTS / "parity.py", tp * pp, out, tp, pp, *models, env=env or None)
     res = read_json(out)
-    assert set(res) == set(map(str, models))
+    assert set(res) == set(map(str, models)) | ({str(deep)} if deep else set())
+    if deep is not None:
+        r = res.pop(str(deep))
+        assert r["vpp:logits"] <= 1e-4, r
+        for temp in ("1.0", "0.7"):
+            for layout in ("", "packed_", "mb1_"):
+                assert r[f"vpp:{layout}logprobs@{temp}"] <= 1e-5, r
+                assert r[f"vpp:{layout}entropy@{temp}"] <= 1e-5, r
+                assert r[f"vpp:{layout}pos0@{temp}"] == 0.0, r
     for model, r in res.items():
         runs = [""] + (["sp:"] if tp > 1 else [])
         for sp in runs:

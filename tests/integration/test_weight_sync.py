@@ -1,4 +1,5 @@
-"""Megatron trainer (TP=2, PP=2) → two engine servers over gloo, through stock SGLang's
+"""Megatron trainer (TP=2; PP=2 × VPP=2, two model chunks per stage, on a 4-layer model) → two
+engine servers over gloo, through stock SGLang's
 weight contract: bit-exact weights for buckets smaller than a tensor, equal to the largest,
 larger than the model, and with dual buffer while the trainer moves on; then refits (the
 newest version to one engine alone, out of band) from the snapshot and from live weights. One engine stages and
@@ -22,12 +23,21 @@ def _port():
 
 
 @pytest.fixture(scope="module")
-def engines(tiny_qwen2):
+def deep_qwen2(tmp_path_factory):
+    """4 layers, so that PP=2 × VPP=2 gives every chunk one (stage 0 sends layers 0 and 2)."""
+    from megarl.utils.tiny_model import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("deep") / "qwen2", "qwen2", num_layers=4,
+                           num_heads=4, num_kv_heads=2, rope_theta=5000.0)
+
+
+@pytest.fixture(scope="module")
+def engines(deep_qwen2):
     procs, urls = [], []
     for extra in ([], ["--sglang-contract", "--tp-size", "2"]):
         port = _port()
         procs.append(subprocess.Popen(
-            [sys.executable, "-m", "megarl.rollout.server", "--model-path", str(tiny_qwen2),
+            [sys.executable, "-m", "megarl.rollout.server", "--model-path", str(deep_qwen2),
              "--port", str(port), "--load-format", "dummy", "--log-level", "warning",
              "--weight-version", "0", *extra],
             cwd=ROOT, env={"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
@@ -49,11 +59,12 @@ def engines(tiny_qwen2):
         p.wait(30)
 
 
-@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)], ids=["tp2", "pp2"])
-def test_engines_equal_trainer_export_bit_for_bit(tmp_path, tiny_qwen2, engines, tp, pp):
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)], ids=["tp2", "pp2-vpp2"])
+def test_engines_equal_trainer_export_bit_for_bit(tmp_path, deep_qwen2, engines, tp, pp):
+    # PP without chunks is synced to stock SGLang in tests/stock/test_stock_weight_sync_pp.py
     out = tmp_path / "ws.json"
-    torchrun(SCRIPTS / "ws_sync.py", tp * pp, out, tp, pp, tiny_qwen2, f"g-{tp}-{pp}",
-             *engines, "--refit")
+    torchrun(SCRIPTS / "ws_sync.py", tp * pp, out, tp, pp, deep_qwen2, f"g-{tp}-{pp}",
+             *engines, "--refit", env={"WS_VPP": "2"} if pp > 1 else None)
     res = read_json(out)
     refits = {k: res.pop(k) for k in ("refit-snapshot", "refit-trained", "refit-live")}
     assert list(res) == ["smaller", "equal", "larger", "dual"]

@@ -74,6 +74,9 @@ def save_checkpoint(worker, path, **meta) -> Path:
                        # context parallelism splits activations only: the weights are those
                        # of CP=1, and a resume at another CP reads them as they are
                        "cp": worker.ps.get_context_parallel_world_size(),
+                       # model chunks per stage: the tensors are saved with global layer
+                       # indices whatever the chunking, so any layout loads them
+                       "vpp": getattr(worker, "vpp", 1),
                        **_expert_layout(worker),
                        # the dtype and vocab padding the model was built with: conversion
                        # rebuilds it from these (it fell back to float32 and 128 without them)
@@ -120,8 +123,8 @@ def load_checkpoint(worker, path) -> dict:
                            f"unexpected {unexpected[:5]}")
     if worker.optimizer is not None:
         _load_optimizer(worker, Path(path), meta)
-    logger.info("loaded Megatron checkpoint %s (saved at TP=%s PP=%s CP=%s%s)", path,
-                meta.get("tp"), meta.get("pp"), meta.get("cp", 1),
+    logger.info("loaded Megatron checkpoint %s (saved at TP=%s PP=%s VPP=%s CP=%s%s)", path,
+                meta.get("tp"), meta.get("pp"), meta.get("vpp", 1), meta.get("cp", 1),
                 f" EP={meta['ep']} ETP={meta['etp']}" if "ep" in meta else "")
     return meta
 
@@ -135,10 +138,12 @@ def _load_optimizer(worker, path: Path, meta: dict) -> None:
     layout = _expert_layout(worker)
     # (a checkpoint from before EP existed was saved at EP=1, ETP=TP)
     saved = (meta.get("ep", 1), meta.get("etp", meta.get("tp"))) if layout else (None, None)
-    same = (meta.get("tp"), meta.get("pp"), meta.get("world"), *saved) == (
+    # and so do the chunks: a rank's optimizer holds its chunks' parameters
+    same = (meta.get("tp"), meta.get("pp"), meta.get("vpp", 1), meta.get("world"),
+            *saved) == (
         worker.ps.get_tensor_model_parallel_world_size(),
-        worker.ps.get_pipeline_model_parallel_world_size(), dist.get_world_size(),
-        layout.get("ep"), layout.get("etp"))
+        worker.ps.get_pipeline_model_parallel_world_size(), getattr(worker, "vpp", 1),
+        dist.get_world_size(), layout.get("ep"), layout.get("etp"))
     why = None if same else "it was saved on another layout"
     if why is None and not optim.is_file():
         why = "the checkpoint has none"

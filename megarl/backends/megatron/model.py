@@ -275,10 +275,45 @@ def recompute_settings(overrides, gradient_checkpointing: bool) -> dict | None:
     return dict(FULL_RECOMPUTE) if gradient_checkpointing else None
 
 
+VPP_KEY = "megatron.virtual_pipeline_model_parallel_size"
+
+
+def vpp_error(num_layers: int, pp: int, vpp: int | None, cp: int = 1) -> str | None:
+    """Why a virtual pipeline of `vpp` model chunks per stage cannot be laid out over `pp`
+    stages of a `num_layers`-layer model (None: it can; vpp None or 1: no virtual pipeline).
+    The caller names the key."""
+    if vpp is None or vpp == 1:
+        return None
+    if isinstance(vpp, bool) or not isinstance(vpp, int) or vpp < 1:
+        return f"{vpp!r} is not a positive integer or null"
+    if cp > 1:
+        # the interleaved schedule's filler micro-batches are not cut into CP chunks, and the
+        # two have not run together: refused rather than trusted untested
+        return (f"a virtual pipeline with context_parallel_size={cp} is not supported yet "
+                f"(use one of them)")
+    if pp < 2:
+        return (f"{vpp} model chunks per stage need pipeline_model_parallel_size >= 2 (it "
+                f"is {pp}): the chunks interleave across pipeline stages")
+    if num_layers % (pp * vpp):
+        return (f"num_hidden_layers={num_layers} is not divisible by PP x VPP = "
+                f"{pp} x {vpp}")
+    return None
+
+
+def layer_offset(num_layers: int, pp: int, vpp: int | None, pp_rank: int,
+                 vp_stage: int = 0) -> int:
+    """The global index of the first layer of model chunk `vp_stage` on stage `pp_rank`:
+    chunks are dealt round-robin over the stages (chunk c of stage r holds the
+    (c x PP + r)-th run of num_layers / (PP x VPP) layers), Megatron's interleaved layout."""
+    vpp = vpp or 1
+    per_chunk = num_layers // (pp * vpp)
+    return (vp_stage * pp + pp_rank) * per_chunk
+
+
 def transformer_config(args: ModelArgs, tp: int, pp: int, params_dtype: str = "float32",
                        moe: MoESettings | None = None, recompute: dict | bool | None = None,
                        sequence_parallel: bool = False, context_parallel: int = 1,
-                       **overrides):
+                       vpp: int | None = None, **overrides):
     """Megatron's TransformerConfig of `args`. `recompute`: Megatron's recompute settings
     (`recompute_settings`; True: FULL_RECOMPUTE), None or False for none.
     `sequence_parallel`: Megatron's sequence parallelism (norms and the residual stream
@@ -299,6 +334,14 @@ def transformer_config(args: ModelArgs, tp: int, pp: int, params_dtype: str = "f
         attention_dropout=0.0,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         context_parallel_size=int(context_parallel),
+        # Megatron's interleaved schedule: `vpp` model chunks per stage (None: one)
+        virtual_pipeline_model_parallel_size=vpp if vpp and vpp > 1 else None,
+        # Under a virtual pipeline a stage sends activations and grads to the same peer in one
+        # exchange (at PP=2 the next stage is also the previous); batched, gloo matches the
+        # two same-shaped messages by order and the peers post them in different orders, so
+        # activations and grads swap silently. Unbatched, Megatron sends the two directions
+        # on two process groups at PP=2 (and orders them by rank parity otherwise).
+        batch_p2p_comm=not (vpp and vpp > 1),
         params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16, use_cpu_initialization=not on_gpu,
         # The fused kernels below are CUDA/apex-only; their unfused paths are exact.
@@ -426,12 +469,14 @@ class QKRMSNorm(RMSNorm):
     marks_sequence_parallel = False
 
 
-def block_spec(layer, config, impl: str = "auto", dense_layer=None, first_k_dense: int = 0):
+def block_spec(layer, config, impl: str = "auto", dense_layer=None, first_k_dense: int = 0,
+               vp_stage: int | None = None):
     """The decoder's spec: Megatron's own for Transformer Engine layers (TE's norms run under
     sequence parallelism), and for the local layers one whose every norm (the layers', the
     Q/K norms, the final one) is `RMSNorm` above in place of `WrappedTorchNorm`.
     `dense_layer`, `first_k_dense`: the first layers (global indices) built from the dense
-    spec, the rest from `layer` (an MoE model with dense first layers, GLM-4.5)."""
+    spec, the rest from `layer` (an MoE model with dense first layers, GLM-4.5). `vp_stage`:
+    the model chunk under a virtual pipeline (its layers and their global offset)."""
     from megatron.core.transformer.transformer_block import (TransformerBlockSubmodules,
                                                              get_num_layers_to_build)
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
@@ -441,11 +486,12 @@ def block_spec(layer, config, impl: str = "auto", dense_layer=None, first_k_dens
         if not local:
             return layer  # TE's layers (or apex's fused norm, which handles SP itself)
         return TransformerBlockSubmodules(
-            layer_specs=[layer] * get_num_layers_to_build(config), layer_norm=RMSNorm)
+            layer_specs=[layer] * get_num_layers_to_build(config, vp_stage=vp_stage),
+            layer_norm=RMSNorm)
     dense_layer, _ = _local_norms(dense_layer)
-    offset = get_transformer_layer_offset(config)
+    offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
     specs = [dense_layer if offset + i < first_k_dense else layer
-             for i in range(get_num_layers_to_build(config))]
+             for i in range(get_num_layers_to_build(config, vp_stage=vp_stage))]
     if local:
         return TransformerBlockSubmodules(layer_specs=specs, layer_norm=RMSNorm)
     from megatron.core.extensions.transformer_engine import TENorm
@@ -502,8 +548,10 @@ class ValueHead(torch.nn.Module):
 
 
 def build_gpt_model(args: ModelArgs, config, make_vocab_size_divisible_by: int = 128,
-                    value_head: bool = False, transformer_impl: str = "auto"):
-    """Build this rank's pipeline stage of the model (parallel_state must be initialised).
+                    value_head: bool = False, transformer_impl: str = "auto",
+                    vp_stage: int | None = None):
+    """Build this rank's pipeline stage of the model (parallel_state must be initialised);
+    under a virtual pipeline its model chunk `vp_stage` (`build_model_chunks`: all of them).
 
     `value_head`: the critic, whose last stage ends in a `ValueHead` (output [b, s, 1]) and
     whose embeddings are never tied to an output layer."""
@@ -516,20 +564,24 @@ def build_gpt_model(args: ModelArgs, config, make_vocab_size_divisible_by: int =
     tp = ps.get_tensor_model_parallel_world_size()
     dense = layer_spec(transformer_impl, args.qk_norm, 0, config.context_parallel_size) \
         if args.first_k_dense else None
+    # the embedding lives in the first stage's first chunk, the output layer in the last
+    # stage's last chunk (ignore_virtual=False asks for the chunk's place, not the rank's)
+    virtual = vp_stage is not None
     model = GPTModel(
         config=config, transformer_layer_spec=block_spec(
             layer_spec(transformer_impl, args.qk_norm, args.num_experts,
                        config.context_parallel_size), config,
-            dense_layer=dense, first_k_dense=args.first_k_dense),
+            dense_layer=dense, first_k_dense=args.first_k_dense, vp_stage=vp_stage),
         vocab_size=padded_vocab_size(args.vocab_size, make_vocab_size_divisible_by, tp),
         max_sequence_length=args.max_position_embeddings,
-        pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
+        pre_process=ps.is_pipeline_first_stage(ignore_virtual=not virtual, vp_stage=vp_stage),
+        post_process=ps.is_pipeline_last_stage(ignore_virtual=not virtual, vp_stage=vp_stage),
         share_embeddings_and_output_weights=args.tie_word_embeddings and not value_head,
         position_embedding_type="rope", rotary_base=args.rope_theta,
         rotary_percent=args.rotary_percent,
         rope_scaling=args.rope_scaling_factor is not None,
         rope_scaling_factor=args.rope_scaling_factor or 8.0,
-        parallel_output=True,
+        parallel_output=True, vp_stage=vp_stage,
     )
     if value_head and model.post_process:
         model.output_layer = ValueHead(args.hidden_size, config.params_dtype,
@@ -537,3 +589,35 @@ def build_gpt_model(args: ModelArgs, config, make_vocab_size_divisible_by: int =
     if torch.cuda.is_available():
         model = model.cuda()
     return model
+
+
+def build_model_chunks(args: ModelArgs, config, make_vocab_size_divisible_by: int = 128,
+                       value_head: bool = False, transformer_impl: str = "auto"):
+    """This rank's model chunks: one per virtual pipeline stage (`config`'s
+    virtual_pipeline_model_parallel_size; one chunk without a virtual pipeline), in chunk
+    order, which is also the order of their layers (`layer_offset`): a `ModelChunks`, or
+    without a virtual pipeline the one GPTModel."""
+    vpp = config.virtual_pipeline_model_parallel_size
+    if not vpp or vpp == 1:
+        return build_gpt_model(args, config, make_vocab_size_divisible_by, value_head,
+                               transformer_impl)
+    return ModelChunks([build_gpt_model(args, config, make_vocab_size_divisible_by, value_head,
+                                        transformer_impl, vp_stage=i) for i in range(vpp)])
+
+
+class ModelChunks(torch.nn.ModuleList):
+    """A rank's model chunks under a virtual pipeline, as one module: parameters, train/eval
+    and state dicts span every chunk. Its sharded state dict holds each chunk's under
+    `model{i}` (Megatron-LM's naming); the tensors inside carry global layer indices, so a
+    checkpoint saved with chunks loads into any other layout and the reverse."""
+
+    def sharded_state_dict(self, *args, **kwargs) -> dict:
+        return {f"model{i}": c.sharded_state_dict(*args, **kwargs) for i, c in enumerate(self)}
+
+    def load_state_dict(self, state, strict: bool = True):
+        missing, unexpected = [], []
+        for i, c in enumerate(self):
+            got = c.load_state_dict(state.get(f"model{i}", {}), strict=strict)
+            missing += [f"model{i}.{k}" for k in got.missing_keys]
+            unexpected += [f"model{i}.{k}" for k in got.unexpected_keys]
+        return missing, unexpected

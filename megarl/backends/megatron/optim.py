@@ -149,14 +149,19 @@ class TorchOptimizer(_Scheduled):
                 if p.grad is not None:
                     dist.all_reduce(p.grad, group=group)
                     p.grad.div_(dp)
-        m = self.model
-        if (ps.get_pipeline_model_parallel_world_size() > 1
-                and m.share_embeddings_and_output_weights
-                and (ps.is_pipeline_first_stage() or ps.is_pipeline_last_stage())):
-            w = m.shared_embedding_or_output_weight()
-            if w.grad is None:
-                w.grad = torch.zeros_like(w)
-            dist.all_reduce(w.grad, group=ps.get_embedding_group())
+        from megarl.backends.megatron.hf.live import chunks
+
+        # the chunk with the embedding (first stage's first) and the one with the output
+        # layer (last stage's last) sum the tied weight's grads; under a virtual pipeline the
+        # other chunks of those stages hold neither
+        for m in chunks(self.model):
+            if (ps.get_pipeline_model_parallel_world_size() > 1
+                    and m.share_embeddings_and_output_weights
+                    and (m.pre_process or m.post_process)):
+                w = m.shared_embedding_or_output_weight()
+                if w.grad is None:
+                    w.grad = torch.zeros_like(w)
+                dist.all_reduce(w.grad, group=ps.get_embedding_group())
 
     def grad_norm(self) -> float:
         from megatron.core import parallel_state as ps
@@ -203,10 +208,13 @@ class MegatronOptimizer(_Scheduled):
                                                finalize_model_grads)
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
+        from megarl.backends.megatron.hf.live import chunks
+
         self.cfg = cfg
         self.model = model
         self.params_dtype = params_dtype
-        tcfg = model.config
+        parts = chunks(model)
+        tcfg = parts[0].config
         ddp_cfg = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=cfg.overlap_grad_reduce,
             use_distributed_optimizer=cfg.use_distributed_optimizer)
@@ -220,9 +228,14 @@ class MegatronOptimizer(_Scheduled):
             initial_loss_scale=2.0 ** 16,
             use_distributed_optimizer=cfg.use_distributed_optimizer)
         with _patches.cuda_tensor_types():
-            self.ddp = DistributedDataParallel(tcfg, ddp_cfg, model)
+            # one DDP per model chunk; as Megatron-LM does, only the first chunk's grads are
+            # bucketed for an overlapped reduce (the others reduce at the end in one go)
+            ddps = [DistributedDataParallel(tcfg, ddp_cfg, m, disable_bucketing=i > 0)
+                    for i, m in enumerate(parts)]
+            # what the schedules run: the one DDP, or the chunks' list under a virtual pipeline
+            self.ddp = ddps[0] if len(ddps) == 1 else ddps
             # Megatron's default (True) asks for gloo groups, which on CUDA were never made
-            self.opt = get_megatron_optimizer(ocfg, [self.ddp],
+            self.opt = get_megatron_optimizer(ocfg, ddps,
                                               use_gloo_process_groups=has_gloo_groups())
         # The schedules call these: grads reduce after the last micro-batch's backward (and,
         # with overlap, bucket by bucket while the backward still runs), then are finalized.
@@ -231,12 +244,15 @@ class MegatronOptimizer(_Scheduled):
         # backward, and the optimizer unscales the grads (and skips a step that overflowed).
         tcfg.grad_scale_func = self.opt.scale_loss
         if cfg.overlap_grad_reduce:
-            tcfg.no_sync_func = self.ddp.no_sync
-            tcfg.grad_sync_func = self.ddp.start_grad_sync
+            # the interleaved schedule takes one function per chunk
+            tcfg.no_sync_func = ddps[0].no_sync if len(ddps) == 1 else [d.no_sync for d in ddps]
+            tcfg.grad_sync_func = ddps[0].start_grad_sync if len(ddps) == 1 else \
+                [d.start_grad_sync for d in ddps]
         self.sched = _scheduler(self.opt, cfg)
 
     def zero_grad(self):
-        self.ddp.zero_grad_buffer()
+        for d in self.ddp if isinstance(self.ddp, list) else [self.ddp]:
+            d.zero_grad_buffer()
         self.opt.zero_grad()
 
     def step(self) -> dict:

@@ -26,7 +26,7 @@ def has_gloo_groups() -> bool:
 
 
 def init_distributed(tp: int = 1, pp: int = 1, *, cp: int = 1, ep: int = 1,
-                     etp: int | None = None,
+                     etp: int | None = None, vpp: int | None = None,
                      rank: int | None = None,
                      world_size: int | None = None, master_addr: str | None = None,
                      master_port: int | None = None, timeout_s: float = 600.0,
@@ -72,13 +72,17 @@ def init_distributed(tp: int = 1, pp: int = 1, *, cp: int = 1, ep: int = 1,
                 ps.get_pipeline_model_parallel_world_size(),
                 ps.get_expert_model_parallel_world_size(),
                 ps.get_expert_tensor_parallel_world_size(),
-                ps.get_context_parallel_world_size())
-        if have != (tp, pp, ep, etp, cp):
+                ps.get_context_parallel_world_size(),
+                ps.get_virtual_pipeline_model_parallel_world_size() or 1)
+        if have != (tp, pp, ep, etp, cp, vpp or 1):
             raise RuntimeError(f"Megatron parallel_state already initialised with "
-                               f"TP/PP/EP/ETP/CP {have}, not {(tp, pp, ep, etp, cp)}")
+                               f"TP/PP/EP/ETP/CP/VPP {have}, not "
+                               f"{(tp, pp, ep, etp, cp, vpp or 1)}")
         return
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                  context_parallel_size=cp,
+                                 virtual_pipeline_model_parallel_size=vpp if vpp and vpp > 1
+                                 else None,
                                  expert_model_parallel_size=ep,
                                  expert_tensor_parallel_size=etp,
                                  create_gloo_process_groups=has_gloo_groups(),
@@ -88,8 +92,9 @@ def init_distributed(tp: int = 1, pp: int = 1, *, cp: int = 1, ep: int = 1,
     else:
         torch.manual_seed(seed)
         _patches.cpu_rng_tracker()
-    logger.info("rank %d/%d: TP=%d PP=%d DP=%d%s%s (%s)", dist.get_rank(), world, tp, pp,
-                ps.get_data_parallel_world_size(), f" CP={cp}" if cp > 1 else "",
+    logger.info("rank %d/%d: TP=%d PP=%d%s DP=%d%s%s (%s)", dist.get_rank(), world, tp, pp,
+                f" VPP={vpp}" if vpp and vpp > 1 else "", ps.get_data_parallel_world_size(),
+                f" CP={cp}" if cp > 1 else "",
                 f" EP={ep} ETP={etp}" if ep > 1 or etp != tp else "", dist.get_backend())
 
 

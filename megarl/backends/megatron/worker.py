@@ -74,6 +74,16 @@ def _layout_stats(batch: dict, mbatches: list[dict]) -> dict:
     return {"micro_batches": float(len(mbatches)), "padding_frac": 1.0 - real / max(slots, 1)}
 
 
+def _hf_layer_key(name: str) -> tuple[int, int]:
+    """Where an HF tensor name sorts: the embedding, the layers by index, then the rest."""
+    parts = name.split(".")
+    if "layers" in parts[:-1]:
+        i = parts.index("layers") + 1
+        if parts[i].isdigit():
+            return 1, int(parts[i])
+    return (0, 0) if "embed_tokens" in name else (2, 0)
+
+
 class MegatronWorker:
     def __init__(self, model_dir: str, tp: int = 1, pp: int = 1, *, params_dtype="float32",
                  optim: OptimConfig | None = None, make_vocab_size_divisible_by: int = 128,
@@ -81,14 +91,18 @@ class MegatronWorker:
                  value_model: bool = False, transformer_impl: str = "auto",
                  collective_timeout_s: float = 600.0, moe: mmodel.MoESettings | None = None,
                  recompute: dict | bool | None = None, sequence_parallel: bool = False,
-                 context_parallel: int = 1):
+                 context_parallel: int = 1, vpp: int | None = None):
         # The converter's checks and layout rules, before any collective: a model that cannot
         # split over TP×PP fails here with the converter's message, not a Megatron assertion.
         self.args = read_model_args(model_dir)
         self.moe = moe = moe or mmodel.MoESettings()
         check_layout(self.args, tp, pp, os.path.join(model_dir, "config.json"), moe.ep, moe.etp)
         self.cp = cp = int(context_parallel)
-        init_distributed(tp, pp, cp=cp, ep=moe.ep, etp=moe.etp, seed=seed,
+        problem = mmodel.vpp_error(self.args.num_layers, pp, vpp, cp)
+        if problem:
+            raise ValueError(f"{mmodel.VPP_KEY}={vpp!r}: {problem}")
+        self.vpp = vpp if vpp and vpp > 1 else 1
+        init_distributed(tp, pp, cp=cp, ep=moe.ep, etp=moe.etp, vpp=self.vpp, seed=seed,
                          timeout_s=collective_timeout_s)
         from megatron.core import parallel_state as ps
 
@@ -99,7 +113,7 @@ class MegatronWorker:
         self.config = mmodel.transformer_config(self.args, tp, pp, params_dtype, moe,
                                                 recompute=recompute,
                                                 sequence_parallel=sequence_parallel,
-                                                context_parallel=cp)
+                                                context_parallel=cp, vpp=self.vpp)
         # Under sequence parallelism every rank holds S / TP positions of the residual
         # stream, so the sequences the model sees are padded to a multiple of TP (right
         # padding: causal attention keeps it from every real token; outputs are cut back).
@@ -108,9 +122,11 @@ class MegatronWorker:
         self.seq_multiple = (tp if self.config.sequence_parallel else 1) * (2 * cp if cp > 1
                                                                               else 1)
         self.value_model = value_model
-        self.model = mmodel.build_gpt_model(self.args, self.config, make_vocab_size_divisible_by,
-                                            value_head=value_model,
-                                            transformer_impl=transformer_impl)
+        # one GPTModel, or under a virtual pipeline a `ModelChunks` of VPP of them
+        self.model = mmodel.build_model_chunks(self.args, self.config,
+                                               make_vocab_size_divisible_by,
+                                               value_head=value_model,
+                                               transformer_impl=transformer_impl)
         if load_hf:
             reader = HFReader(model_dir)
             # A critic takes the transformer from a causal LM and starts its value head at
@@ -142,7 +158,7 @@ class MegatronWorker:
                    value_model=spec.value_model, transformer_impl=spec.transformer_impl,
                    collective_timeout_s=spec.collective_timeout_s, moe=spec.moe,
                    recompute=spec.recompute, sequence_parallel=spec.sequence_parallel,
-                   context_parallel=spec.context_parallel)
+                   context_parallel=spec.context_parallel, vpp=getattr(spec, "vpp", None))
 
     # ---------------------------------------------------------------- forward plumbing
     def _device(self):
@@ -157,7 +173,7 @@ class MegatronWorker:
         shapes); the last one is filled up with all-zero rows, whose masks are zero so no loss
         sees them. A `TokenBudget`: packed micro-batches (`_packed_micro_batches`)."""
         if isinstance(micro, TokenBudget):
-            return self._packed_micro_batches(batch, micro.max_tokens)
+            return self._pad_for_interleaving(*self._packed_micro_batches(batch, micro.max_tokens))
         n = batch["input_ids"].shape[0]
         mbs, n_micro = _split(n, micro)
         fill = n_micro * mbs - n
@@ -166,7 +182,29 @@ class MegatronWorker:
             batch = _fill_rows(batch, fill)
         mbatches = [{k: (v[i:i + mbs].to(dev) if torch.is_tensor(v) else v)
                      for k, v in batch.items()} for i in range(0, n + fill, mbs)]
-        return mbatches, mbs, self._model_len(batch["input_ids"].shape[1])
+        return self._pad_for_interleaving(mbatches, mbs,
+                                          self._model_len(batch["input_ids"].shape[1]))
+
+    def _pad_for_interleaving(self, mbatches: list[dict], mbs: int, seq: int
+                              ) -> tuple[list[dict], int, int]:
+        """Under a virtual pipeline, Megatron's interleaved schedule runs micro-batches in
+        groups of PP and refuses a count that is not a multiple of PP (a last, smaller group
+        would stall the pipeline): the list is padded with filler micro-batches (all-zero
+        rows, whose masks are zero, so no loss or output sees them; packed ones name row -1)
+        rather than refused, since the count follows from the batch, not from a key."""
+        pp = self.ps.get_pipeline_model_parallel_world_size()
+        fill = -len(mbatches) % pp if self.vpp > 1 else 0
+        if not fill:
+            return mbatches, mbs, seq
+        first = mbatches[0]
+        filler = {k: (torch.zeros_like(v[:1] if "_packed" in first else v)
+                      if torch.is_tensor(v) else v)
+                  for k, v in first.items() if k not in ("_packed", "_rows")}
+        if "_packed" in first:
+            filler["_packed"] = pack(filler["input_ids"], [1],
+                                     first["_packed"].input_ids.shape[1])
+            filler["_rows"] = torch.tensor([-1], device=first["_rows"].device)
+        return mbatches + [filler] * fill, mbs, seq
 
     def _model_len(self, n: int) -> int:
         """The sequence length the model runs for `n` tokens: a multiple of TP under
@@ -265,13 +303,18 @@ class MegatronWorker:
                 ids, pos = (self._cp_local(t, (seq,), 1) for t in (ids, pos))
                 mb["_seq"] = seq
             out = model(ids, pos, attention_mask=None)
-            if seq > width and self.cp == 1 and self.ps.is_pipeline_last_stage():
+            if seq > width and self.cp == 1 and live.unwrap(model).post_process:
                 out = out[:, :width]  # [b, s, ...]: the padding predicts nothing
             return out, functools.partial(loss_of, mb)
 
+        # under a virtual pipeline every chunk runs every micro-batch: one iterator each
+        models = self.fwd_model if isinstance(self.fwd_model, (list, torch.nn.ModuleList)) \
+            else [self.fwd_model]
+        iters = [iter(mbatches) for _ in models]
         try:
             return get_forward_backward_func()(
-                forward_step_func=step, data_iterator=iter(mbatches), model=[self.fwd_model],
+                forward_step_func=step, data_iterator=iters if len(iters) > 1 else iters[0],
+                model=list(models),
                 num_microbatches=len(mbatches), seq_length=seq, micro_batch_size=mbs,
                 forward_only=forward_only)
         finally:
@@ -291,7 +334,7 @@ class MegatronWorker:
         """(global layer index, router) of this stage's MoE layers, each counting, in training
         passes, the real tokens routed to each expert (per-layer load: `moe_metrics`)."""
         self.routers = [(layer.layer_number - 1, layer.mlp.router)
-                        for layer in live.unwrap(self.model).decoder.layers
+                        for chunk in live.chunks(self.model) for layer in chunk.decoder.layers
                         if getattr(layer.mlp, "router", None) is not None]
         self._load: dict[int, torch.Tensor] = {}
         self._real = None  # this micro-batch's real-token mask, in the routers' token order
@@ -572,8 +615,9 @@ class MegatronWorker:
         store = self._run({"input_ids": input_ids}, input_ids.shape[0], keep, forward_only=True)
         B, S = input_ids.shape
         if self.ps.is_pipeline_last_stage():
+            # [:B]: a virtual pipeline's filler micro-batch adds rows
             logits = torch.cat([gather_from_tensor_model_parallel_region(d["logits"])
-                                for d in store])
+                                for d in store])[:B]
             logits = logits[..., : self.args.vocab_size].float().contiguous()
         else:
             logits = torch.empty(B, S, self.args.vocab_size, device=self._device())
@@ -660,7 +704,10 @@ class MegatronWorker:
             return mine
         parts = [None] * ps.get_pipeline_model_parallel_world_size()
         dist.all_gather_object(parts, mine, group=ps.get_pipeline_model_parallel_group())
-        return {k: v for part in parts for k, v in part.items()}
+        # in global layer order: under a virtual pipeline each stage holds non-adjacent runs
+        # of layers (the sort is stable: the order within a layer stays the export's)
+        return dict(sorted(((k, v) for part in parts for k, v in part.items()),
+                           key=lambda kv: _hf_layer_key(kv[0])))
 
     def save(self, path: str | os.PathLike, **meta) -> None:
         from .checkpoint import save_checkpoint

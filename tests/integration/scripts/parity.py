@@ -8,6 +8,9 @@ models with routing replay (R3), and a forced routing replayed (`forced_*`: log-
 transformers' under the same routing, padded and packed). PARITY_EP (default 1): expert-parallel ranks for
 the mixture-of-experts models (the world is then larger than TP×PP: data-parallel ranks
 that each run the same rows, their tokens crossing to the experts' ranks).
+PARITY_VPP_MODELS (os.pathsep-separated model dirs): run at PP×VPP with PARITY_VPP (default 2)
+model chunks per stage after the others, padded and packed, and with one-row micro-batches
+(3 of them, which the interleaved schedule pads to a multiple of PP).
 """
 import json
 import os
@@ -19,7 +22,7 @@ import torch.distributed as dist
 from megarl.backends.megatron.parallel import rank_program
 
 
-def compare(w, hf, packed: bool, cp: int = 1) -> dict:
+def compare(w, hf, packed: bool, cp: int = 1, one_row: bool = False) -> dict:
     """Largest differences of `w`'s logits, log-probs and entropies from `hf`'s."""
     from megarl.backends.megatron.packing import TokenBudget
 
@@ -32,7 +35,8 @@ def compare(w, hf, packed: bool, cp: int = 1) -> dict:
     # micro-batch 2 of 3 rows: also exercises the filler row of the last micro-batch;
     # packed: two micro-batches of 17 + 17 and 17 tokens
     # (under CP the budget counts per CP rank: 34 // CP keeps the same micro-batches)
-    micros = [("", 2)] + ([("packed_", TokenBudget(34 // cp))] if packed else [])
+    micros = [("", 2)] + ([("packed_", TokenBudget(34 // cp))] if packed else []) \
+        + ([("mb1_", 1)] if one_row else [])
     for temp in (1.0, 0.7):
         logp_all = torch.log_softmax(ref / temp, dim=-1)[:, :-1]
         want = logp_all.gather(-1, ids[:, 1:, None]).squeeze(-1)
@@ -104,6 +108,16 @@ def main():
                 r.update({("sp:" if sp else "") + k: v
                           for k, v in forced_routing(w, hf, cp).items()})
         results[d] = r
+    vpp_dirs = [d for d in os.environ.get("PARITY_VPP_MODELS", "").split(os.pathsep) if d]
+    if vpp_dirs:
+        from megatron.core import parallel_state as ps
+
+        # Megatron's groups again, with model chunks (torch.distributed's world stays)
+        ps.destroy_model_parallel()
+    for d in vpp_dirs:
+        hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+        w = MegatronWorker(d, tp, pp, trainable=False, vpp=int(os.environ.get("PARITY_VPP", 2)))
+        results[d] = {"vpp:" + k: v for k, v in compare(w, hf, True, one_row=True).items()}
     if dist.get_rank() == 0:
         with open(out, "w") as f:
             json.dump(results, f)

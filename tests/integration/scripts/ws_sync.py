@@ -7,10 +7,12 @@ names, or stock SGLang's fused ones).
 Cases: bucket smaller than one tensor, equal to the largest tensor, larger than the model
 (no dual buffer), then dual buffer with the trainer changing its weights right after the
 snapshot (the engines must get the snapshot, not the later weights); with --refit, then
-the refits of `refit_cases` to the second engine.
+the refits of `refit_cases` to the second engine. WS_VPP (default 1): model chunks per
+pipeline stage (a virtual pipeline: each stage sends its chunks' layers, non-adjacent runs).
 """
 import json
 import logging
+import os
 import sys
 
 import torch
@@ -89,7 +91,8 @@ def main():
     from megarl.weight_sync.trainer import TrainerWeightSync
     from megarl.weight_sync.transports import EngineLink
 
-    worker = MegatronWorker(model_dir, int(tp), int(pp), trainable=False)
+    worker = MegatronWorker(model_dir, int(tp), int(pp), trainable=False,
+                            vpp=int(os.environ.get("WS_VPP", 1)))
     # Every rank computes the same sizes from the full export.
     full = worker.full_hf_state()
     nbytes = {n: t.numel() * t.element_size() for n, t in full.items()}

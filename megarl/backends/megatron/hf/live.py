@@ -27,6 +27,14 @@ def unwrap(model):
     return model
 
 
+def chunks(model) -> list:
+    """The GPTModels of this rank: its model chunks in order under a virtual pipeline (a
+    list, or `model.ModelChunks`), else the one model."""
+    if isinstance(model, (list, tuple, torch.nn.ModuleList)):
+        return [unwrap(m) for m in model]
+    return [unwrap(model)]
+
+
 def global_name(model, local_name: str) -> str:
     """Megatron parameter name with the stage-local layer index replaced by the global one,
     and a routed expert's EP-local index by its global one, in the local spec's names
@@ -44,7 +52,7 @@ def global_name(model, local_name: str) -> str:
 def _local_experts(model) -> int:
     from megatron.core import parallel_state as ps
 
-    return unwrap(model).config.num_moe_experts // ps.get_expert_model_parallel_world_size()
+    return chunks(model)[0].config.num_moe_experts // ps.get_expert_model_parallel_world_size()
 
 
 def _expert_offset(model) -> int:
@@ -70,21 +78,26 @@ def is_value_model(model) -> bool:
     """A critic: its last stage ends in a value head, not the vocab-parallel output layer."""
     from megarl.backends.megatron.model import ValueHead
 
-    return isinstance(getattr(unwrap(model), "output_layer", None), ValueHead)
+    return any(isinstance(getattr(c, "output_layer", None), ValueHead) for c in chunks(model))
 
 
 def _padded_vocab(model) -> int:
-    return unwrap(model).vocab_size  # GPTModel keeps the padded size it was built with
+    return chunks(model)[0].vocab_size  # GPTModel keeps the padded size it was built with
 
 
 def named_tensors(model):
-    """The model's parameters, then the buffers that are checkpoint values (a sigmoid
-    router's `expert_bias`): (local name, tensor) pairs."""
-    root = unwrap(model)
-    yield from root.named_parameters()
-    for local, b in root.named_buffers():
-        if local.endswith(mapping.FP32_BUFFERS):
-            yield local, b
+    """(chunk, stage-local name, tensor) over this rank's model chunks in chunk order: the
+    parameters, then the buffers that are checkpoint values (a sigmoid router's
+    `expert_bias`). Under a virtual pipeline a stage's chunks hold ascending runs of layers,
+    so the parameters' names come out in global layer order within the stage, and the buffers
+    after all of them, as the dry run's plan has them."""
+    for chunk in chunks(model):
+        for local, p in chunk.named_parameters():
+            yield chunk, local, p
+    for chunk in chunks(model):
+        for local, b in chunk.named_buffers():
+            if local.endswith(mapping.FP32_BUFFERS):
+                yield chunk, local, b
 
 
 @torch.no_grad()
@@ -97,8 +110,8 @@ def load_hf_into(model, args: ModelArgs, get_hf: Callable[[str], torch.Tensor],
     this rank's shard."""
     padded = _padded_vocab(model)
     value = is_value_model(model)
-    for local, p in named_tensors(model):
-        name = global_name(model, local)
+    for chunk, local, p in named_tensors(model):
+        name = global_name(chunk, local)
         if skip is not None and skip(name):
             continue
         if value and name in mapping.VALUE_HEAD:  # replicated: every rank takes it whole
@@ -129,8 +142,8 @@ def export_hf(model, args: ModelArgs, dtype: torch.dtype | None = None
 
     ep = ps.get_expert_model_parallel_world_size() if args.is_moe else 1
     value = is_value_model(model)
-    for local, p in named_tensors(model):
-        name = global_name(model, local)
+    for chunk, local, p in named_tensors(model):
+        name = global_name(chunk, local)
         if value and name in mapping.VALUE_HEAD:  # a critic's head: replicated, not gathered
             t = p.detach()
             yield mapping.VALUE_HEAD[name], t if dtype is None else t.to(dtype)
