@@ -58,12 +58,19 @@ def _fill_rows(batch: dict, fill: int) -> dict:
             for k, v in batch.items()}
 
 
-def _layout_stats(batch: dict, mbatches: list[dict]) -> dict:
+def _layout_stats(batch: dict, mbatches: list[dict], seq: int | None = None) -> dict:
     """This rank's micro-batch count, and the fraction of the token positions it computed
     that were padding (right padding and filler rows; packed: only the tail that evens out
-    pipeline stages)."""
-    slots = sum(m["_packed"].input_ids.numel() if "_packed" in m else m["input_ids"].numel()
-                for m in mbatches)
+    pipeline stages). `seq`: the length the model ran unpacked rows at, which under sequence
+    parallelism exceeds their width by the padding up to a multiple of TP (a packed row
+    already holds that padding)."""
+    def computed(m: dict) -> int:
+        if "_packed" in m:
+            return m["_packed"].input_ids.numel()
+        rows, width = m["input_ids"].shape
+        return rows * max(width, seq or 0)
+
+    slots = sum(computed(m) for m in mbatches)
     mask = batch.get("attention_mask")
     real = int(mask.sum()) if mask is not None else batch["input_ids"].numel()
     return {"micro_batches": float(len(mbatches)), "padding_frac": 1.0 - real / max(slots, 1)}
@@ -529,7 +536,7 @@ class MegatronWorker:
         stats = self._reduce_metrics(store, max_metrics)
         stats.update(self.moe_metrics(n_micro))
         stats.update(self.optimizer.step())
-        stats.update(_layout_stats(batch, prepared[0]))
+        stats.update(_layout_stats(batch, prepared[0], prepared[2]))
         return stats
 
     def _reduce_metrics(self, store: list[dict], max_metrics: tuple[str, ...] = ()) -> dict:
