@@ -286,7 +286,9 @@ def roles(cfg: DictConfig, g: GroupPlan, a: ModelArgs | None = None) -> tuple[st
 def _parallel(m: DictConfig, devices: int, a: ModelArgs | None = None) -> str:
     tp, pp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size
     dist = ", distributed optimizer" if m.use_distributed_optimizer else ""
-    text = f"TP{tp} × PP{pp} × DP{devices // (tp * pp)}, {m.params_dtype}{dist}"
+    # Megatron turns sequence parallelism off at TP1 (model.transformer_config)
+    sp = ", sequence parallel" if m.get("sequence_parallel") and tp > 1 else ""
+    text = f"TP{tp} × PP{pp} × DP{devices // (tp * pp)}, {m.params_dtype}{sp}{dist}"
     if a is None or not a.is_moe:
         return text
     return f"{text}; {_experts(m, devices, a)}"

@@ -364,9 +364,13 @@ class MegatronWorker:
         # its own slice of the sequence: all count)
         if ps.get_tensor_model_parallel_rank() != 0 and not self.config.sequence_parallel:
             load.zero_()
-        losses = {name: entry["values"].to(dev, torch.float64)
-                  for name, entry in sorted(get_moe_layer_wise_logging_tracker().items())
+        tracked = sorted(get_moe_layer_wise_logging_tracker().items())
+        losses = {name: entry["values"].to(dev, torch.float64) for name, entry in tracked
                   if entry["values"].shape[0] == L}
+        # Megatron logs the load-balancing loss of each TP rank as its share of the layer's
+        # (probabilities of its tokens against the counts over TP; the entry names the group
+        # it sums over), the z loss as each rank's own mean over its tokens
+        shares = {name for name, entry in tracked if entry.get("reduce_group") is not None}
         parts = torch.cat([load.flatten(), *losses.values()])
         dist.all_reduce(parts, group=ps.get_model_parallel_group())  # TP ranks and stages
         if ps.get_data_parallel_world_size() > 1:
@@ -380,13 +384,14 @@ class MegatronWorker:
                 out[f"{prefix}expert_load/layer_{layer}"] = float(load[layer].max() / mean)
         if out:
             out[f"{prefix}expert_load_max"] = max(out.values())
-        # summed over the micro-batches, the TP ranks and the DP ranks: their mean
-        share = ps.get_tensor_model_parallel_world_size() * ps.get_data_parallel_world_size() \
-            * max(1, micro_batches)
+        # summed over the micro-batches, the TP ranks and the DP ranks: their mean (the TP
+        # ranks' shares of a loss: their sum)
+        runs = ps.get_data_parallel_world_size() * max(1, micro_batches)
+        tp = ps.get_tensor_model_parallel_world_size()
         for i, name in enumerate(losses):
             vals = parts[L * E + i * L: L * E + (i + 1) * L]
             key = {"load_balancing_loss": "aux_loss"}.get(name, name)
-            out[f"{prefix}{key}"] = float(vals.mean() / share)
+            out[f"{prefix}{key}"] = float(vals.mean() / (runs * (1 if name in shares else tp)))
         return out
 
     def _token_logprobs(self, mb, logits, temperature, with_entropy):

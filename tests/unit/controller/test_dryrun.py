@@ -122,6 +122,22 @@ def test_qwen3_30b_a3b_plan_sends_every_expert_stock_sglang_loads(capsys):
     assert "128 experts (top-8, ffn 768)" in out
 
 
+def test_moe_placement_at_tp2_ep8_with_sequence_parallelism(capsys):
+    """The trainer of configs/qwen3_30b_a3b_async.yaml at TP2 with sequence parallelism (how
+    an MoE trains under TP): attention over TP2 × DP8, the experts folded over the same 16
+    ranks as EP8 × ETP1, two replicas of each; the placement line says SP is on."""
+    path = str(REPO / "configs" / "qwen3_30b_a3b_async.yaml")
+    m = "actor_rollout_ref.actor.megatron"
+    assert main(["train", "--config", path, "--dry-run", f"{m}.tensor_model_parallel_size=2",
+                 f"{m}.sequence_parallel=true"]) == 0
+    out = capsys.readouterr().out
+    assert "trainer (logp+actor-train): TP2 × PP1 × DP8, bfloat16, sequence parallel, " \
+        "distributed optimizer; experts EP8 × ETP1: 16 of 128 per EP rank, expert-DP2" in out
+    # the reference keeps its own layout (TP4 without SP: it does not train)
+    assert "reference (ref_logp): TP4 × PP1 × DP2, bfloat16; experts" in out
+    assert "megatron.sequence_parallel" in out  # the activation line's formula
+
+
 def test_expert_layout_errors_name_the_config_key(capsys):
     """The converter's EP check, worded with the config's key and the model's source."""
     rc, _, err = _dry_run(capsys, "actor_rollout_ref.actor.megatron.expert_model_parallel_size=2")
