@@ -287,6 +287,7 @@ def _parallel(m: DictConfig, devices: int, a: ModelArgs | None = None) -> str:
     tp, pp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size
     cp = m.get("context_parallel_size") or 1
     dist = ", distributed optimizer" if m.use_distributed_optimizer else ""
+    # Megatron turns sequence parallelism off at TP1 (model.transformer_config)
     sp = " + SP" if m.get("sequence_parallel") and tp > 1 else ""
     # CP ranks hold the same weights but split each sequence, so they are not data-parallel
     # replicas: DP is what is left of the group after TP × CP × PP

@@ -1,6 +1,6 @@
 """Megatron's DDP and optimizer (what GPUs run) on the CPU: the same steps as plain AdamW, at
 DP=2 with and without the distributed optimizer and overlapped grad reduce, and at TP=2 with
-sequence parallelism (the norms' weight grads summed over TP); bf16 and fp16
+sequence parallelism (the norms' weight grads summed over TP), a MoE too at TP=2 × EP=2; bf16 and fp16
 params with fp32 main params within half-precision tolerance of fp32; a checkpoint resumes
 mid-schedule to the same curve, and in the other dtype with a fresh optimizer."""
 import pytest
@@ -82,6 +82,28 @@ def test_context_parallelism_equals_cp1(tmp_path, tiny_qwen2, torch_dp1):
                  env={"OPTIM_TOKEN_BUDGET": "16"})
     assert all(s["update_skipped"] == 0.0 for s in got)
     _same(torch_dp1, got)
+def test_moe_at_tp2_ep2_with_sequence_parallelism_equals_tp1(tmp_path, tiny_qwen3_moe):
+    """Qwen3-MoE at TP=2 × EP=2 with sequence parallelism on two ranks (Megatron's parallel
+    folding: the experts' EP=2 × ETP=1 over the same ranks as TP=2; four experts each) takes
+    the steps of one rank with every expert, the load-balancing and z losses included: each
+    TP rank routes its half of the sequence, and those losses' token statistics and the
+    router's weight grads are the whole sequence's once summed over TP."""
+    losses = [f"{M}.override_transformer_config.moe_aux_loss_coeff=0.01",
+              f"{M}.override_transformer_config.moe_z_loss_coeff=0.001"]
+    ref = _curve(tmp_path, tiny_qwen3_moe, 1, *losses)
+    got = _curve(tmp_path, tiny_qwen3_moe, 2, f"{M}.tensor_model_parallel_size=2",
+                 f"{M}.expert_model_parallel_size=2", f"{M}.expert_tensor_parallel_size=1",
+                 f"{M}.sequence_parallel=true", *losses)
+    assert all(s["update_skipped"] == 0.0 for s in got)
+    _same(ref, got)
+    for a, b in zip(ref, got):
+        # the losses as logged: the load-balancing loss is the TP ranks' shares summed
+        for k in ("moe/aux_loss", "moe/z_loss"):
+            assert a[k] > 0 and b[k] == pytest.approx(a[k], rel=1e-5), (k, a, b)
+        for k in a:
+            if k.startswith("moe/expert_load"):
+                assert b[k] == pytest.approx(a[k], rel=1e-6), (k, a, b)
+    assert ref[-1]["loss"] < ref[0]["loss"], ref  # the steps really move the weights
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])

@@ -43,18 +43,21 @@ def _moe_args(assets, run_dir, *extra):
             f"data.train_files={assets / 'data' / 'train.jsonl'}",
             f"data.val_files={assets / 'data' / 'val.jsonl'}",
             f"trainer.default_local_dir={run_dir}", "trainer.experiment_name=t",
-            # two trainer ranks (DP=2 = EP=2: four experts each) and two engines; no KL
-            # loss, so no reference model (two processes fewer)
+            # two trainer ranks and two engines; no KL loss, so no reference model (two
+            # processes fewer)
             "trainer.n_gpus_per_node=4", "actor_rollout_ref.actor.use_kl_loss=false",
             "actor_rollout_ref.actor.megatron.expert_model_parallel_size=2",
             "actor_rollout_ref.rollout.verify_weight_sync=true",
             "trainer.test_freq=-1", "trainer.val_before_train=False", *extra]
 
 
-def test_grpo_at_ep2_with_routing_replay_learns_and_syncs_experts_exactly(quickstart_assets,
-                                                                          tmp_path):
-    """Three steps ahead, packed micro-batches (the allgather dispatcher then needs one
-    packed length on every EP rank), the engines' routing replayed in LOGP and TRAIN."""
+def test_grpo_at_tp2_ep2_sp_with_routing_replay_learns_and_syncs_experts_exactly(
+        quickstart_assets, tmp_path):
+    """TP=2 × EP=2 with sequence parallelism on two ranks (Megatron's parallel folding: the
+    experts' own layout, EP=2 × ETP=1, spans the same two ranks as TP=2; four experts each),
+    three steps ahead, packed micro-batches (the allgather dispatcher then needs one packed
+    length on every EP rank, a multiple of TP), the engines' routing replayed in LOGP and
+    TRAIN (each TP rank replays its sequence slice)."""
     assets = tmp_path / "assets"
     shutil.copytree(quickstart_assets / "data", assets / "data")
     run = tmp_path / "run"
@@ -64,10 +67,14 @@ def test_grpo_at_ep2_with_routing_replay_learns_and_syncs_experts_exactly(quicks
         "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=96",
         "actor_rollout_ref.rollout.enable_rollout_routing_replay=true",
         "actor_rollout_ref.actor.router_replay.mode=R3",
+        "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+        "actor_rollout_ref.actor.megatron.expert_tensor_parallel_size=1",
+        "actor_rollout_ref.actor.megatron.sequence_parallel=true",
         # small router losses, for their metrics (RL runs leave them off)
         f"{MOE_KEYS}.moe_aux_loss_coeff=0.001", f"{MOE_KEYS}.moe_z_loss_coeff=0.001"))
     assert "actor model: 2 process(es)" in out and "EP=2" in out, out[-3000:]
-    # step 1 is on-policy (version 0 everywhere): the trainer's log-probs at EP=2 are the
+    assert "TP=2" in out, out[-3000:]
+    # step 1 is on-policy (version 0 everywhere): the trainer's log-probs at TP=2 × EP=2 are the
     # engine's (transformers') own
     assert scalars(run, "rollout/logp_mismatch_mean")[1] < 1e-4
     assert min(scalars(run, "actor/micro_batches").values()) >= 2
@@ -87,4 +94,4 @@ def test_grpo_at_ep2_with_routing_replay_learns_and_syncs_experts_exactly(quicks
         assert sorted(values) == list(range(1, 41)) and all(v > 0 for v in values.values())
     meta = json.loads((run / "megarl" / "t" / "global_step_40" / "actor" /
                        "megarl_meta.json").read_text())
-    assert (meta["ep"], meta["etp"]) == (2, 1)
+    assert (meta["tp"], meta["ep"], meta["etp"]) == (2, 2, 1)

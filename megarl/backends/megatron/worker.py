@@ -63,12 +63,19 @@ def _fill_rows(batch: dict, fill: int) -> dict:
             for k, v in batch.items()}
 
 
-def _layout_stats(batch: dict, mbatches: list[dict]) -> dict:
+def _layout_stats(batch: dict, mbatches: list[dict], seq: int | None = None) -> dict:
     """This rank's micro-batch count, and the fraction of the token positions it computed
     that were padding (right padding and filler rows; packed: only the tail that evens out
-    pipeline stages)."""
-    slots = sum(m["_packed"].input_ids.numel() if "_packed" in m else m["input_ids"].numel()
-                for m in mbatches)
+    pipeline stages). `seq`: the length the model ran unpacked rows at, which under sequence
+    parallelism exceeds their width by the padding up to a multiple of TP (a packed row
+    already holds that padding)."""
+    def computed(m: dict) -> int:
+        if "_packed" in m:
+            return m["_packed"].input_ids.numel()
+        rows, width = m["input_ids"].shape
+        return rows * max(width, seq or 0)
+
+    slots = sum(computed(m) for m in mbatches)
     mask = batch.get("attention_mask")
     real = int(mask.sum()) if mask is not None else batch["input_ids"].numel()
     return {"micro_batches": float(len(mbatches)), "padding_frac": 1.0 - real / max(slots, 1)}
@@ -450,9 +457,13 @@ class MegatronWorker:
         # its own slice of the sequence: all count)
         if ps.get_tensor_model_parallel_rank() != 0 and not self.config.sequence_parallel:
             load.zero_()
-        losses = {name: entry["values"].to(dev, torch.float64)
-                  for name, entry in sorted(get_moe_layer_wise_logging_tracker().items())
+        tracked = sorted(get_moe_layer_wise_logging_tracker().items())
+        losses = {name: entry["values"].to(dev, torch.float64) for name, entry in tracked
                   if entry["values"].shape[0] == L}
+        # Megatron logs the load-balancing loss of each TP rank as its share of the layer's
+        # (probabilities of its tokens against the counts over TP; the entry names the group
+        # it sums over), the z loss as each rank's own mean over its tokens
+        shares = {name for name, entry in tracked if entry.get("reduce_group") is not None}
         parts = torch.cat([load.flatten(), *losses.values()])
         dist.all_reduce(parts, group=ps.get_model_parallel_group())  # TP ranks and stages
         if ps.get_data_parallel_world_size() > 1:
@@ -468,13 +479,14 @@ class MegatronWorker:
                 out[f"{prefix}expert_load/layer_{layer}"] = float(load[layer].max() / mean)
         if out:
             out[f"{prefix}expert_load_max"] = max(out.values())
-        # summed over the micro-batches, the TP ranks and the DP ranks: their mean
-        share = ps.get_tensor_model_parallel_world_size() * ps.get_data_parallel_world_size() \
-            * max(1, micro_batches)
+        # summed over the micro-batches, the TP ranks and the DP ranks: their mean (the TP
+        # ranks' shares of a loss: their sum)
+        runs = ps.get_data_parallel_world_size() * max(1, micro_batches)
+        tp = ps.get_tensor_model_parallel_world_size()
         for i, name in enumerate(losses):
             vals = parts[L * E + i * L: L * E + (i + 1) * L]
             key = {"load_balancing_loss": "aux_loss"}.get(name, name)
-            out[f"{prefix}{key}"] = float(vals.mean() / share)
+            out[f"{prefix}{key}"] = float(vals.mean() / (runs * (1 if name in shares else tp)))
         return out
 
     def _token_logprobs(self, mb, logits, temperature, with_entropy):
@@ -668,7 +680,7 @@ class MegatronWorker:
         stats = self._reduce_metrics(store, max_metrics)
         stats.update(self.moe_metrics(n_micro))
         stats.update(self.optimizer.step())
-        stats.update(_layout_stats(batch, prepared[0]))
+        stats.update(_layout_stats(batch, prepared[0], prepared[2]))
         return stats
 
     def _reduce_metrics(self, store: list[dict], max_metrics: tuple[str, ...] = ()) -> dict:

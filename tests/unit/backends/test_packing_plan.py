@@ -141,3 +141,27 @@ def test_config_keys_follow_the_actor():
         cfg.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu * width
     with pytest.raises(Exception, match="ppo_max_token_len_per_gpu"):
         load_config(None, ["actor_rollout_ref.actor.ppo_max_token_len_per_gpu=0"])
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_padding_frac_counts_the_sequence_parallel_padding(packed):
+    """Under sequence parallelism the model runs every row (unpacked) or packed row at a
+    multiple of TP: those extra positions are computed padding, and padding_frac counts them.
+    Issue 47: unpacked rows were counted at their own width."""
+    from megarl.backends.megatron.worker import _layout_stats
+
+    lengths, tp = [5, 3, 6], 4
+    batch = right_padded(lengths)  # width 6; the model runs 8 positions under SP at TP 4
+    if packed:
+        # what _packed_micro_batches builds: one packed row of 14 real tokens, run at 16
+        mb = dict(batch, _packed=pack(batch["input_ids"], lengths, -(-14 // tp) * tp))
+        stats = _layout_stats(batch, [mb], mb["_packed"].input_ids.shape[1])
+        assert stats["padding_frac"] == pytest.approx(1 - 14 / 16)
+    else:
+        mbatches = [{k: v[i:i + 2] for k, v in right_padded(lengths + [0]).items()}
+                    for i in (0, 2)]  # two micro-batches of 2 rows, the last with a filler
+        stats = _layout_stats(batch, mbatches, 8)
+        assert stats["padding_frac"] == pytest.approx(1 - 14 / (4 * 8))
+        # without SP (the model's length is the width) only the right padding and filler count
+        assert _layout_stats(batch, mbatches, 6)["padding_frac"] == pytest.approx(1 - 14 / 24)
+    assert stats["micro_batches"] == (1.0 if packed else 2.0)

@@ -149,8 +149,22 @@ def test_glm45_355b_plan_sends_every_tensor_stock_sglang_loads(capsys):
     assert planned == want
     specs = [s for stage in dryrun.stage_specs(a, 1, "bfloat16") for s in stage]
     assert {s.dtype for s in specs if s.name in biases} == {"float32"}
-    assert "trainer (logp+actor-train): TP8 × PP4 × DP2" in out
+    assert "trainer (logp+actor-train): TP8 + SP × PP4 × DP2" in out
     assert "experts EP16 × ETP1: 10 of 160 per EP rank" in out
+def test_moe_placement_at_tp2_ep8_with_sequence_parallelism(capsys):
+    """The trainer of configs/qwen3_30b_a3b_async.yaml at TP2 with sequence parallelism (how
+    an MoE trains under TP) and no CP: attention over TP2 × DP8, the experts folded over the
+    same 16 ranks as EP8 × ETP1, two replicas of each; the placement line says SP is on."""
+    path = str(REPO / "configs" / "qwen3_30b_a3b_async.yaml")
+    m = "actor_rollout_ref.actor.megatron"
+    assert main(["train", "--config", path, "--dry-run", f"{m}.tensor_model_parallel_size=2",
+                 f"{m}.sequence_parallel=true", f"{m}.context_parallel_size=1"]) == 0
+    out = capsys.readouterr().out
+    assert "trainer (logp+actor-train): TP2 + SP × PP1 × DP8, bfloat16, distributed " \
+        "optimizer; experts EP8 × ETP1: 16 of 128 per EP rank, expert-DP2" in out
+    # the reference keeps its own layout (TP4 without SP: it does not train)
+    assert "reference (ref_logp): TP4 × PP1 × DP2, bfloat16; experts" in out
+    assert "megatron.sequence_parallel" in out  # the activation line's formula
 
 
 def test_expert_layout_errors_name_the_config_key(capsys):
