@@ -18,7 +18,8 @@ if [ "$SGLANG" = 1 ]; then
   # The stock server's environment needs nothing of .venv (its own venv from $PY, its own
   # pip), and each build is one busy process: built beside megarl's, not after it, it takes
   # no wall time of its own on two cores (cold, 2026-11-29: ~2 min of the CI's ~3.5 min of
-  # set-up). Its output is held back and printed whole when it is waited for, below.
+  # set-up; the two ways side by side on one loaded machine: 845 s here, 961 s one after the
+  # other). Its output is held back and printed whole when it is waited for, below.
   sglang_log=$(mktemp -t megarl-sglang-env.XXXXXX)
   PYTHON="$PY" bash tools/setup_sglang_env.sh >"$sglang_log" 2>&1 &
   sglang_pid=$!
