@@ -71,9 +71,8 @@ def cp_group():
     return ps.get_context_parallel_group()
 
 
-class _GatherKeepOwn(torch.autograd.Function):
-    """All-gather along dim 0; backward: this rank's slice of the gradient, not summed (every
-    CP rank computed the same loss from the gathered tensor)."""
+class _Gather(torch.autograd.Function):
+    """All-gather along dim 0 over `group`; the subclasses say what backward does."""
 
     @staticmethod
     def forward(ctx, x, group):
@@ -82,6 +81,11 @@ class _GatherKeepOwn(torch.autograd.Function):
         out = x.new_empty((n * x.shape[0], *x.shape[1:]))
         dist.all_gather_into_tensor(out, x.contiguous(), group=group)
         return out
+
+
+class _GatherKeepOwn(_Gather):
+    """Backward: this rank's slice of the gradient, not summed (every CP rank computed the
+    same loss from the gathered tensor)."""
 
     @staticmethod
     def backward(ctx, grad):
@@ -89,17 +93,9 @@ class _GatherKeepOwn(torch.autograd.Function):
         return grad.chunk(n)[r].contiguous(), None
 
 
-class _GatherSumBack(torch.autograd.Function):
-    """All-gather along dim 0; backward: reduce-scatter (each rank's K/V gradient is the sum
-    of every rank's queries' share)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        n = dist.get_world_size(group)
-        out = x.new_empty((n * x.shape[0], *x.shape[1:]))
-        dist.all_gather_into_tensor(out, x.contiguous(), group=group)
-        return out
+class _GatherSumBack(_Gather):
+    """Backward: reduce-scatter (each rank's K/V gradient is the sum of every rank's queries'
+    share)."""
 
     @staticmethod
     def backward(ctx, grad):

@@ -157,17 +157,21 @@ class ModelArgs:
         return self.num_experts > 0
 
 
+def _positive_ints(values: dict[str, Any], what: str) -> None:
+    """Refuse, naming the config.json key, any of `values` that is not a positive integer."""
+    for key, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"config.json {key}={value!r}: {what} needs a positive integer")
+
+
 def _moe_fields(hf: dict[str, Any]) -> dict[str, Any]:
     """Qwen3-MoE's routing facts. Layouts with dense layers among the MoE ones
     (decoder_sparse_step > 1, mlp_only_layers) are refused: no released Qwen3-MoE has them."""
     # the released configs say num_experts; transformers 5 writes num_local_experts
     experts = hf.get("num_experts", hf.get("num_local_experts"))
     topk = hf.get("num_experts_per_tok")
-    for key, value in (("num_experts", experts), ("num_experts_per_tok", topk),
-                       ("moe_intermediate_size", hf.get("moe_intermediate_size"))):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"config.json {key}={value!r}: a Qwen3-MoE needs a positive "
-                             f"integer")
+    _positive_ints({"num_experts": experts, "num_experts_per_tok": topk,
+                    "moe_intermediate_size": hf.get("moe_intermediate_size")}, "a Qwen3-MoE")
     if topk > experts:
         raise ValueError(f"config.json num_experts_per_tok={topk} exceeds num_experts="
                          f"{experts}")
@@ -190,11 +194,8 @@ def _glm4_moe_fields(hf: dict[str, Any]) -> dict[str, Any]:
     top-(topk / topk_group) experts where transformers takes the top 2, which agree only
     when there is one group or that quotient is 2."""
     experts, topk = hf.get("n_routed_experts"), hf.get("num_experts_per_tok")
-    for key in ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size"):
-        value = hf.get(key)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"config.json {key}={value!r}: a GLM-4.5 MoE needs a positive "
-                             f"integer")
+    _positive_ints({k: hf.get(k) for k in ("n_routed_experts", "num_experts_per_tok",
+                                           "moe_intermediate_size")}, "a GLM-4.5 MoE")
     if topk > experts:
         raise ValueError(f"config.json num_experts_per_tok={topk} exceeds n_routed_experts="
                          f"{experts}")
