@@ -68,9 +68,42 @@ def stock_args(model, python: str, **kw):
                       dtype="float32", weight_version="0", random_seed=0, **kw)
 
 
-def launched(model, python: str, tmp_path_factory, name: str):
-    """A stock server on `model` started now (a context manager), its log under a temp dir."""
+def launched(model, python: str, tmp_path_factory, name: str, **kw):
+    """A stock server on `model` started now (a context manager), its log under a temp dir;
+    `kw`: more ServerArgs."""
     from megarl.backends.sglang.launcher import launch_server
 
     log = tmp_path_factory.mktemp(name) / "server.log"
-    return launch_server(stock_args(model, python), timeout_s=300, log_path=log)
+    return launch_server(stock_args(model, python, **kw), timeout_s=300, log_path=log)
+
+
+def assert_routes_like_embedded(url, embedded, cases, layers: int, topk: int) -> list:
+    """The same greedy requests (prompt ids, routed_experts_start_len, new tokens) on the
+    stock server at `url` and on the `embedded` engine: the same tokens, and the routed
+    experts equal at every position from the start. Returns stock's decoded rows per case."""
+    import numpy as np
+
+    from megarl.backends.sglang import SGLangEngine
+    from megarl.rollout.protocol import GenerateRequest, decode_routed_experts
+
+    async def both(ids, start, n):
+        def req():
+            return GenerateRequest(ids, greedy(n), return_routed_experts=True,
+                                   routed_experts_start_len=start)
+        stock = SGLangEngine(url)
+        try:
+            return await stock.generate(req()), await embedded.generate(req())
+        finally:
+            await stock.close()
+
+    out = []
+    for ids, start, n in cases:
+        stock, mine = run(both(ids, start, n))
+        assert stock.output_ids == mine.output_ids, (ids, start)
+        rows = decode_routed_experts(stock.routed_experts, layers, topk)
+        assert rows.shape == (len(ids) + n - 1 - start, layers, topk), (ids, start)
+        np.testing.assert_array_equal(
+            rows, decode_routed_experts(mine.routed_experts, layers, topk),
+            err_msg=f"prompt {ids}, start_len {start}")
+        out.append(rows)
+    return out

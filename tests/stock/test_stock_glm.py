@@ -5,27 +5,22 @@ generates; its routed experts are the embedded engine's at every position (the d
 reported as expert 0 by both); and a whole new set of weights under the names megarl's sync
 sends (per expert, the shared expert, the fp32 correction bias) makes it generate what
 transformers does on those weights. One server (~20 s to start)."""
-import numpy as np
 import pytest
 from safetensors.torch import load_file
 
-from megarl.backends.sglang import SGLangEngine
-from megarl.backends.sglang.launcher import launch_server
 from megarl.rollout.engine import EmbeddedEngine
-from megarl.rollout.protocol import GenerateRequest, decode_routed_experts
 from megarl.utils.tiny_model import make_tiny_model
 from megarl.weight_sync.producer import SyncStats, WeightProducer
 from megarl.weight_sync.protocol import SyncConfig
 from megarl.weight_sync.transports import EngineLink
-from stock_helpers import (PROMPT, assert_serves_like_transformers, generate, greedy,
-                           hf_greedy, run, stock_args)
+from stock_helpers import (PROMPT, assert_routes_like_embedded, assert_serves_like_transformers,
+                           generate, hf_greedy, launched, run)
 
 
 @pytest.fixture(scope="module")
 def glm_server(stock_python, tiny_glm4_moe, tmp_path_factory):
-    log = tmp_path_factory.mktemp("stock-glm") / "server.log"
-    args = stock_args(tiny_glm4_moe, stock_python, enable_return_routed_experts=True)
-    with launch_server(args, timeout_s=300, log_path=log) as server:
+    with launched(tiny_glm4_moe, stock_python, tmp_path_factory, "stock-glm",
+                  enable_return_routed_experts=True) as server:
         yield server
 
 
@@ -33,25 +28,9 @@ def test_stock_glm45_serves_and_routes_like_the_embedded_engine(glm_server, tiny
     assert_serves_like_transformers(glm_server.url, tiny_glm4_moe)
     embedded = EmbeddedEngine(tiny_glm4_moe, load_tokenizer=False, dtype="float32",
                               enable_return_routed_experts=True)
-
-    async def both(ids, start, n):
-        def req():
-            return GenerateRequest(ids, greedy(n), return_routed_experts=True,
-                                   routed_experts_start_len=start)
-        stock = SGLangEngine(glm_server.url)
-        try:
-            return await stock.generate(req()), await embedded.generate(req())
-        finally:
-            await stock.close()
-
     try:
-        for ids, start, n in [(PROMPT, 0, 6), ([9, 8, 7, 6, 5], 2, 4)]:
-            stock, mine = run(both(ids, start, n))
-            assert stock.output_ids == mine.output_ids, (ids, start)
-            rows = decode_routed_experts(stock.routed_experts, 2, 2)
-            assert rows.shape == (len(ids) + n - 1 - start, 2, 2), (ids, start)
-            np.testing.assert_array_equal(rows, decode_routed_experts(mine.routed_experts, 2, 2),
-                                          err_msg=f"prompt {ids}, start_len {start}")
+        for rows in assert_routes_like_embedded(
+                glm_server.url, embedded, [(PROMPT, 0, 6), ([9, 8, 7, 6, 5], 2, 4)], 2, 2):
             assert (rows[:, 0] == 0).all() and rows[:, 1].any()  # layer 0 is dense
     finally:
         run(embedded.close())

@@ -12,21 +12,18 @@ import json
 import urllib.error
 import urllib.request
 
-import numpy as np
 import pytest
 from safetensors.torch import load_file
 
 from launch_helpers import SCRIPTS, read_json, torchrun
-from megarl.backends.sglang import SGLangEngine
-from megarl.backends.sglang.launcher import launch_server
 from megarl.rollout.engine import EmbeddedEngine
-from megarl.rollout.protocol import BadRequest, GenerateRequest, decode_routed_experts
+from megarl.rollout.protocol import BadRequest, GenerateRequest
 from megarl.utils.tiny_model import make_tiny_model
 from megarl.weight_sync.producer import SyncStats, WeightProducer
 from megarl.weight_sync.protocol import SyncConfig
 from megarl.weight_sync.transports import EngineLink
-from stock_helpers import (PROMPT, assert_serves_like_transformers, generate, greedy,
-                           hf_greedy, run, stock_args)
+from stock_helpers import (PROMPT, assert_routes_like_embedded, assert_serves_like_transformers,
+                           generate, greedy, hf_greedy, launched, run)
 
 
 @pytest.fixture(scope="module")
@@ -39,9 +36,8 @@ def moe_dirs(tiny_qwen3_moe, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def moe_server(stock_python, tiny_qwen3_moe, tmp_path_factory):
-    log = tmp_path_factory.mktemp("stock-moe") / "server.log"
-    args = stock_args(tiny_qwen3_moe, stock_python, enable_return_routed_experts=True)
-    with launch_server(args, timeout_s=300, log_path=log) as server:
+    with launched(tiny_qwen3_moe, stock_python, tmp_path_factory, "stock-moe",
+                  enable_return_routed_experts=True) as server:
         yield server
 
 
@@ -56,25 +52,8 @@ def test_stock_routed_experts_are_the_embedded_engines(moe_server, tiny_qwen3_mo
     cases = [(PROMPT, 0, 6), (PROMPT, 3, 6), ([9, 8, 7, 6, 5], 5, 4), ([200, 3], 1, 1)]
     embedded = EmbeddedEngine(tiny_qwen3_moe, load_tokenizer=False, dtype="float32",
                               enable_return_routed_experts=True)
-
-    async def both(ids, start, n):
-        def req():
-            return GenerateRequest(ids, greedy(n), return_routed_experts=True,
-                                   routed_experts_start_len=start)
-        stock = SGLangEngine(moe_server.url)
-        try:
-            return await stock.generate(req()), await embedded.generate(req())
-        finally:
-            await stock.close()
-
     try:
-        for ids, start, n in cases:
-            stock, mine = run(both(ids, start, n))
-            assert stock.output_ids == mine.output_ids, (ids, start)
-            rows = decode_routed_experts(stock.routed_experts, 2, 2)
-            assert rows.shape == (len(ids) + n - 1 - start, 2, 2), (ids, start)
-            np.testing.assert_array_equal(rows, decode_routed_experts(mine.routed_experts, 2, 2),
-                                          err_msg=f"prompt {ids}, start_len {start}")
+        assert_routes_like_embedded(moe_server.url, embedded, cases, 2, 2)
         bad = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2},
                "return_routed_experts": True, "routed_experts_start_len": len(PROMPT) + 1}
         req = urllib.request.Request(moe_server.url + "/generate", json.dumps(bad).encode(),
