@@ -301,16 +301,6 @@ def vpp_error(num_layers: int, pp: int, vpp: int | None, cp: int = 1) -> str | N
     return None
 
 
-def layer_offset(num_layers: int, pp: int, vpp: int | None, pp_rank: int,
-                 vp_stage: int = 0) -> int:
-    """The global index of the first layer of model chunk `vp_stage` on stage `pp_rank`:
-    chunks are dealt round-robin over the stages (chunk c of stage r holds the
-    (c x PP + r)-th run of num_layers / (PP x VPP) layers), Megatron's interleaved layout."""
-    vpp = vpp or 1
-    per_chunk = num_layers // (pp * vpp)
-    return (vp_stage * pp + pp_rank) * per_chunk
-
-
 def transformer_config(args: ModelArgs, tp: int, pp: int, params_dtype: str = "float32",
                        moe: MoESettings | None = None, recompute: dict | bool | None = None,
                        sequence_parallel: bool = False, context_parallel: int = 1,
@@ -596,7 +586,8 @@ def build_model_chunks(args: ModelArgs, config, make_vocab_size_divisible_by: in
                        value_head: bool = False, transformer_impl: str = "auto"):
     """This rank's model chunks: one per virtual pipeline stage (`config`'s
     virtual_pipeline_model_parallel_size; one chunk without a virtual pipeline), in chunk
-    order, which is also the order of their layers (`layer_offset`): a `ModelChunks`, or
+    order, which is also the order of their layers (Megatron's interleaved layout: chunk c
+    of stage r holds the (c·PP + r)-th run of layers): a `ModelChunks`, or
     without a virtual pipeline the one GPTModel."""
     vpp = config.virtual_pipeline_model_parallel_size
     if not vpp or vpp == 1:

@@ -2,10 +2,17 @@
 against Megatron-core's own, and the checks that refuse a layout by key before any work."""
 import pytest
 
-from megarl.backends.megatron.model import (ModelArgs, layer_offset, transformer_config,
-                                            vpp_error)
+from megarl.backends.megatron.model import ModelArgs, transformer_config, vpp_error
 from megarl.config import ConfigError, load_config
 from megarl.config.preflight import preflight
+
+
+def layer_offset(num_layers: int, pp: int, vpp: int | None, pp_rank: int,
+                 vp_stage: int = 0) -> int:
+    """The layout docs/megatron_backend.md states: chunks dealt round-robin over the stages,
+    chunk c of stage r holding the (c x PP + r)-th run of num_layers / (PP x VPP) layers."""
+    per_chunk = num_layers // (pp * (vpp or 1))
+    return (vp_stage * pp + pp_rank) * per_chunk
 
 
 def _args(layers: int) -> ModelArgs:
