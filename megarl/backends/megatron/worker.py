@@ -165,7 +165,7 @@ class MegatronWorker:
                    value_model=spec.value_model, transformer_impl=spec.transformer_impl,
                    collective_timeout_s=spec.collective_timeout_s, moe=spec.moe,
                    recompute=spec.recompute, sequence_parallel=spec.sequence_parallel,
-                   context_parallel=spec.context_parallel, vpp=getattr(spec, "vpp", None))
+                   context_parallel=spec.context_parallel, vpp=spec.vpp)
 
     # ---------------------------------------------------------------- forward plumbing
     def _device(self):
