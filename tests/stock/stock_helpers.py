@@ -107,3 +107,23 @@ def assert_routes_like_embedded(url, embedded, cases, layers: int, topk: int) ->
             err_msg=f"prompt {ids}, start_len {start}")
         out.append(rows)
     return out
+
+
+def send_whole_update(url, named) -> None:
+    """Send `named` (name, tensor) pairs to the stock server at `url` as weight version 1
+    through megarl's producer (buckets of 16 KiB, the server paused for the update)."""
+    from megarl.weight_sync.producer import SyncStats, WeightProducer
+    from megarl.weight_sync.protocol import SyncConfig
+    from megarl.weight_sync.transports import EngineLink
+
+    prod = WeightProducer([EngineLink(url, 1, pause_for_update=True)],
+                          SyncConfig(consume_bucket_mb=1 / 64))
+    prod.connect("127.0.0.1")
+    try:
+        prod.open_version(1)
+        try:
+            prod.send(prod.stream(iter(named), 1), 1, True, SyncStats(1))
+        finally:
+            prod.close_version(dict(prod.stale))
+    finally:
+        prod.close()

@@ -10,11 +10,8 @@ from safetensors.torch import load_file
 
 from megarl.rollout.engine import EmbeddedEngine
 from megarl.utils.tiny_model import make_tiny_model
-from megarl.weight_sync.producer import SyncStats, WeightProducer
-from megarl.weight_sync.protocol import SyncConfig
-from megarl.weight_sync.transports import EngineLink
 from stock_helpers import (PROMPT, assert_routes_like_embedded, assert_serves_like_transformers,
-                           generate, hf_greedy, launched, run)
+                           generate, hf_greedy, launched, run, send_whole_update)
 
 
 @pytest.fixture(scope="module")
@@ -44,16 +41,6 @@ def test_stock_glm45_loads_a_whole_update_under_megarls_names(glm_server, tiny_g
     named = sorted(load_file(str(b / "model.safetensors")).items())
     assert any(n.endswith("e_score_correction_bias") for n, _ in named)
     assert any(".mlp.shared_experts." in n for n, _ in named)
-    prod = WeightProducer([EngineLink(glm_server.url, 1, pause_for_update=True)],
-                          SyncConfig(consume_bucket_mb=1 / 64))
-    prod.connect("127.0.0.1")
-    try:
-        prod.open_version(1)
-        try:
-            prod.send(prod.stream(iter(named), 1), 1, True, SyncStats(1))
-        finally:
-            prod.close_version(dict(prod.stale))
-    finally:
-        prod.close()
+    send_whole_update(glm_server.url, named)
     out = run(generate(glm_server.url, rid="after"))
     assert out.output_ids == hf_greedy(b, PROMPT) != hf_greedy(tiny_glm4_moe, PROMPT)

@@ -19,11 +19,8 @@ from launch_helpers import SCRIPTS, read_json, torchrun
 from megarl.rollout.engine import EmbeddedEngine
 from megarl.rollout.protocol import BadRequest, GenerateRequest
 from megarl.utils.tiny_model import make_tiny_model
-from megarl.weight_sync.producer import SyncStats, WeightProducer
-from megarl.weight_sync.protocol import SyncConfig
-from megarl.weight_sync.transports import EngineLink
 from stock_helpers import (PROMPT, assert_routes_like_embedded, assert_serves_like_transformers,
-                           generate, greedy, hf_greedy, launched, run)
+                           generate, greedy, hf_greedy, launched, run, send_whole_update)
 
 
 @pytest.fixture(scope="module")
@@ -92,16 +89,6 @@ def test_stock_qwen3_moe_loads_per_expert_updates(moe_server, moe_dirs):
     a, b = moe_dirs
     named = sorted(load_file(str(b / "model.safetensors")).items())
     assert sum(".mlp.experts." in n for n, _ in named) == 2 * 8 * 3
-    prod = WeightProducer([EngineLink(moe_server.url, 1, pause_for_update=True)],
-                          SyncConfig(consume_bucket_mb=1 / 64))
-    prod.connect("127.0.0.1")
-    try:
-        prod.open_version(1)
-        try:
-            prod.send(prod.stream(iter(named), 1), 1, True, SyncStats(1))
-        finally:
-            prod.close_version(dict(prod.stale))
-    finally:
-        prod.close()
+    send_whole_update(moe_server.url, named)
     out = run(generate(moe_server.url, rid="after"))
     assert out.output_ids == hf_greedy(b, PROMPT) != hf_greedy(a, PROMPT)
