@@ -44,6 +44,24 @@ def first_gpu() -> int | None:
     return int(ids[0]) if ids else None
 
 
+def replica_devices(gpu_ids, tp_size: int) -> tuple[str, int]:
+    """`CUDA_VISIBLE_DEVICES` and `--base-gpu-id` for a server on a replica's GPUs as Ray
+    names them (`ray.get_gpu_ids()` of each of its devices, in the replica's order).
+
+    Ray's ids need not be contiguous (a node's other groups hold the GPUs between them), nor
+    node indices (under a node-level `CUDA_VISIBLE_DEVICES` they are its entries), so they are
+    handed to CUDA as they are and the server starts from the first visible device: its TP
+    ranks then take exactly these GPUs, in this order."""
+    ids = [str(i) for i in gpu_ids]
+    if len(ids) != tp_size:
+        raise ValueError(f"a rollout replica of actor_rollout_ref.rollout."
+                         f"tensor_model_parallel_size = {tp_size} was given {len(ids)} GPU(s) "
+                         f"by Ray: {ids}")
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"a rollout replica was given the same GPU twice by Ray: {ids}")
+    return ",".join(ids), 0
+
+
 def _threads(n: int) -> None:
     import torch
 
@@ -301,12 +319,14 @@ class ServerRank:
     """A launched rollout server process for one rollout replica (`python -m
     sglang.launch_server`, or a module serving the same contract), started from the replica's
     first device, which the other devices of the replica serve too (`--tp-size`). It binds
-    loopback on one machine, else the node's address; on CUDA it starts from this worker's
-    GPU (`--base-gpu-id`, counted on the node)."""
+    loopback on one machine, else the node's address. On CUDA under Ray it sees exactly the
+    replica's GPUs (`replica_devices`); under torchrun it starts from this rank's local GPU
+    (`--base-gpu-id`, counted among the node's visible devices)."""
 
     def __init__(self, spec, single_node: bool, cuda: bool, log_dir: str,
-                 log_level: str = "INFO"):
-        """`spec`: a `ServerSpec` (cluster/spec.py), all the server is told of the run."""
+                 log_level: str = "INFO", gpu_ids: list | None = None):
+        """`spec`: a `ServerSpec` (cluster/spec.py), all the server is told of the run.
+        `gpu_ids`: Ray's ids of the replica's GPUs, in order (None: this worker's own)."""
         logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: "
                             "%(message)s")
         import dataclasses
@@ -316,13 +336,19 @@ class ServerRank:
         from megarl.utils.launch import free_port
 
         host = "127.0.0.1" if single_node else node_address()
-        base_gpu_id = first_gpu() if cuda else None
+        if not cuda:
+            base_gpu_id, env = None, {"CUDA_VISIBLE_DEVICES": ""}
+        elif _TORCHRUN_NODE is not None:  # torchrun's local ranks are the node's devices
+            base_gpu_id, env = first_gpu(), {}
+        else:
+            import ray
+
+            ids = gpu_ids if gpu_ids is not None else ray.get_gpu_ids()
+            visible, base_gpu_id = replica_devices(ids, spec.args.tp_size)
+            env = {"CUDA_VISIBLE_DEVICES": visible}
         args = dataclasses.replace(spec.args, host=host, port=free_port(host),
                                    base_gpu_id=base_gpu_id)
         Path(log_dir).mkdir(parents=True, exist_ok=True)
-        env = {"CUDA_VISIBLE_DEVICES": ""} if base_gpu_id is None else {}
-        if base_gpu_id is not None:  # base_gpu_id counts the node's GPUs, not the worker's
-            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
         self.server = launch_server(args, module=spec.module, timeout_s=spec.start_timeout_s,
                                     log_path=Path(log_dir) / f"rollout-{spec.index}.log",
                                     env=env)

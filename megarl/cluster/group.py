@@ -316,7 +316,8 @@ class RolloutGroup:
                 count = len(servers)
                 self._start = lambda j: transport.spawn(
                     "server", devices, j * tp, share, f"server{j}", servers[j], single,
-                    cfg.trainer.device == "cuda", log_dir)
+                    cfg.trainer.device == "cuda", log_dir,
+                    gpu_ids=devices.gpu_ids(range(j * tp, (j + 1) * tp)))
             else:
                 model = cfg.actor_rollout_ref.model.path
                 ctx = cfg.data.max_prompt_length + cfg.data.max_response_length

@@ -84,8 +84,25 @@ class DeviceGroup:
             opts["num_gpus"] = share
         return opts
 
+    def gpu_ids(self, indices, timeout_s: float = 120.0) -> list[str] | None:
+        """Ray's GPU ids of devices `indices` (each bundle's GPU, as Ray names it), in that
+        order; None on CPU. A launched server spans several bundles while its actor holds
+        one, so it is told the others' ids rather than assuming they follow its own. Ask
+        before the server's actor takes its share of the first bundle: each probe asks for
+        a sliver of its bundle's GPU."""
+        if self.device != "cuda":
+            return None
+        refs = [_gpu_ids.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
+            self.pg, placement_group_bundle_index=i)).remote() for i in indices]
+        return [i for ids in ray.get(refs, timeout=timeout_s) for i in ids]
+
     def remove(self) -> None:
         remove_placement_group(self.pg)
+
+
+@ray.remote(num_cpus=0, num_gpus=0.001)
+def _gpu_ids() -> list[str]:
+    return [str(i) for i in ray.get_gpu_ids()]
 
 
 # The Ray shells of the per-rank objects; their names are the worker processes' titles

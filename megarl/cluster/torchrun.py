@@ -525,6 +525,10 @@ class RankGroup:
     def ranks(self) -> list[int]:
         return list(self.plan.devices)
 
+    def gpu_ids(self, indices) -> None:
+        """None: a torchrun rank's GPU is its local rank (ServerRank)."""
+        return None
+
     def remove(self) -> None:
         pass  # nothing reserved: torchrun owns the processes
 

@@ -30,7 +30,8 @@ class Transport(abc.ABC):
 
     @abc.abstractmethod
     def devices(self, plan: GroupPlan, device: str):
-        """The devices of one task group (`.name`, `.num_devices`, `.remove()`)."""
+        """The devices of one task group (`.name`, `.num_devices`, `.gpu_ids(indices)`: the
+        GPU ids a launched server is given, or None, `.remove()`)."""
 
     @abc.abstractmethod
     def spawn(self, kind: str, devices, index: int, share: float, tag: str, *args, **kwargs):

@@ -125,6 +125,12 @@ def new_update_group(master_address: str, master_port: int, rank: int, world_siz
     Blocks until all `world_size` ranks have joined, so the trainer must fire the engines'
     init requests before it calls this itself.
     """
+    if backend not in ("gloo", "nccl"):
+        raise BadRequest("backend", f"unsupported backend {backend!r}; expected gloo or nccl")
+    if backend == "nccl" and not dist.is_nccl_available():
+        # before the rendezvous: a rank that cannot build its side must not hold the others
+        raise BadRequest("backend", "nccl: this torch build has no NCCL (a CPU build?); "
+                         "use gloo")
     timeout = datetime.timedelta(seconds=timeout_s)
     store = dist.TCPStore(master_address, int(master_port), world_size, is_master=(rank == 0),
                           timeout=timeout)
@@ -139,13 +145,17 @@ def new_update_group(master_address: str, master_port: int, rank: int, world_siz
         opts._timeout = timeout
         opts._devices = [gloo_device(master_address)]
         pg = dist.ProcessGroupGloo(prefixed, rank, world_size, opts)
-    elif backend == "nccl":
-        pg = dist.ProcessGroupNCCL(prefixed, rank, world_size)
     else:
-        raise BadRequest("backend", f"unsupported backend {backend!r}; expected gloo or nccl")
+        # The same bound as gloo's: without options NCCL takes torch's default (10 minutes,
+        # or 30 in some builds), which is how long a broadcast a peer never joins would hold
+        # the trainer's communicator before the watchdog ends it. Not a high-priority stream:
+        # weight traffic must not get ahead of training's own kernels.
+        opts = dist.ProcessGroupNCCL.Options(is_high_priority_stream=False)
+        opts._timeout = timeout
+        pg = dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
     logger.info("joined weight-update group %r as rank %d of %d (%s, %s:%s)", group_name, rank,
                 world_size, backend, master_address, master_port)
-    return UpdateGroup(pg, store, group_name, rank, world_size)
+    return UpdateGroup(pg, store, group_name, rank, world_size, backend)
 
 
 @dataclass
@@ -155,6 +165,7 @@ class UpdateGroup:
     name: str
     rank: int
     world_size: int
+    backend: str = "gloo"
 
     def broadcast(self, tensor: torch.Tensor, root: int = 0) -> None:
         self.pg.broadcast(tensor, root).wait()
@@ -171,6 +182,21 @@ class UpdateGroup:
         pg, self.pg = self.pg, None
         if pg is not None and hasattr(pg, "shutdown"):
             pg.shutdown()
+        del pg
+        self.store = None
+
+    def abort(self) -> None:
+        """End a broadcast that cannot complete (a peer refused it or is gone), now, then drop
+        the group. Under NCCL only: `ProcessGroupNCCL.abort` aborts the communicator, which
+        makes the pending kernel return, so the bound is the caller's deadline rather than
+        the watchdog's (which by default tears the whole process down). Gloo has no such
+        use: its pending wait ends at the group's own timeout, and tearing it down under that
+        wait can stall the process, so a gloo group is closed once the wait has ended."""
+        if self.backend != "nccl":
+            raise ValueError(f"abort is for NCCL update groups; {self.name!r} is {self.backend}")
+        pg, self.pg = self.pg, None
+        if pg is not None:
+            pg.abort()
         del pg
         self.store = None
 
@@ -279,6 +305,11 @@ class EngineRanks:
                     works.append(g.broadcast_async(buf if r == 0 else self._scratch(r, buf), 0))
             for w in works:
                 w.wait()
+            # Under NCCL `wait()` only ordered this thread's stream after the receive: the
+            # bytes are in once that stream has run to here, which is what the engine's
+            # answer ("received") must mean. On CPU the waits above already blocked.
+            if buffers and buffers[0].device.type == "cuda":
+                torch.cuda.current_stream(buffers[0].device).synchronize()
             return buffers
         finally:
             with self._lock:
@@ -290,11 +321,21 @@ class EngineRanks:
     def close(self) -> None:
         """Leave the group. A receive still pending (the sender gave up mid-broadcast) ends
         only at the group's timeout, and tearing a gloo group down under it can stall the
-        process: the group is then closed when that receive ends."""
+        process: the group is then closed when that receive ends. Under NCCL the pending
+        receive is ended now by aborting the communicator (else only the watchdog ends it,
+        and with it the process)."""
         with self._lock:
-            if self._busy:
+            if self._busy and self.groups and self.groups[0].backend == "nccl":
+                groups, self.groups = self.groups, []
+            elif self._busy:
                 self._close_when_idle = True
                 return
+            else:
+                groups = None
+        if groups is not None:
+            for g in groups:
+                g.abort()
+            return
         self._close()
 
     def _close(self) -> None:

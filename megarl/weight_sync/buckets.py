@@ -29,6 +29,8 @@ class Bucket:
     meta: BucketMeta
     tensors: list[torch.Tensor | None] = field(default_factory=list)
     packed: torch.Tensor | None = None  # set once the bytes are snapshotted
+    # where the snapshot copy ends on the trainer's stream (CUDA: an event the send waits for)
+    ready: object | None = None
 
     def flat(self, buffer: BufferFn | None = None,
              copy: Callable[[torch.Tensor, torch.Tensor], None] = copy_bytes) -> torch.Tensor:

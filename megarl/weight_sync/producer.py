@@ -23,6 +23,13 @@ is left, or on the trainer's own errors.
 - `snapshot(named, version)` + `start(fn)`: dual buffer — the whole stage packed into buffers
   kept between versions (the only part the trainer waits for), sent from a background thread;
   `wait()` joins it.
+
+On CUDA (NCCL) the sends run on a stream of the producer's own (megarl.utils.streams): each
+broadcast is ordered after its bytes were written (the snapshot's copies, or the bucket's
+packing, marked by an event on the trainer's stream), and "sent" means an event after it was
+synchronised on the host, never that `work.wait()` returned. A broadcast that cannot complete
+(an engine refused its bucket, or died, or is silent past the bucket's bound) aborts the NCCL
+communicator at once; under gloo the group is closed when its pending wait ends.
 """
 from __future__ import annotations
 
@@ -39,6 +46,7 @@ import torch
 
 from megarl.rollout.weights import (bucket_layout, in_daemon_thread, new_update_group,
                                     unpack_bucket)
+from megarl.utils.streams import SideStream
 
 from .buckets import Bucket, BucketPacker
 from .protocol import (NoEngineToSend, SyncConfig, WeightSyncError, copy_bytes,
@@ -128,6 +136,7 @@ class WeightProducer:
                  device: str | torch.device = "cpu"):
         self.links, self.config, self.stage = list(links), config, stage
         self.backend, self.device = backend, torch.device(device)
+        self._side = SideStream(self.device)  # where broadcasts are posted and waited on
         # Each group built gets a name of its own (`connect`): stock SGLang (0.5.23, through
         # torch's process-group registry) refuses a name it has held before, even once that
         # group is destroyed, so a rebuilt group, or a second run's, needs a new one.
@@ -206,12 +215,16 @@ class WeightProducer:
                 return_exceptions=True)
 
         joins = self._io.submit(join_all())
-        # The group's own timeout bounds a broadcast that megarl's deadline cannot interrupt
-        # (NCCL): the largest bucket this producer can send.
+        # The group's own timeout bounds a broadcast that megarl's deadline does not end
+        # (gloo's wait): the largest bucket this producer can send. Under NCCL the producer
+        # aborts the communicator at its own deadline, which must come first: the watchdog's
+        # timeout ends the process, so it gets one call timeout more.
+        bound = self.config.bucket_timeout_s(max(self.config.produce_bytes,
+                                                 self.config.bucket_bytes))
+        if self.backend == "nccl":
+            bound += self.config.timeout_s
         group = in_daemon_thread(lambda: new_update_group(
-            self._address, port, 0, world, self.group_name, self.backend,
-            timeout_s=self.config.bucket_timeout_s(max(self.config.produce_bytes,
-                                                       self.config.bucket_bytes))))
+            self._address, port, 0, world, self.group_name, self.backend, timeout_s=bound))
         # An engine that refuses to join (stock: a group name it still holds) answers at once,
         # while the rendezvous would wait for it until its timeout: watch both.
         concurrent.futures.wait([group, joins], return_when=concurrent.futures.FIRST_COMPLETED)
@@ -228,17 +241,27 @@ class WeightProducer:
         """A new group without the stale engines (the old one may be mid-broadcast)."""
         old, self.group = self.group, None
         if old is not None:
-            # Not under a broadcast still pending (it ends at the group's timeout): tearing a
-            # gloo group down under one can stall the process.
-            if self._last_sent is not None and not self._last_sent.done():
-                self._last_sent.add_done_callback(lambda _: old.close())
-            else:
-                old.close()
+            self._drop(old)
         live = self.live()
         self._each(live, lambda l: l.destroy_group(self.group_name))
         self._each([l for l in self.links if l.name in self.stale],
                    lambda l: l.destroy_group(self.group_name), timeout=5)
         self.connect()
+
+    def _drop(self, group) -> None:
+        """Leave a group that may have a broadcast pending (one that cannot complete: the
+        reason it is dropped). NCCL: abort the communicator now, which ends the kernel.
+        Gloo: close it once the pending wait has ended (at the group's timeout); tearing a
+        gloo group down under one can stall the process."""
+        pending = self._last_sent is not None and not self._last_sent.done()
+        if pending and group.backend == "nccl":
+            logger.warning("stage %d: aborting update group %s under a broadcast that cannot "
+                           "complete", self.stage, group.name)
+            group.abort()
+        elif pending:
+            self._last_sent.add_done_callback(lambda _: group.close())
+        else:
+            group.close()
 
     def mark_stale(self, engines: dict[str, str]) -> None:
         new = {n: w for n, w in engines.items() if n not in self.stale}
@@ -437,10 +460,16 @@ class WeightProducer:
             raise WeightSyncError(b.meta.version, b.meta.index, "no update group; connect "
                                   "first", stage=self.stage)
         links, timeout = self.live(), self.config.bucket_timeout_s(b.meta.nbytes)
+        # The bytes were written on the calling thread's stream (a snapshot's copies, earlier;
+        # this bucket's packing, just now): the broadcast on the side stream waits for them.
+        ready = b.ready if b.ready is not None else self._side.mark_current()
         answers = [self._io.submit(asyncio.wait_for(
             l.update_bucket(b.meta, self.group_name, tag), timeout)) for l in links]
-        work = self.group.broadcast_async(flat, 0)
-        sent = self._last_sent = in_daemon_thread(work.wait)
+        with self._side.after(ready):
+            work = self.group.broadcast_async(flat, 0)
+        # Done when the bytes are out: under NCCL an event after the broadcast, synchronised
+        # (not `work.wait()`, which returns at once); under gloo the blocking wait.
+        sent = self._last_sent = in_daemon_thread(lambda: self._side.complete(work))
         deadline = time.monotonic() + timeout
         # Until the bytes are out, an engine that answers with a failure has refused without
         # receiving (stock SGLang checks before it receives), or died: the broadcast cannot
@@ -547,8 +576,11 @@ class WeightProducer:
 
         buckets = [b.snapshot(buffer, self._snapshot_copy)
                    for b in self.stream(named, version)]
-        if self.device.type == "cuda":
-            torch.cuda.current_stream().synchronize()
+        # The copies are queued on the trainer's stream, so its next writes to the weights
+        # come after them without a host wait; the sends wait for this mark (CPU: a no-op).
+        ready = self._side.mark_current()
+        for b in buckets:
+            b.ready = ready
         self.last_snapshot = Snapshot(version, buckets, time.perf_counter() - t0)
         return self.last_snapshot
 
@@ -578,6 +610,8 @@ class WeightProducer:
         if self.group is not None:
             if self._last_sent is None or self._last_sent.done():
                 self.group.close()
+            elif self.group.backend == "nccl":
+                self.group.abort()
             self.group = None
 
 

@@ -41,6 +41,9 @@ def test_sync_is_bit_exact_and_versioned(engine_server, ws_model_b, dual):
     try:
         stats = deliver(prod, named, 1, dual)
         assert stats.buckets >= 3 and stats.stale == []
+        # each broadcast was ordered after its bytes' mark and waited for to completion (the
+        # side-stream path, a no-op stream on CPU: megarl.utils.streams)
+        assert (prod._side.ordered, prod._side.completed) == (stats.buckets, stats.buckets)
         assert engine_server.engine.weight_version == "1"
         assert_bit_exact(prod, named)
         stats = deliver(prod, trainer_weights(engine_server.engine.model_path and ws_model_b), 2,
