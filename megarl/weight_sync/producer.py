@@ -465,11 +465,19 @@ class WeightProducer:
         ready = b.ready if b.ready is not None else self._side.mark_current()
         answers = [self._io.submit(asyncio.wait_for(
             l.update_bucket(b.meta, self.group_name, tag), timeout)) for l in links]
-        with self._side.after(ready):
-            work = self.group.broadcast_async(flat, 0)
-        # Done when the bytes are out: under NCCL an event after the broadcast, synchronised
-        # (not `work.wait()`, which returns at once); under gloo the blocking wait.
-        sent = self._last_sent = in_daemon_thread(lambda: self._side.complete(work))
+        group = self.group
+
+        def post_and_complete():
+            # Posted here, not on this thread: NCCL builds its communicator at a group's first
+            # collective and that blocks until every rank joins, which one that refused the
+            # bucket never does; this thread must stay free to see the refusal and abort.
+            with self._side.after(ready):
+                work = group.broadcast_async(flat, 0)
+            # Done when the bytes are out: under NCCL an event after the broadcast,
+            # synchronised (not `work.wait()`, which returns at once); gloo: the blocking wait.
+            self._side.complete(work)
+
+        sent = self._last_sent = in_daemon_thread(post_and_complete)
         deadline = time.monotonic() + timeout
         # Until the bytes are out, an engine that answers with a failure has refused without
         # receiving (stock SGLang checks before it receives), or died: the broadcast cannot
