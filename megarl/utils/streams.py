@@ -44,9 +44,13 @@ class SideStream:
     completions it waited for: the same bookkeeping runs on CPU, where tests read it."""
 
     def __init__(self, device: str | torch.device):
-        self.device = torch.device(device)
-        self.stream = (torch.cuda.Stream(device=self.device) if self.device.type == "cuda"
-                       else None)
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            # Pinned now, on the caller's thread: a thread the sender starts later is on
+            # device 0 (CUDA's current device is per thread), whatever training set.
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.device = device
+        self.stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
         self.ordered = 0
         self.completed = 0
 
