@@ -33,17 +33,6 @@ def node_address() -> str:
     return ray.util.get_node_ip_address()
 
 
-def first_gpu() -> int | None:
-    """The node-local index of this worker's (first) GPU: torchrun's LOCAL_RANK, or the GPU
-    Ray gave the actor; None when it has none."""
-    if _TORCHRUN_NODE is not None:
-        return int(os.environ.get("LOCAL_RANK", 0))
-    import ray
-
-    ids = ray.get_gpu_ids()
-    return int(ids[0]) if ids else None
-
-
 def replica_devices(gpu_ids, tp_size: int) -> tuple[str, int]:
     """`CUDA_VISIBLE_DEVICES` and `--base-gpu-id` for a server on a replica's GPUs as Ray
     names them (`ray.get_gpu_ids()` of each of its devices, in the replica's order).
@@ -339,7 +328,7 @@ class ServerRank:
         if not cuda:
             base_gpu_id, env = None, {"CUDA_VISIBLE_DEVICES": ""}
         elif _TORCHRUN_NODE is not None:  # torchrun's local ranks are the node's devices
-            base_gpu_id, env = first_gpu(), {}
+            base_gpu_id, env = int(os.environ.get("LOCAL_RANK", 0)), {}
         else:
             import ray
 
