@@ -4,7 +4,7 @@
     python tools/bench_train.py --tp 2               # relaunches itself under torchrun
     python tools/bench_train.py --pp 2 --model DIR   # an existing HF model directory
     python tools/bench_train.py --shape qwen2.5-1.5b --no-baseline   # a real shape, random init
-    python tools/bench_train.py --token-budget 4096  # packed micro-batches (the trainer's path)
+    python tools/bench_train.py --token-budget 4096  # packed micro-batches beside padded ones
 
 Both sides train the same model (same HF weights) on the same fixed batch with the same step:
 masked token-mean NLL at temperature 1, the same micro-batching (gradients accumulated over
@@ -20,6 +20,10 @@ A real shape (`--config-json PATH`, or `--shape NAME` for configs/models/NAME.js
 from its config.json alone: Megatron initialises the weights at random in memory, so no
 multi-GB checkpoint is written and no tokenizer is needed (the batch is random token ids). Its
 baseline row is left out (transformers would start from other weights).
+
+`--token-budget N` adds packed micro-batches (at most N real tokens each, packed into one
+row: `packing.TokenBudget`, the trainer's `use_dynamic_bsz` path) as a row beside the padded
+one (`--packed-only`: alone); the layouts take turns step by step on the one model.
 
 Throughput is reported twice. On real tokens (the attention-mask sum: what a run learns from)
 and on executed token slots (every position the step computed: padded rows at their full
@@ -92,6 +96,8 @@ def parse_args(argv=None):
                    help="packed micro-batches of at most this many real tokens on the Megatron "
                         "side (packing.TokenBudget, as use_dynamic_bsz does) instead of "
                         "--micro-batch rows padded to --seq")
+    p.add_argument("--packed-only", action="store_true",
+                   help="with --token-budget: the packed layout alone, not beside the padded one")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--tp", type=int, default=1)
@@ -132,6 +138,8 @@ def parse_args(argv=None):
             p.error(f"--override {o!r}: expected KEY=VALUE")
     if a.token_budget is not None and a.token_budget < 1:
         p.error(f"--token-budget {a.token_budget}: must be at least 1")
+    if a.packed_only and not a.token_budget:
+        p.error("--packed-only needs --token-budget")
     return a
 
 
@@ -261,14 +269,23 @@ class OptimizerClock:
         return self.cpu_s[-1]
 
 
+def layouts(a) -> list[tuple[str, object]]:
+    """The Megatron side's micro-batchings: padded rows of --micro-batch (unless
+    --packed-only), and beside it packed micro-batches of --token-budget tokens."""
+    from megarl.backends.megatron.packing import TokenBudget
+
+    out = [] if a.packed_only else [("padded", a.micro_batch)]
+    return out + ([("packed", TokenBudget(a.token_budget))] if a.token_budget else [])
+
+
 def run(a) -> None:
     """One rank's benchmark (torch.distributed env already set); rank 0 prints the report.
 
-    The two sides alternate step by step, so a change in machine load hits both alike: every
-    rank runs the Megatron step, then rank 0 runs the baseline step while the others wait on a
-    barrier.
+    The sides alternate step by step, so a change in machine load hits all alike: every rank
+    runs the Megatron step in each layout (padded, packed), then rank 0 runs the baseline
+    step while the others wait on a barrier. The layouts train one model in turn, so from
+    the second step on each starts from weights the other has updated.
     """
-    from megarl.backends.megatron.packing import TokenBudget
     from megarl.backends.megatron.parallel import destroy_distributed
     from megarl.utils.tiny_model import read_hf_config
 
@@ -282,33 +299,37 @@ def run(a) -> None:
         if rank == 0 and not a.no_baseline else None
     hf_config = read_hf_config(a.model)
     batch = make_batch(a, hf_config)
-    micro = TokenBudget(a.token_budget) if a.token_budget else a.micro_batch
     loss_fn = megatron_loss_fn(float(loss_mask(batch["attention_mask"]).sum()))
     clock = OptimizerClock(worker.optimizer, on_gpu)
 
-    m_res, b_res, m_times, b_times, opt_times = [], [], [], [], []
-    stats = {}
+    sides = {name: {"micro": micro, "res": [], "times": [], "opt": [], "stats": {}}
+             for name, micro in layouts(a)}
+    b_res, b_times = [], []  # baseline: per-step (loss, grad norm), step seconds
     for i in range(a.warmup + a.steps):
-        dist.barrier()
-        t0 = time.perf_counter()
-        stats = worker.train_step(batch, loss_fn, micro_batch_size=micro)
-        m_res.append((stats["loss"], stats["grad_norm"]))
-        sync()
-        dist.barrier()
+        for side in sides.values():
+            dist.barrier()
+            t0 = time.perf_counter()
+            side["stats"] = stats = worker.train_step(batch, loss_fn,
+                                                      micro_batch_size=side["micro"])
+            side["res"].append((stats["loss"], stats["grad_norm"]))
+            sync()
+            dist.barrier()
+            if i >= a.warmup:
+                side["times"].append(time.perf_counter() - t0)
+                side["opt"].append(clock.last_s())
         t1 = time.perf_counter()
         if base is not None:
             b_res.append(base.train_step(batch, a.micro_batch))
             sync()
-        t2 = time.perf_counter()
         if i >= a.warmup:
-            m_times.append(t1 - t0)
-            b_times.append(t2 - t1)
-            opt_times.append(clock.last_s())
+            b_times.append(time.perf_counter() - t1)
     if a.profile:
-        profile_step(a, worker, batch, loss_fn, micro, on_gpu, rank)
+        profile_step(a, worker, batch, loss_fn, list(sides.values())[-1]["micro"], on_gpu, rank)
     if rank == 0:
-        acc = accounting(hf_config, batch["attention_mask"], stats, a.token_budget is not None)
-        res = report(a, world, acc, m_res, m_times, opt_times, b_res, b_times)
+        for name, side in sides.items():
+            side["acc"] = accounting(hf_config, batch["attention_mask"], side["stats"],
+                                     name == "packed")
+        res = report(a, world, sides, b_res, b_times)
         if a.json:
             Path(a.json).write_text(json.dumps(res, indent=1))
     dist.barrier()
@@ -371,59 +392,71 @@ def flops_per_token(cfg: dict, seq: float) -> float:
     return 6.0 * (L * per_layer + V * d) + 12.0 * L * seq * heads * hd
 
 
-def report(a, world: int, acc: dict, m_res, m_times, opt_times, b_res, b_times) -> dict:
-    """Print the table and the FLOP lines; return the figures. m_res/b_res: per-step (loss,
-    grad norm), warmup steps included; times: the timed steps only."""
-    tokens = acc["tokens"]
-    m_step = sum(m_times) / len(m_times)
-    m_tps = tokens / m_step
-    layout = (f"packed, token budget {a.token_budget} ({acc['micro_batches']} micro-batches)"
-              if acc["packed"] else f"micro-batch {a.micro_batch} rows padded to {a.seq}")
-    print(f"model {a.model}  batch {a.batch}x{a.seq} ({tokens} real tokens, {acc['slots']} "
-          f"executed slots)  {layout}  {a.dtype}  steps {a.steps} (+{a.warmup} warmup)  "
-          f"threads/process {torch.get_num_threads()}"
+def report(a, world: int, sides: dict, b_res, b_times) -> dict:
+    """Print the table and the FLOP lines; return the figures, by layout. `sides`: each
+    layout's per-step (loss, grad norm) `res` (warmup steps included), timed step and
+    optimizer seconds, and `acc`ounting; b_res/b_times: the baseline's."""
+    first = next(iter(sides.values()))["acc"]
+    tokens = first["tokens"]
+    said = {"padded": f"micro-batch {a.micro_batch} rows padded to {a.seq}",
+            "packed": f"packed by token budget {a.token_budget}"}
+    print(f"model {a.model}  batch {a.batch}x{a.seq} ({tokens} real tokens)  "
+          f"{'; '.join(said[n] for n in sides)}  {a.dtype}  steps {a.steps} (+{a.warmup} "
+          f"warmup)  threads/process {torch.get_num_threads()}"
           + (f"  overrides {' '.join(a.override)}" if a.override else ""))
     # min step time alongside the mean: on a shared machine the min is the less noisy of the two.
-    print(f"{'side':<24}{'step s':>8}{'min s':>8}{'tokens/s':>10}{'loss@1':>10}{'gnorm@1':>10}"
-          f"{'loss@last':>11}")
-    rows = [(f"megatron TP{a.tp} PP{a.pp} ({world} proc)", m_times, m_res)]
+    print(f"{'side':<32}{'step s':>8}{'min s':>8}{'optim s':>8}{'tokens/s':>10}{'slots':>8}"
+          f"{'loss@1':>10}{'gnorm@1':>10}{'loss@last':>11}")
+    out = {"vocab": first["vocab"], "tokens": tokens, "dtype": a.dtype, "world": world}
+    for name, side in sides.items():
+        acc, times = side["acc"], side["times"]
+        step_s, opt_s = sum(times) / len(times), sum(side["opt"]) / len(side["opt"])
+        res = side["res"]
+        label = f"megatron TP{a.tp} PP{a.pp} {name} ({acc['micro_batches']} mb)"
+        print(f"{label:<32}{step_s:>8.3f}{min(times):>8.3f}{opt_s:>8.3f}{tokens / step_s:>10.0f}"
+              f"{acc['slots']:>8}{res[0][0]:>10.5f}{res[0][1]:>10.4f}{res[-1][0]:>11.5f}")
+        out[name] = {"step_s": step_s, "min_step_s": min(times), "optimizer_s": opt_s,
+                     "tokens_per_s": tokens / step_s, "loss_first": res[0][0],
+                     "grad_norm_first": res[0][1], "loss_last": res[-1][0], **acc}
     if b_res:  # not with --no-baseline
-        rows.append(("hf+torch.optim (1 proc)", b_times, b_res))
-    for name, times, res in rows:
-        step_s = sum(times) / len(times)
-        print(f"{name:<24}{step_s:>8.3f}{min(times):>8.3f}{tokens / step_s:>10.0f}"
-              f"{res[0][0]:>10.5f}{res[0][1]:>10.4f}{res[-1][0]:>11.5f}")
-    opt_s = sum(opt_times) / len(opt_times)
-    print(f"megatron step split: forward+backward {m_step - opt_s:.3f} s, optimizer "
-          f"{opt_s:.3f} s ({100 * opt_s / m_step:.0f}% of the step; "
-          f"{'CUDA events' if torch.cuda.is_available() else 'wall clock between barriers'})")
-    out = {"step_s": m_step, "min_step_s": min(m_times), "optimizer_s": opt_s,
-           "tokens_per_s": m_tps, "loss_first": m_res[0][0], "loss_last": m_res[-1][0],
-           **{k: acc[k] for k in acc}}
-    # Twice: on the real tokens (what a run learns from) and on every position the step
-    # computes (what the device did); padding makes the first smaller.
-    for key, what, n, per in (("real", "real tokens", tokens, acc["flops_per_token"]),
-                              ("slots", "executed slots", acc["slots"], acc["flops_per_slot"])):
-        rate = n / m_step
-        tflops = rate * per / world / 1e12
-        mfu = 100 * tflops / a.peak_tflops if a.peak_tflops else None
-        out[f"tflops_{key}"], out[f"mfu_{key}"] = tflops, mfu
-        print(f"megatron on {what} ({rate:.0f}/s): {per / 1e9:.4g} GFLOP each at vocabulary "
-              f"{acc['vocab']}, {tflops:.3f} TFLOP/s per device"
-              + (f"  MFU {mfu:.1f}%" if mfu is not None else ""))
+        step_s = sum(b_times) / len(b_times)
+        print(f"{'hf+torch.optim (1 proc)':<32}{step_s:>8.3f}{min(b_times):>8.3f}{'':>8}"
+              f"{tokens / step_s:>10.0f}{'':>8}{b_res[0][0]:>10.5f}{b_res[0][1]:>10.4f}"
+              f"{b_res[-1][0]:>11.5f}")
+        out["baseline"] = {"step_s": step_s, "tokens_per_s": tokens / step_s}
+    timer = "CUDA events" if torch.cuda.is_available() else "wall clock between barriers"
+    for name, side in sides.items():
+        fig, acc = out[name], side["acc"]
+        print(f"megatron {name}: forward+backward {fig['step_s'] - fig['optimizer_s']:.3f} s, "
+              f"optimizer {fig['optimizer_s']:.3f} s ({timer})")
+        # Twice: on the real tokens (what a run learns from) and on every position the step
+        # computes (what the device did); padding makes the first smaller.
+        for key, what, n, per in (("real", "real tokens", tokens, acc["flops_per_token"]),
+                                  ("slots", "executed slots", acc["slots"],
+                                   acc["flops_per_slot"])):
+            rate = n / fig["step_s"]
+            tflops = rate * per / world / 1e12
+            mfu = 100 * tflops / a.peak_tflops if a.peak_tflops else None
+            fig[f"tflops_{key}"], fig[f"mfu_{key}"] = tflops, mfu
+            print(f"  on {what} ({rate:.0f}/s): {per / 1e9:.4g} GFLOP each at vocabulary "
+                  f"{acc['vocab']}, {tflops:.3f} TFLOP/s per device"
+                  + (f"  MFU {mfu:.1f}%" if mfu is not None else "  (MFU: --peak-tflops)"))
     if not b_res:
         return out
-    b_tps = tokens / (sum(b_times) / len(b_times))
-    out["baseline_tokens_per_s"] = b_tps
-    print(f"ratio megatron ({a.optimizer} optimizer)/baseline tokens/s: {m_tps / b_tps:.2f}"
-          + (f"  (megatron uses {world}x the baseline's cores)" if world > 1 else ""))
+    b_tps = out["baseline"]["tokens_per_s"]
+    for name in sides:
+        print(f"ratio megatron {name} ({a.optimizer} optimizer)/baseline tokens/s: "
+              f"{out[name]['tokens_per_s'] / b_tps:.2f}"
+              + (f"  (megatron uses {world}x the baseline's cores)" if world > 1 else ""))
     # Same weights and batch: the first step's loss and gradient norm must agree to float32
-    # round-off, or bf16's (loss@last shows whether the updates agree as well).
+    # round-off, or bf16's (loss@last shows whether the updates agree as well). Only the
+    # first layout starts from the baseline's weights.
+    m0 = next(iter(sides.values()))["res"][0]
     tol = 1e-4 if a.dtype == "float32" else 2e-2
-    ok = all(abs(m - b) <= tol * max(1.0, abs(b)) for m, b in zip(m_res[0], b_res[0]))
+    ok = all(abs(m - b) <= tol * max(1.0, abs(b)) for m, b in zip(m0, b_res[0]))
     out["first_step_ok"] = ok
-    print(f"first-step check (loss, grad norm): |diff| = {abs(m_res[0][0] - b_res[0][0]):.1e}, "
-          f"{abs(m_res[0][1] - b_res[0][1]):.1e} -> {'OK' if ok else 'MISMATCH'}")
+    print(f"first-step check (loss, grad norm): |diff| = {abs(m0[0] - b_res[0][0]):.1e}, "
+          f"{abs(m0[1] - b_res[0][1]):.1e} -> {'OK' if ok else 'MISMATCH'}")
     return out
 
 
