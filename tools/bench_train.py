@@ -157,15 +157,23 @@ def worker_overrides(a) -> list[str]:
     return base + user
 
 
+def load_run_config(a, model: str | None = None):
+    """The run config the Megatron side is built from; a bad --override fails here, naming
+    its key (ConfigError), before any model is made or process started."""
+    from megarl.config.loader import load_config
+
+    a = argparse.Namespace(**{**vars(a), "model": model or a.model or "unset"})
+    return load_config(None, worker_overrides(a),
+                       cuda_devices=torch.cuda.device_count() if torch.cuda.is_available() else 0)
+
+
 def build_worker(a):
     """The actor's MegatronWorker as a run builds it (`megatron_spec`), with HF weights from
     --model or, for a config.json alone, Megatron's random init."""
     from megarl.backends.megatron.worker import MegatronWorker
     from megarl.cluster.spec import megatron_spec
-    from megarl.config.loader import load_config
 
-    cfg = load_config(None, worker_overrides(a),
-                      cuda_devices=torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    cfg = load_run_config(a)
     return MegatronWorker.from_spec(megatron_spec(cfg, "actor").model,
                                      load_hf=not a.config_json)
 
@@ -507,6 +515,13 @@ def main(argv=None) -> int:
     if "TORCHELASTIC_RUN_ID" in os.environ:  # a rank started by launch() under torchrun
         run(a)
         return 0
+    from megarl.utils.errors import ConfigError
+
+    try:
+        load_run_config(a)
+    except ConfigError as err:
+        print(f"bench_train.py: {err}", file=sys.stderr)
+        return 2
     return launch(a, argv)
 
 

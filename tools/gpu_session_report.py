@@ -16,8 +16,8 @@ from pathlib import Path
 
 from gpu_report import _quickstart, _read_json, _write
 
-RUNS = {"A": "as before (vocab 2308), padded", "B": "real vocab, padded",
-        "C": "real vocab, packed", "D": "packed + kernel keys", "E": "D at batch 16"}
+RUNS = {"A": "vocab 2308, as before", "B": "real vocab", "C": "real vocab",
+        "D": "real vocab, kernel keys", "E": "kernel keys, batch 16"}
 COLUMNS = (("step s", "step_s", "{:.3f}"), ("optimizer s", "optimizer_s", "{:.3f}"),
            ("tokens/s", "tokens_per_s", "{:.0f}"), ("slots", "slots", "{}"),
            ("GFLOP/token", "flops_per_token", None), ("vocab", "vocab", "{}"),
@@ -32,15 +32,19 @@ def _steps(path: Path) -> list[dict]:
     return [{"step": r[0], "rc": int(r[1]), "seconds": int(r[2])} for r in rows if len(r) == 3]
 
 
-def _tail(path: Path, n: int) -> list[str]:
-    return path.read_text().strip().splitlines()[-n:] if path.is_file() else ["not run"]
+def _lines(path: Path, n: int) -> list[str]:
+    """The first n lines (n > 0) or the last -n of a file."""
+    if not path.is_file():
+        return ["not run"]
+    lines = path.read_text().strip().splitlines()
+    return lines[:n] if n > 0 else lines[n:]
 
 
 def build(out: Path) -> dict:
     return {"env": _read_json(out / "env.json") or {}, "steps": _steps(out / "steps.tsv"),
             "bench_train": {k: _read_json(out / f"{k}.json") for k in RUNS},
-            "top_kernels_D": _tail(out / "profile_D" / "top_kernels.txt", 40),
-            "engine": _tail(out / "engine.txt", 20),
+            "top_kernels_D": _lines(out / "profile_D" / "top_kernels.txt", 40),
+            "engine": _lines(out / "engine.txt", -20),
             "weight_sync": _read_json(out / "weight_sync.json"),
             "quickstart": _quickstart(_read_json(out / "quickstart_gpu.json"))}
 
@@ -61,9 +65,11 @@ def markdown(r: dict) -> str:
     lines += ["", "| run | " + " | ".join(c for c, _, _ in COLUMNS) + " |",
               "|---" * (len(COLUMNS) + 1) + "|"]
     for k, what in RUNS.items():
-        run = r["bench_train"][k]
-        lines.append(f"| {k}: {what} | " + " | ".join(_cell(run, key, fmt)
-                                                      for _, key, fmt in COLUMNS) + " |")
+        run = r["bench_train"][k] or {}
+        # bench_train's figures by layout (padded, packed): a row each that ran
+        for layout in [n for n in ("padded", "packed") if n in run] or [None]:
+            lines.append(f"| {k}: {what}{f' ({layout})' if layout else ''} | " + " | ".join(
+                _cell(run.get(layout), key, fmt) for _, key, fmt in COLUMNS) + " |")
     q = r["quickstart"]
     lines += ["", "quickstart on one GPU: " + (json.dumps(q) if q["measured"] else "not measured"),
               "", "weight sync into CUDA engines: "

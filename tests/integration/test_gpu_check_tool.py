@@ -109,6 +109,19 @@ def test_bench_train_counts_real_tokens_and_executed_slots(tmp_path):
     assert packed["micro_batches"] == 2 and padded["micro_batches"] == 2
     assert res["vocab"] == 1000 and "baseline" not in res  # no weights for transformers
 
+    # the GPU session's report reads these figures: a row per layout, a failed step named
+    out = tmp_path / "session"
+    out.mkdir()
+    (out / "C.json").write_text(json.dumps(res))
+    (out / "steps.tsv").write_text("step\trc\tseconds\nC\t0\t9\nD\t124\t75\n")
+    p = subprocess.run([sys.executable, str(ROOT / "tools" / "gpu_session_report.py"), str(out)],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 1 and "failed: D" in p.stdout, p.stdout + p.stderr
+    md = (out / "report.md").read_text()
+    assert "| D | 124 (timed out) | 75 |" in md
+    assert f"| C: real vocab (packed) | {packed['step_s']:.3f} |" in md
+    assert "| C: real vocab (padded) |" in md and "| E: kernel keys, batch 16 | — |" in md
+
 
 def test_gpu_session_refuses_without_cuda_and_lists_its_steps(tmp_path):
     """--dry lists every step within a 9-minute slot on any machine; a real run refuses
