@@ -61,7 +61,7 @@ logger = logging.getLogger("bench_weight_sync")
 class EngineProcess:
     """`python -m megarl.rollout.server` on a free port; its log goes to a file."""
 
-    def __init__(self, model_dir: Path, log_dir: Path, contract: bool):
+    def __init__(self, model_dir: Path, log_dir: Path, contract: bool, device: str = "cpu"):
         from megarl.utils.launch import free_port
 
         self.name = "contract" if contract else "staged"
@@ -70,7 +70,7 @@ class EngineProcess:
         self.log_path = log_dir / f"engine-{self.name}.log"
         cmd = [sys.executable, "-m", "megarl.rollout.server", "--model-path", str(model_dir),
                "--port", str(self.port), "--load-format", "dummy", "--weight-version", "0",
-               "--skip-tokenizer-init", "--log-level", "warning"]
+               "--skip-tokenizer-init", "--log-level", "warning", "--device", device]
         if contract:
             cmd.append("--sglang-contract")
         self._log = open(self.log_path, "w")
@@ -397,6 +397,10 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--timeout", type=float, default=120, help="per bucket, seconds")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--device", default="cpu",
+                    help="the engines' device (cuda: the buckets still cross the gloo group "
+                         "through host memory, as on one GPU; only the engines' receive and "
+                         "load run there)")
     ap.add_argument("--wire-peer", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--wire-bytes", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -418,8 +422,8 @@ def main() -> int:
                                     hidden_size=args.hidden, num_layers=args.layers,
                                     num_heads=heads, num_kv_heads=max(1, heads // 2),
                                     intermediate_size=args.hidden * 3)
-        engines = [EngineProcess(model_dir, tmp, contract=True),
-                   EngineProcess(model_dir, tmp, contract=False)]
+        engines = [EngineProcess(model_dir, tmp, contract=True, device=args.device),
+                   EngineProcess(model_dir, tmp, contract=False, device=args.device)]
         # Cloned: a trainer's weights live in ordinary memory, not in a mapped file.
         named = [(n, t.clone()) for n, t in sorted(
             load_file(str(model_dir / "model.safetensors")).items())]
@@ -440,7 +444,7 @@ def main() -> int:
             "buckets": len(plan_buckets([TensorSpec.of(n, t) for n, t in named],
                                         int(args.consume_mb * MiB))),
             "repeat": args.repeat,
-            "machine": f"{os.cpu_count()} cores, CPU, gloo loopback",
+            "machine": f"{os.cpu_count()} cores, engines on {args.device}, gloo loopback",
             "exact": not mismatches, "mismatches": mismatches}
     res = summarize(args, variants, total, meta)
     print_table(res)

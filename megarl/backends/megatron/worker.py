@@ -155,11 +155,12 @@ class MegatronWorker:
                 p.requires_grad_(False)
 
     @classmethod
-    def from_spec(cls, spec) -> "MegatronWorker":
+    def from_spec(cls, spec, load_hf: bool = True) -> "MegatronWorker":
         """Build from a `ModelSpec` (megarl/cluster/spec.py: `megatron_spec(cfg, role).model`
         for the actor, ref, logp replica or critic of a run): trainable when it has an
-        optimizer."""
-        return cls(spec.path, spec.tp, spec.pp, params_dtype=spec.params_dtype,
+        optimizer. `load_hf=False`: Megatron's random init, from the path's config.json alone
+        (tools/bench_train.py at a real shape)."""
+        return cls(spec.path, spec.tp, spec.pp, params_dtype=spec.params_dtype, load_hf=load_hf,
                    optim=spec.optim, make_vocab_size_divisible_by=spec.make_vocab_size_divisible_by,
                    seed=spec.seed, trainable=spec.optim is not None,
                    value_model=spec.value_model, transformer_impl=spec.transformer_impl,
