@@ -433,7 +433,12 @@ def _control() -> Control:
 
 
 def _leave(code: int) -> None:
-    """Exit now, without joining threads that may be blocked on a host that is gone."""
+    """Exit now, without joining threads that may be blocked on a host that is gone. The
+    rollout servers this rank started (a replacement too) go first, their whole process
+    groups: SGLang drains requests on SIGTERM, with the trainer gone possibly for ever."""
+    launcher = sys.modules.get("megarl.backends.sglang.launcher")  # none started without it
+    if launcher is not None:
+        launcher.stop_all_servers()
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -486,9 +491,9 @@ def main(cfg, run_driver) -> int:
     except Exception as err:
         # The run failed. Threads still blocked on a host that is gone (a weight delivery,
         # an engine call) would hold this process's exit for their whole timeouts: report,
-        # let the other ranks go, and leave now. The servers this rank started die with it
-        # (PR_SET_PDEATHSIG); torchrun sees the failure in the exit status and, with
-        # restarts left, starts the next life.
+        # let the other ranks go, and leave now, stopping the servers this rank started
+        # (`_leave`); torchrun sees the failure in the exit status and, with restarts left,
+        # starts the next life.
         logger.exception("rank 0: the run failed")
         ctl._say("loss", _brief(err))
         ctl._say("end/0", "failed")

@@ -13,6 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
+# the architectures megarl.utils.tiny_model makes (a light module: no torch at import)
+from megarl.utils.tiny_model import ARCHS as TINY_ARCHS
+
 KL_TYPES = ("low_var_kl", "k1", "k2", "k3", "kl", "abs", "mse")
 # verl's straight-through kinds: the base kind's value, k2's gradient (megarl/algo/kl.py).
 KL_TYPES = KL_TYPES + tuple(k + "+" for k in KL_TYPES)
@@ -20,7 +23,7 @@ KL_TYPES = KL_TYPES + tuple(k + "+" for k in KL_TYPES)
 CHOICES: Dict[str, tuple] = {
     "data.truncation": ("error", "left", "right"),
     "data.synthetic_task": (None, "quickstart", "last_digit", "tool_lookup"),
-    "actor_rollout_ref.model.make_tiny": (None, "qwen2", "llama", "qwen3", "qwen3_moe"),
+    "actor_rollout_ref.model.make_tiny": (None, *TINY_ARCHS),
     "data.bad_rows": ("skip", "error"),
     "actor_rollout_ref.actor.strategy": ("megatron",),
     "actor_rollout_ref.actor.loss_agg_mode": (
@@ -328,8 +331,9 @@ class ModelConfig:
     path: str = "outputs/tiny-qwen2"
     """Hugging Face model directory (converted to Megatron on load)."""
     make_tiny: Optional[str] = None
-    """``qwen2``, ``qwen3``, ``qwen3_moe`` or ``llama``: make a tiny random model with a local
-    tokenizer at ``path`` when it does not exist yet (quickstart, tests, laptops)."""
+    """``qwen2``, ``qwen3``, ``qwen3_moe``, ``glm4_moe`` (GLM-4.5's layout) or ``llama``: make a
+    tiny random model with a local tokenizer at ``path`` when it does not exist yet
+    (quickstart, tests, laptops)."""
     tokenizer_path: Optional[str] = None
     """Tokenizer directory; null means ``path``."""
     trust_remote_code: bool = False

@@ -217,6 +217,40 @@ def _engine_processes(root_pid, marker):
     return out
 
 
+def _server_groups(root_pid):
+    """The process groups of the run's launched servers and of their group guards."""
+    import psutil
+
+    groups = {os.getpgid(p.pid) for p in _engine_processes(root_pid, "server")}
+    for p in psutil.Process(root_pid).children(recursive=True):
+        try:
+            if any(a.endswith("group_guard.py") for a in p.cmdline()):
+                groups.add(os.getpgid(p.pid))
+        except (psutil.Error, ProcessLookupError):
+            pass
+    return groups
+
+
+def _survivors(groups, within_s):
+    """The live processes of `groups` once `within_s` has passed or none is left."""
+    import time
+
+    import psutil
+
+    deadline = time.monotonic() + within_s
+    while True:
+        left = []
+        for p in psutil.process_iter(["pid", "status", "cmdline"]):
+            try:
+                if os.getpgid(p.pid) in groups and p.status() != psutil.STATUS_ZOMBIE:
+                    left.append((p.pid, " ".join(p.info["cmdline"] or [])[:120]))
+            except (psutil.Error, ProcessLookupError):
+                pass
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.2)
+
+
 def _check_recovered(run_dir, out, assets, engines):
     """The steps the run logged before it was stopped: contiguous from step 1, each trained
     exactly the prompts an undisturbed run draws, and the last one served by every engine.
@@ -292,6 +326,7 @@ def _kill_one_and_finish(proc, run_dir, assets, marker, engines):
         _wait_trained(run_dir, 1, proc)
         victims = _engine_processes(proc.pid, marker)
         assert len(victims) == engines, victims
+        groups = _server_groups(proc.pid) if marker == "server" else set()
         victims[0].kill()
         deadline = time.time() + 400
         while (time.time() < deadline and proc.poll() is None
@@ -299,6 +334,8 @@ def _kill_one_and_finish(proc, run_dir, assets, marker, engines):
             time.sleep(0.05)
         assert proc.poll() is None, "".join(lines)[-4000:]
         _wait_trained(run_dir, _trained_count(run_dir) + AFTER, proc)
+        if marker == "server":  # the replacement's too
+            groups |= _server_groups(proc.pid)
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=120)
     finally:
@@ -311,6 +348,13 @@ def _kill_one_and_finish(proc, run_dir, assets, marker, engines):
         assert proc.returncode == 130 and "Traceback" not in out, out[-4000:]
         assert "interrupted; a later `megarl train`" in out
     assert _check_recovered(run_dir, out, assets, engines) >= AFTER
+    # nothing of any server outlives the run: the killed one's children, the replacement
+    # (stopped by its rank as the rank leaves; SIGTERM alone may leave stock SGLang draining
+    # for ever) and their group guards
+    if marker == "server":  # each server's group and its guard's, found
+        assert len(groups) == 2 * (engines + 1), groups
+    left = _survivors(groups, within_s=30)
+    assert not left, left
 
 
 RUN = ("trainer.save_freq=-1", "trainer.test_freq=-1", "trainer.val_before_train=False",
@@ -337,7 +381,8 @@ def test_torchrun_run_replaces_a_killed_stock_sglang_server(quickstart_assets, t
     """`rollout.name=sglang` under torchrun (no Ray), one-step-off with the dual buffer: the
     run's only launched stock SGLang server is SIGKILLed after step 1; its rank starts a new
     one, which gets the newest weights out of band from the trainer's snapshot, and no
-    prompt is lost or trained twice."""
+    prompt is lost or trained twice. No process of either server's group (or of their group
+    guards) outlives the run."""
     import subprocess
     import sys
 

@@ -21,13 +21,15 @@ def test_logits_logprobs_entropy_match_hf(tmp_path, tiny_qwen2, tiny_llama, tiny
                                           tiny_qwen3_moe, tiny_glm4_moe, tp, pp):
     models = (tiny_qwen2, tiny_llama, tiny_qwen3, tiny_qwen3_moe, tiny_glm4_moe)
     out = tmp_path / "parity.json"
-    env = {"PARITY_SP": "1"} if tp > 1 else {}
+    # the MoE models also replay a forced routing (R3): Qwen3-MoE's softmax router, GLM-4.5's
+    # sigmoid one behind its dense first layer (at PP2 the two are on different stages)
+    env = {"PARITY_REPLAY": "1", **({"PARITY_SP": "1"} if tp > 1 else {})}
     deep = None
     if pp > 1:  # layers 0,1 | 2,3 chunks over the two stages: stage 0 holds 0 and 2
         deep = make_tiny_model(tmp_path / "deep", "qwen2", num_layers=4, num_heads=4,
                                num_kv_heads=2, rope_theta=5000.0)
         env["PARITY_VPP_MODELS"] = str(deep)
-    torchrun(SCRIPTS / "parity.py", tp * pp, out, tp, pp, *models, env=env or None)
+    torchrun(SCRIPTS / "parity.py", tp * pp, out, tp, pp, *models, env=env)
     res = read_json(out)
     assert set(res) == set(map(str, models)) | ({str(deep)} if deep else set())
     if deep is not None:
@@ -47,6 +49,10 @@ def test_logits_logprobs_entropy_match_hf(tmp_path, tiny_qwen2, tiny_llama, tiny
                     assert r[f"{sp}{layout}logprobs@{temp}"] <= 1e-5, (model, r)
                     assert r[f"{sp}{layout}entropy@{temp}"] <= 1e-5, (model, r)
                     assert r[f"{sp}{layout}pos0@{temp}"] == 0.0
+            if model in (str(tiny_qwen3_moe), str(tiny_glm4_moe)):
+                assert r[f"{sp}forced_vs_own"] > 0.05, (model, r)  # another routing indeed
+                assert r[f"{sp}forced_padded"] <= 1e-5, (model, r)
+                assert r[f"{sp}forced_packed"] <= 1e-5, (model, r)
 
 
 @pytest.mark.parametrize("tp,cp", [(1, 2), (2, 2)], ids=["cp2", "cp2-tp2-sp"])

@@ -13,6 +13,7 @@ embedded server with the same arguments (it accepts and ignores the GPU-only one
 """
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
@@ -21,6 +22,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -28,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from megarl.rollout import auth as rollout_auth
+from megarl.utils import group_guard
 # the port a launched server binds: one below the ephemeral range (see free_port)
 from megarl.utils.launch import free_port as find_free_port  # noqa: F401
 
@@ -175,7 +178,9 @@ def _tail(log_path, lines: int = 20) -> str:
 
 def _die_with_parent() -> None:
     """In the child before exec: SIGTERM when the process that started it dies (a worker
-    killed by Ray or torchrun must not leave a server holding GPUs behind). Linux only."""
+    killed by Ray or torchrun must not leave a server holding GPUs behind). Linux only. The
+    kernel sends it when the launching *thread* ends; SGLang may drain for ever on it: the
+    server's group guard (megarl.utils.group_guard) escalates to SIGKILL."""
     try:
         import ctypes
 
@@ -184,11 +189,23 @@ def _die_with_parent() -> None:
         pass
 
 
+# How long a server's group has, after its SIGTERM, before SIGKILL: when the launcher dies
+# (the group guard), and when a leaving torchrun rank stops its servers (`stop_all_servers`)
+ORPHAN_GRACE_S = 5.0
+_live: set["ServerProcess"] = set()  # started here and not stopped yet
+# reentrant: `stop_all_servers` may run in a signal handler on a thread inside `stop`
+_live_lock = threading.RLock()
+
+
 class ServerProcess:
     """A started server; `stop()` (or leaving the `with` block) terminates it."""
 
-    def __init__(self, args: ServerArgs, proc: subprocess.Popen, log_path: Path):
-        self.args, self.proc, self.log_path = args, proc, log_path
+    def __init__(self, args: ServerArgs, proc: subprocess.Popen, log_path: Path,
+                 guard: subprocess.Popen | None = None):
+        self.args, self.proc, self.log_path, self.guard = args, proc, log_path, guard
+        self._stopped = False  # once stopped, its pid may be another process's: never again
+        with _live_lock:
+            _live.add(self)
 
     @property
     def url(self) -> str:
@@ -196,26 +213,70 @@ class ServerProcess:
 
     def stop(self, timeout_s: float = 30) -> None:
         # The server runs in its own process group: SGLang forks scheduler/detokenizer
-        # processes that must go with it, also when the server process itself was killed
-        # (they would outlive it, holding memory and cores).
-        if self.proc.poll() is not None:
+        # processes that must go with it, also when the server process itself was killed or
+        # has left before them (they would outlive it, holding memory and cores).
+        with _live_lock:
+            if self._stopped:
+                return
+            self._stopped = True
+            _live.discard(self)
+        if self.proc.poll() is None:
+            _signal_group(self.proc.pid, signal.SIGTERM)
             try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
                 pass
-            return
-        os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout_s)
+        _signal_group(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout_s)
+        if self.guard is not None:  # it leaves once the group is gone
+            try:
+                self.guard.wait(5)
+            except subprocess.TimeoutExpired:
+                self.guard.kill()
+                self.guard.wait(5)
 
     def __enter__(self) -> "ServerProcess":
         return self
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def spawn(cmd: list[str], env: dict, log, grace_s: float = ORPHAN_GRACE_S):
+    """(the server process, in a process group of its own; its group guard, which ends that
+    group `grace_s` after a SIGTERM once this process is gone)."""
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                            start_new_session=True, preexec_fn=_die_with_parent)
+    try:
+        return proc, group_guard.start(proc.pid, grace_s)
+    except BaseException:
+        _signal_group(proc.pid, signal.SIGKILL)
+        proc.wait()
+        raise
+
+
+def stop_all_servers(grace_s: float = ORPHAN_GRACE_S) -> None:
+    """Every server this process started and has not stopped: SIGTERM to each group, then,
+    after `grace_s`, SIGKILL to what is left. For a process about to leave without its
+    orderly shutdown (a torchrun rank stopped or failing); also run at interpreter exit."""
+    with _live_lock:
+        servers = list(_live)
+        _live.clear()
+        for s in servers:
+            s._stopped = True
+    if servers:
+        logger.info("stopping %d rollout server(s) this process started", len(servers))
+        group_guard.terminate_groups([s.proc.pid for s in servers], grace_s)
+
+
+atexit.register(stop_all_servers)
 
 
 def _private_config(beside: Path, values: dict) -> Path:
@@ -254,9 +315,8 @@ def launch_server(args: ServerArgs, *, module: str = SGLANG_MODULE, timeout_s: f
     logger.info("starting %s (log %s)", " ".join(cmd), log_path)
     try:
         with open(log_path, "ab") as log:
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env,
-                                    start_new_session=True, preexec_fn=_die_with_parent)
-        server = ServerProcess(args, proc, log_path)
+            proc, guard = spawn(cmd, full_env, log)
+        server = ServerProcess(args, proc, log_path, guard)
         try:
             waited = wait_for_health(args.url, timeout_s, proc, log_path)
         except BaseException:

@@ -28,25 +28,45 @@ import torch.distributed as dist
 from megarl.backends.megatron.parallel import rank_program
 
 
+def forced_weights(gate, logits, idx):
+    """The weights transformers' router `gate` gives the experts `idx` [tokens, k] from its
+    `logits` [tokens, E]: Qwen3-MoE's softmax over every expert, then the top-k renormalised
+    (norm_topk_prob); GLM-4.5's (and DeepSeek-V3's) sigmoid scores, whose correction bias
+    only selects experts: the chosen ones' unbiased scores, renormalised, times
+    routed_scaling_factor."""
+    if hasattr(gate, "e_score_correction_bias"):
+        top = logits.sigmoid().gather(1, idx)
+        if gate.norm_topk_prob:
+            top = top / (top.sum(dim=-1, keepdim=True) + 1e-20)
+        return top * gate.routed_scaling_factor
+    top = torch.softmax(logits, dtype=torch.float, dim=-1).gather(1, idx)
+    if gate.norm_topk_prob:
+        top = top / top.sum(dim=-1, keepdim=True)
+    return top.to(logits.dtype)
+
+
+def routers(hf):
+    """(layer index, router) of every MoE layer of transformers' model; dense layers (GLM-4.5's
+    first_k_dense_replace) have none and route nothing."""
+    return [(i, layer.mlp.gate) for i, layer in enumerate(hf.model.layers)
+            if getattr(layer.mlp, "gate", None) is not None]
+
+
 def hf_logprobs(hf, ids, forced=None):
-    """transformers' log-probs of ids[:, 1:], each layer's router forced to `forced`
-    [B, S, L, k] when given (B-major token order, transformers' own)."""
+    """transformers' log-probs of ids[:, 1:], each MoE layer's router forced to `forced`
+    [B, S, L, k] when given (B-major token order, transformers' own; a dense layer's entries
+    are ignored)."""
     import torch.nn.functional as F
 
     handles = []
     if forced is not None:
-        for i, layer in enumerate(hf.model.layers):
-            gate = layer.mlp.gate
-
+        for i, gate in routers(hf):
             def route(hidden, gate=gate, i=i):
                 hidden = hidden.reshape(-1, gate.hidden_dim)
-                logits = F.linear(hidden, gate.weight)
-                probs = torch.softmax(logits, dtype=torch.float, dim=-1)
+                # in the router's own precision (GLM-4.5's is fp32 whatever the model's)
+                logits = F.linear(hidden.to(gate.weight.dtype), gate.weight)
                 idx = forced[:, :, i].reshape(-1, forced.shape[-1]).long()
-                top = probs.gather(1, idx)
-                if gate.norm_topk_prob:
-                    top = top / top.sum(dim=-1, keepdim=True)
-                return logits, top.to(logits.dtype), idx
+                return logits, forced_weights(gate, logits, idx), idx
 
             gate.forward = route
             handles.append(gate)
@@ -59,7 +79,8 @@ def hf_logprobs(hf, ids, forced=None):
 
 
 def hf_routing(hf, ids):
-    """transformers' own top-k experts [B, S, L, k]."""
+    """transformers' own top-k experts [B, S, L, k] (a dense layer's: zeros, as stock SGLang's
+    zero-filled buffer reports it)."""
     got = {}
 
     def keep(i):
@@ -67,13 +88,15 @@ def hf_routing(hf, ids):
             got[i] = out[2]
         return hook
 
-    hs = [layer.mlp.gate.register_forward_hook(keep(i)) for i, layer in enumerate(hf.model.layers)]
+    hs = [gate.register_forward_hook(keep(i)) for i, gate in routers(hf)]
     with torch.no_grad():
         hf(ids)
     for h in hs:
         h.remove()
     B, S = ids.shape
-    return torch.stack([got[i].reshape(B, S, -1) for i in range(len(got))], dim=2)
+    ref = next(iter(got.values()))
+    return torch.stack([got.get(i, torch.zeros_like(ref)).reshape(B, S, -1)
+                        for i in range(len(hf.model.layers))], dim=2)
 
 
 def megatron_routing(w):
