@@ -46,8 +46,9 @@ FORMULAS = [
     " + 4·heads·head_dim/TP + 5·F/TP)·e [what the local layers save: norms' inputs and "
     "outputs, SDPA's q and repeated K/V, SwiGLU; a mixture of experts 5·F_moe·k + 2·k·h + "
     "5·F_shared for the MLP; with gradient checkpointing each recomputed group keeps its "
-    "input L·s·b·h·e (/TP with sequence parallelism) + one group live] × PP micro-batches in "
-    "flight + c_train·s·b·V/TP·4, b = actor.ppo_micro_batch_size_per_gpu; logp = "
+    "input L·s·b·h·e (/TP with sequence parallelism) + one group live, alive in backward once "
+    "the log-prob path is freed] + c_train·s·b·V/TP·4 on the last PP stage, the layers' term "
+    "× PP micro-batches in flight on the first, b = actor.ppo_micro_batch_size_per_gpu; logp = "
     "c_logp·s·b'·V/TP·4, b' = rollout.log_prob_micro_batch_size_per_gpu; c = the fp32 vocab "
     "tensors the log-prob path holds at once (memory.logit_copies: training with entropy "
     "e/4 + 6.25, forward without e/4 + 3)",
@@ -157,19 +158,25 @@ def _activation_bytes(cfg: DictConfig, a: ModelArgs) -> int:
     layers = a.num_layers // pp
     rc = recompute_settings(m.override_transformer_config,
                             arr.model.enable_gradient_checkpointing)
-    if rc is None or rc["recompute_granularity"] == "selective":
+    # training always computes the entropy (a metric even at entropy_coeff 0)
+    logits = logit_copies(True, True, e) * _logits_bytes(a, m, tokens)
+    full = rc is not None and rc["recompute_granularity"] == "full"
+    if not full:
         # (SDPA keeps no attention scores, which is what selective recompute would save)
-        stack = layers * layer
+        stack, live = layers * layer, 0
     elif rc["recompute_method"] == "uniform":  # each group's input kept, one group live
         n = min(rc["recompute_num_layers"], layers)
-        stack = -(-layers // n) * kept + n * layer
-    else:  # block: the first n layers kept as inputs, the others whole
+        stack, live = -(-layers // n) * kept, n * layer
+    else:  # block: the first n layers kept as inputs, the others whole, one recomputed live
         n = min(rc["recompute_num_layers"], layers)
-        stack = n * kept + (layers - n) * layer + layer
+        stack, live = n * kept + (layers - n) * layer, layer
     if cp > 1:  # each layer keeps the K and V it gathered, of the whole sequence(s)
         stack += layers * tokens * cp * 2 * max(1, a.num_kv_heads // tp) * a.head_dim * e
-    # training always computes the entropy (a metric even at entropy_coeff 0); LOGP does not
-    train = stack * pp + logit_copies(True, True, e) * _logits_bytes(a, m, tokens)
+    # the last stage: its micro-batch's layers beside the log-prob path; a recomputed group
+    # comes alive in backward, once that path is freed
+    last = stack + max(live, logits)
+    # 1F1B: the first stage holds PP micro-batches in flight (and no log-prob path)
+    train = max(last, pp * stack + live) if pp > 1 else last
     logp = logit_copies(False, False, e) * _logits_bytes(
         a, m, micro_batch_tokens(cfg, "logp", cp))
     return int(max(train, logp))

@@ -63,10 +63,14 @@ def test_activations_count_the_layers_and_the_log_prob_path(model):
     # TP2 + SP: every term over TP (V/2 is already a multiple of 128)
     tp2 = _cfg(path, f"{M}.tensor_model_parallel_size=2", f"{M}.sequence_parallel=true")
     assert memory._activation_bytes(tp2, a) == int(stack / 2 + 7.25 * logits / 2)
-    # full recompute, one layer a group: four kept inputs and one live layer
+    # full recompute, one layer a group: four kept inputs, and the live layer only in
+    # backward, once the log-prob path is freed (here the larger of the two)
     rc = _cfg(path, f"{A}.model.enable_gradient_checkpointing=true")
-    assert memory._activation_bytes(rc, a) == int(4 * 1024 * 512 * 4 + stack / 4
-                                                  + 7.25 * logits)
+    assert memory._activation_bytes(rc, a) == int(4 * 1024 * 512 * 4 + 7.25 * logits)
+    # PP2, 1F1B: the last stage's two layers beside the log-prob path, or the first stage's
+    # two micro-batches of two layers, whichever is larger
+    pp2 = _cfg(path, f"{M}.pipeline_model_parallel_size=2")
+    assert memory._activation_bytes(pp2, a) == int(max(stack / 2 + 7.25 * logits, stack))
 
 
 @pytest.mark.parametrize("impl, dist, grads, state", [
