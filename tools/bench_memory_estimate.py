@@ -184,11 +184,11 @@ def main() -> None:
     print(f"train step, Qwen2-shaped: hidden {a.hidden}, {a.layers} layers, ffn "
           f"{a.hidden * 11 // 2}, heads 8/2 kv, vocab {a.vocab}, fp32, {a.tokens} token slots "
           "per micro-batch, CPU (largest rank; MiB):")
-    print(f"  {'case':<44} {'state est':>9} {'meas':>7} {'step est':>9} {'meas':>7} "
+    print(f"  {"case":<50} {'state est':>9} {'meas':>7} {'step est':>9} {'meas':>7} "
           f"{'step ratio':>10} {'total ratio':>11}")
     for case, m, e in rows:
         total = (m["state_mib"] + m["step_mib"]) / (e["state_mib"] + e["step_mib"])
-        print(f"  {CASES[case][0]:<44} {e['state_mib']:9.0f} {m['state_mib']:7.0f} "
+        print(f"  {CASES[case][0]:<50} {e['state_mib']:9.0f} {m['state_mib']:7.0f} "
               f"{e['step_mib']:9.0f} {m['step_mib']:7.0f} "
               f"{m['step_mib'] / e['step_mib']:10.2f} {total:11.2f}")
     print("  ratio = measured / estimated (1.00: exact; the aim is within 0.80-1.20)")
