@@ -184,7 +184,7 @@ def main() -> None:
     print(f"train step, Qwen2-shaped: hidden {a.hidden}, {a.layers} layers, ffn "
           f"{a.hidden * 11 // 2}, heads 8/2 kv, vocab {a.vocab}, fp32, {a.tokens} token slots "
           "per micro-batch, CPU (largest rank; MiB):")
-    print(f"  {"case":<50} {'state est':>9} {'meas':>7} {'step est':>9} {'meas':>7} "
+    print(f"  {'case':<50} {'state est':>9} {'meas':>7} {'step est':>9} {'meas':>7} "
           f"{'step ratio':>10} {'total ratio':>11}")
     for case, m, e in rows:
         total = (m["state_mib"] + m["step_mib"]) / (e["state_mib"] + e["step_mib"])
