@@ -237,9 +237,9 @@ def sender_buffers(cfg: DictConfig, stages: list[StageBuckets]) -> list[MemoryIt
     if backend != "nccl" or not stages:
         return []
     if r.enable_dual_buffer:
-        return [MemoryItem("weight-sync snapshot (dual buffer, sender rank)",
+        return [MemoryItem("weight-sync snapshot (dual buffer)",
                            max(s.total for s in stages))]
-    return [MemoryItem("weight-sync packing buffer (sender rank)",
+    return [MemoryItem("weight-sync packing buffer",
                        max(s.largest for s in stages))]
 
 
