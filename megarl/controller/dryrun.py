@@ -34,10 +34,10 @@ from megarl.cluster.topology import GroupPlan
 from megarl.config import ConfigError, plan_task_groups
 from megarl.convert.plan import ConvertError, check_layout, hf_shapes
 from megarl.weight_sync.buckets import plan_buckets
-from megarl.weight_sync.protocol import MiB, BucketMeta, TensorSpec, update_group_ranks
+from megarl.weight_sync.protocol import MiB, TensorSpec, update_group_ranks
 
-from .memory import (FORMULAS, GiB, GroupMemory, check_fit, estimate_memory, gib, needs_ref,
-                     replica_megatron)
+from .memory import FORMULAS, GiB, check_fit, estimate_memory, gib, needs_ref, replica_megatron
+from .plan_records import GroupMemory, StageBuckets
 
 logger = logging.getLogger(__name__)
 
@@ -84,25 +84,6 @@ class UpdateGroup:
     world_size: int
     sender_device: int
     """Global device of the stage's sender (TP rank 0 of the stage, first DP replica)."""
-
-
-@dataclass(frozen=True)
-class StageBuckets:
-    stage: int
-    layers: range
-    buckets: tuple[BucketMeta, ...]
-
-    @property
-    def num_tensors(self) -> int:
-        return sum(len(b.specs) for b in self.buckets)
-
-    @property
-    def largest(self) -> int:
-        return max((b.nbytes for b in self.buckets), default=0)
-
-    @property
-    def total(self) -> int:
-        return sum(b.nbytes for b in self.buckets)
 
 
 @dataclass
@@ -156,7 +137,7 @@ def plan_run(cfg: DictConfig, gpu_memory_gib: float = 80.0) -> RunPlan:
         consume_mb=arr.rollout.param_update_consume_bucket_size_mb,
         memory=estimate_memory(cfg, groups, a, stages, capacity), capacity=capacity,
         formulas=list(FORMULAS), notes=_notes(cfg))
-    check_fit(cfg, plan, groups)
+    check_fit(cfg, groups, plan.memory, stages, capacity)
     logger.debug("dry run: %d group(s), %d rollout server(s), %d pipeline stage(s)",
                  len(groups), len(servers), len(stages))
     return plan

@@ -1,15 +1,15 @@
 """The dry run's per-device memory estimate of each task group, and the fit check.
 
 Owns the formulas (``FORMULAS``, printed with the plan) and their arithmetic: trainer
-(params, main grads, optimizer state, activations), reference, the logp replica, rollout
+(params, gradients and optimizer state by their real dtypes, activations by what the layers and
+the log-prob path keep, the weight-sync sender's buffers), reference, the logp replica, rollout
 engines (weights, receive bucket, KV cache). ``check_fit`` raises ``ConfigError`` naming the
 group that cannot fit. Inputs are the validated config, the model's shape (``ModelArgs``)
-and the bucket plan of ``megarl.controller.dryrun``; nothing here starts anything.
+and the bucket plan (``megarl.controller.plan_records``, computed by the dry run); nothing
+here starts anything. tools/bench_memory_estimate.py compares the trainer's estimate with the
+peak of a real CPU train step.
 """
 from __future__ import annotations
-
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -19,28 +19,10 @@ from megarl.config import ConfigError
 from megarl.convert.plan import itemsize, stage_param_counts
 
 from .micro_batches import micro_batch_tokens
-
-if TYPE_CHECKING:
-    from .dryrun import RunPlan, StageBuckets
+from .plan_records import GroupMemory, MemoryItem, StageBuckets
 
 GiB = 1 << 30
 _ARR = "actor_rollout_ref"
-
-
-@dataclass(frozen=True)
-class MemoryItem:
-    label: str
-    nbytes: int
-
-
-@dataclass(frozen=True)
-class GroupMemory:
-    group: str
-    items: tuple[MemoryItem, ...]
-
-    @property
-    def total(self) -> int:
-        return sum(i.nbytes for i in self.items)
 
 
 def needs_ref(cfg: DictConfig) -> bool:
@@ -53,22 +35,30 @@ FORMULAS = [
     "e = bytes per element of params_dtype",
     "s = data.max_prompt_length + data.max_response_length, h = hidden, V = padded vocab, "
     "L = layers per PP stage",
-    "trainer   = N·e (params) + N·4 (fp32 main grads) + N·(4 master if e<4 + 8 Adam m,v) "
-    "/ (DP if use_distributed_optimizer else 1; the experts' share / expert-DP = devices / "
-    "(PP·EP·ETP)) + activations",
-    "activations = max(train, logp): train = L·s·b·h·(10 + 24/TP)·e/2, with "
-    "megatron.sequence_parallel L·s·b·h·(34/TP)·e/2 "
-    "[Korthikanti et al. 2022, SDPA; with gradient checkpointing "
-    "L·s·b·h·e (/TP with sequence parallelism) + one such layer] × PP micro-batches in "
-    "flight + 2·s·b·V/TP·4 (fp32 logits + their grad), b = actor.ppo_micro_batch_size_per_gpu; logp = s·b'·V/TP·4, "
-    "b' = rollout.log_prob_micro_batch_size_per_gpu",
+    "trainer   = N·e (params) + grads + optimizer + activations [+ sender buffers]; "
+    "megatron.optimizer=megatron: grads N·4 (fp32 grad buffer), optimizer N·(4 fp32 main "
+    "params if e<4 + 8 Adam m,v) / (DP if use_distributed_optimizer else 1; the experts' "
+    "share / expert-DP = devices / (PP·EP·ETP)); optimizer=torch: grads N·e, AdamW N·2e",
+    "sender buffers (the weight sync's sender, when its group is NCCL, i.e. on the GPU): "
+    "rollout.enable_dual_buffer: the largest stage's HF bytes (snapshot), else its largest "
+    "bucket (packing buffer)",
+    "activations = max(train, logp): train = L·s·b·(6h (/TP with megatron.sequence_parallel)"
+    " + 4·heads·head_dim/TP + 5·F/TP)·e [what the local layers save: norms' inputs and "
+    "outputs, SDPA's q and repeated K/V, SwiGLU; a mixture of experts 5·F_moe·k + 2·k·h + "
+    "5·F_shared for the MLP; with gradient checkpointing each recomputed group keeps its "
+    "input L·s·b·h·e (/TP with sequence parallelism) + one group live, alive in backward once "
+    "the log-prob path is freed] + c_train·s·b·V/TP·4 on the last PP stage, the layers' term "
+    "× PP micro-batches in flight on the first, b = actor.ppo_micro_batch_size_per_gpu; logp = "
+    "c_logp·s·b'·V/TP·4, b' = rollout.log_prob_micro_batch_size_per_gpu; c = the fp32 vocab "
+    "tensors the log-prob path holds at once (memory.logit_copies: training with entropy "
+    "e/4 + 6.25, forward without e/4 + 3)",
     "with use_dynamic_bsz (packed micro-batches) s·b is the pass's token budget "
     "(*_max_token_len_per_gpu; at least s, as a longer sequence goes alone)",
     "context parallelism (megatron.context_parallel_size = CP): s·b above is one rank's "
     "share, s·b/CP (the budget counts per CP rank: at least s/CP), and training adds the "
     "K/V all-gathered over the CP group, L·s·b·2·kv_heads·head_dim/TP·e with s·b the whole "
     "micro-batch's",
-    "reference = N·e (params, ref layout) + s·b·V/TP·4 (fp32 logits), "
+    "reference = N·e (params, ref layout) + c_logp·s·b·V/TP·4 (log-prob path), "
     "b = ref.log_prob_micro_batch_size_per_gpu",
     "rollout   = gpu_memory_utilization × capacity, reserved by each engine: "
     "HF weights/TP + receive bucket (the largest bucket) + KV cache (the rest)",
@@ -84,7 +74,7 @@ def estimate_memory(cfg: DictConfig, groups: list[GroupPlan], a: ModelArgs,
     for g in groups:
         items = []
         if "actor-train" in g.tasks:
-            items += trainer_memory(cfg, a, g.num_devices)
+            items += trainer_memory(cfg, a, g.num_devices, stages)
         elif "logp" in g.tasks:
             items += replica_memory(cfg, a, stages)
         if "ref_logp" in g.tasks and needs_ref(cfg):
@@ -109,9 +99,49 @@ def _rank_params(a: ModelArgs, m: DictConfig) -> int:
 
 
 def _logits_bytes(a: ModelArgs, m: DictConfig, tokens: int) -> int:
+    """One fp32 [tokens, V/TP] tensor."""
     tp = m.tensor_model_parallel_size
     vocab = padded_vocab_size(a.vocab_size, m.make_vocab_size_divisible_by, tp)
     return tokens * vocab // tp * 4
+
+
+def logit_copies(training: bool, with_entropy: bool, e: int) -> float:
+    """fp32 [tokens, V/TP] tensors alive at once at the peak of the log-prob path the worker
+    takes (backends/megatron/logprobs.py ``vocab_parallel_logprobs`` on the output layer's
+    logits, whole micro-batch at a time), counted from that code: the logits themselves (in
+    the params' dtype, e/4 of an fp32 copy), z = logits.float() / T, z - max, and:
+
+    - without entropy: exp(z - max) (kept for backward when training, else a temporary);
+    - with entropy, forward only: p, its finite mask's zero-filled copy, p · finite, and
+      isfinite's bool mask (1/4);
+    - with entropy, training: exp(z - max) kept for backward besides those.
+
+    Measured on CPU in fp32 (tools/bench_memory_estimate.py): 7.2 copies for a train step with
+    entropy, against 7.25 here. A chunked or fused log-prob path changes this count: this is
+    the one place to change it."""
+    copies = e / 4 + 2  # logits, z, z - max
+    if not with_entropy:
+        return copies + 1
+    return copies + 3.25 + (1 if training else 0)
+
+
+def layer_activation_elements(a: ModelArgs, tp: int, sp: bool) -> float:
+    """Elements per token one transformer layer keeps for backward on one TP rank, counted
+    from what megarl's local layers save (torch autograd's saved tensors of a Qwen2 layer,
+    checked with saved-tensor hooks): each RMSNorm its input and its normalised input, each
+    norm's output as the next linear's input (6·h, all sequence-parallel); SDPA its q and the
+    K/V repeated to every query head, and the attention output as the projection's input
+    (4·heads·head_dim / TP); the SwiGLU MLP fc1's gate+up output, silu(gate), the product as
+    fc2's input and one more F-wide copy (5·F / TP). A mixture of experts: each token's top-k
+    experts' 5·F_moe and the routed hidden states permuted in and out (2·k·h), plus a shared
+    expert's 5·F_shared (not measured)."""
+    attn = 4 * a.num_heads * a.head_dim / tp
+    if a.is_moe:
+        mlp = (5 * a.moe_ffn_hidden_size + 2 * a.hidden_size) * a.moe_topk \
+            + 5 * a.moe_shared_ffn_hidden_size
+    else:
+        mlp = 5 * a.ffn_hidden_size
+    return 6 * a.hidden_size / (tp if sp else 1) + attn + mlp / tp
 
 
 def _activation_bytes(cfg: DictConfig, a: ModelArgs) -> int:
@@ -121,58 +151,105 @@ def _activation_bytes(cfg: DictConfig, a: ModelArgs) -> int:
         itemsize(m.params_dtype)
     cp = m.context_parallel_size
     tokens = micro_batch_tokens(cfg, "actor", cp)
-    sbh = tokens * a.hidden_size
-    # sequence parallelism shards the norms', residuals' and dropouts' share (the 10) over TP
+    # sequence parallelism shards the norms' and the residual stream's share over TP
     sp = bool(m.sequence_parallel) and tp > 1
-    layer = sbh * (34 / tp if sp else 10 + 24 / tp) * e / 2
-    kept = sbh * e / (tp if sp else 1)  # a recomputed group's input: one [s, b, h] slice
+    layer = tokens * layer_activation_elements(a, tp, sp) * e
+    kept = tokens * a.hidden_size * e / (tp if sp else 1)  # a recomputed group's input
     layers = a.num_layers // pp
     rc = recompute_settings(m.override_transformer_config,
                             arr.model.enable_gradient_checkpointing)
-    if rc is None or rc["recompute_granularity"] == "selective":
-        # (`layer` leaves out the attention scores already: SDPA keeps none, which is
-        # what selective recompute would save)
-        stack = layers * layer
+    # training always computes the entropy (a metric even at entropy_coeff 0)
+    logits = logit_copies(True, True, e) * _logits_bytes(a, m, tokens)
+    full = rc is not None and rc["recompute_granularity"] == "full"
+    if not full:
+        # (SDPA keeps no attention scores, which is what selective recompute would save)
+        stack, live = layers * layer, 0
     elif rc["recompute_method"] == "uniform":  # each group's input kept, one group live
         n = min(rc["recompute_num_layers"], layers)
-        stack = -(-layers // n) * kept + n * layer
-    else:  # block: the first n layers kept as inputs, the others whole
+        stack, live = -(-layers // n) * kept, n * layer
+    else:  # block: the first n layers kept as inputs, the others whole, one recomputed live
         n = min(rc["recompute_num_layers"], layers)
-        stack = n * kept + (layers - n) * layer + layer
+        stack, live = n * kept + (layers - n) * layer, layer
     if cp > 1:  # each layer keeps the K and V it gathered, of the whole sequence(s)
         stack += layers * tokens * cp * 2 * max(1, a.num_kv_heads // tp) * a.head_dim * e
-    train = stack * pp + 2 * _logits_bytes(a, m, tokens)
-    logp = _logits_bytes(a, m, micro_batch_tokens(cfg, "logp", cp))
+    # the last stage: its micro-batch's layers beside the log-prob path; a recomputed group
+    # comes alive in backward, once that path is freed
+    last = stack + max(live, logits)
+    # 1F1B: the first stage holds PP micro-batches in flight (and no log-prob path)
+    train = max(last, pp * stack + live) if pp > 1 else last
+    logp = logit_copies(False, False, e) * _logits_bytes(
+        a, m, micro_batch_tokens(cfg, "logp", cp))
     return int(max(train, logp))
 
 
-def trainer_memory(cfg: DictConfig, a: ModelArgs, devices: int) -> list[MemoryItem]:
+def trainer_memory(cfg: DictConfig, a: ModelArgs, devices: int,
+                   stages: list[StageBuckets] = ()) -> list[MemoryItem]:
+    """The actor trainer's largest device: params, gradients and optimizer state by their
+    real dtypes (``optimizer_state``), activations, and the weight-sync sender's buffers
+    (``sender_buffers``) when they sit on the device."""
     m = cfg.actor_rollout_ref.actor.megatron
     (dense, experts), e = _rank_split(a, m), itemsize(m.params_dtype)
     n = dense + experts
+    items = [MemoryItem(f"trainer params ({_count(n)} × {e} B)", n * e)]
+    items += optimizer_state(m, dense, experts, devices, a.is_moe)
+    items.append(MemoryItem("trainer activations", _activation_bytes(cfg, a)))
+    return items + sender_buffers(cfg, stages)
+
+
+def optimizer_state(m: DictConfig, dense: int, experts: int, devices: int,
+                    is_moe: bool) -> list[MemoryItem]:
+    """Gradients and optimizer state of one rank holding `dense` + `experts` parameters.
+
+    ``optimizer: megatron`` (backends/megatron/optim.py): Megatron's DDP reduces into an fp32
+    grad buffer of every parameter (grad_reduce_in_fp32); Adam's two fp32 moments and, for
+    bf16/fp16 params, fp32 main params (in fp32 the params are their own main params), sharded
+    over DP × CP with the distributed optimizer (the experts' over expert-DP).
+    ``optimizer: torch``: AdamW on the model's own params: grads and both moments in the
+    params' dtype, unsharded."""
+    e, n = itemsize(m.params_dtype), dense + experts
+    if m.optimizer == "torch":
+        return [MemoryItem(f"trainer grads ({e} B, params' dtype)", n * e),
+                MemoryItem(f"trainer optimizer (AdamW m, v: 2 × {e} B/param)", 2 * e * n)]
     tp, pp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size
     # the distributed optimizer shards over DP × CP (Megatron's), i.e. devices / (TP·PP)
     dp = devices // (tp * pp)
     # the experts' state shards over their own data-parallel ranks (Megatron's expert-DP)
-    edp = devices // (pp * (m.expert_model_parallel_size if a.is_moe else 1)
+    edp = devices // (pp * (m.expert_model_parallel_size if is_moe else 1)
                       * (m.expert_tensor_parallel_size or tp))
     shard, eshard = (dp, edp) if m.use_distributed_optimizer else (1, 1)
     state = (4 if e < 4 else 0) + 8
     per = f"/ {shard}" if not experts or shard == eshard else f"/ {shard}, experts / {eshard}"
-    return [MemoryItem(f"trainer params ({_count(n)} × {e} B)", n * e),
-            MemoryItem("trainer fp32 main grads", n * 4),
+    return [MemoryItem("trainer fp32 main grads", n * 4),
             MemoryItem(f"trainer optimizer ({state} B/param {per})",
-                       dense * state // shard + experts * state // eshard),
-            MemoryItem("trainer activations", _activation_bytes(cfg, a))]
+                       dense * state // shard + experts * state // eshard)]
+
+
+def sender_buffers(cfg: DictConfig, stages: list[StageBuckets]) -> list[MemoryItem]:
+    """What the weight sync's sender (TP rank 0 of each pipeline stage's first DP replica,
+    weight_sync/trainer.py) keeps between versions, where its update group is NCCL (its
+    buffers are then on the GPU; under gloo they are host memory): with the dual buffer the
+    whole stage packed into snapshot buffers (producer.py ``snapshot``, the largest stage's
+    bytes), else one reusable packing buffer of the largest bucket (``stream``)."""
+    r = cfg.actor_rollout_ref.rollout
+    backend = r.update_group_backend
+    if backend == "auto":  # not resolved by the loader: its CPU/GPU default
+        backend = "nccl" if cfg.trainer.device == "cuda" else "gloo"
+    if backend != "nccl" or not stages:
+        return []
+    if r.enable_dual_buffer:
+        return [MemoryItem("weight-sync snapshot (dual buffer)",
+                           max(s.total for s in stages))]
+    return [MemoryItem("weight-sync packing buffer",
+                       max(s.largest for s in stages))]
 
 
 def reference_memory(cfg: DictConfig, a: ModelArgs) -> list[MemoryItem]:
     ref = cfg.actor_rollout_ref.ref
     n, e = _rank_params(a, ref.megatron), itemsize(ref.megatron.params_dtype)
     return [MemoryItem(f"reference params ({_count(n)} × {e} B)", n * e),
-            MemoryItem("reference logits",
-                       _logits_bytes(a, ref.megatron, micro_batch_tokens(
-                           cfg, "ref", ref.megatron.context_parallel_size)))]
+            MemoryItem("reference logits", int(logit_copies(False, False, e) * _logits_bytes(
+                a, ref.megatron, micro_batch_tokens(
+                    cfg, "ref", ref.megatron.context_parallel_size))))]
 
 
 def replica_megatron(cfg: DictConfig) -> DictConfig:
@@ -193,8 +270,8 @@ def replica_memory(cfg: DictConfig, a: ModelArgs, stages: list[StageBuckets]
     hf = sum(s.total for s in stages)
     return [MemoryItem(f"replica params ({_count(n)} × {e} B)", n * e),
             MemoryItem("replica receiver (HF weights, live + staged)", 2 * hf),
-            MemoryItem("replica logits", _logits_bytes(
-                a, m, micro_batch_tokens(cfg, "logp", m.context_parallel_size)))]
+            MemoryItem("replica logits", int(logit_copies(False, False, e) * _logits_bytes(
+                a, m, micro_batch_tokens(cfg, "logp", m.context_parallel_size))))]
 
 
 def rollout_weights(cfg: DictConfig, stages: list[StageBuckets]) -> tuple[int, int]:
@@ -221,12 +298,13 @@ def rollout_memory(cfg: DictConfig, a: ModelArgs, stages: list[StageBuckets],
             MemoryItem(f"rollout KV cache (~{kv // per_token:,} tokens)", kv)]
 
 
-def check_fit(cfg: DictConfig, plan: RunPlan, groups: list[GroupPlan]) -> None:
-    """``ConfigError`` naming the group, its estimate and the capacity when it cannot fit."""
-    cap = plan.capacity
-    for g, mem in zip(groups, plan.memory):
+def check_fit(cfg: DictConfig, groups: list[GroupPlan], memory: list[GroupMemory],
+              stages: list[StageBuckets], cap: int) -> None:
+    """``ConfigError`` naming the group, its estimate and the capacity `cap` (bytes) when it
+    cannot fit; `memory` is ``estimate_memory``'s, group by group."""
+    for g, mem in zip(groups, memory):
         if "generate" in g.tasks:
-            _check_rollout_fit(cfg, plan, g.name, cap)
+            _check_rollout_fit(cfg, stages, g.name, cap)
         if mem.total > cap:
             parts = ", ".join(f"{i.label} {gib(i.nbytes)}" for i in mem.items)
             raise ConfigError(
@@ -234,9 +312,10 @@ def check_fit(cfg: DictConfig, plan: RunPlan, groups: list[GroupPlan]) -> None:
                 f"({parts}) exceeds the capacity {gib(cap)} (megarl train --gpu-memory-gib)")
 
 
-def _check_rollout_fit(cfg: DictConfig, plan: RunPlan, name: str, cap: int) -> None:
+def _check_rollout_fit(cfg: DictConfig, stages: list[StageBuckets], name: str,
+                       cap: int) -> None:
     r = cfg.actor_rollout_ref.rollout
-    weights, bucket = rollout_weights(cfg, plan.stages)
+    weights, bucket = rollout_weights(cfg, stages)
     share = r.gpu_memory_utilization * cap
     if weights + bucket > share:
         raise ConfigError(

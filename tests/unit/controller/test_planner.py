@@ -15,6 +15,11 @@ from megarl.observability.timeline import write_chrome_trace
 REPO = Path(__file__).resolve().parents[3]
 QWEN2 = str(REPO / "configs" / "qwen2_7b_async.yaml")
 TASKS = [["logp", "actor-train", "ref_logp"], ["generate"]]
+# log-prob passes of 4 rows, not the config's 16: the log-prob path's fp32 vocab copies
+# (controller/memory.py logit_copies) of 16 × 3072 tokens fill a device in the smaller layouts
+# these tests explore
+LOGP4 = ["actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4",
+         "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4"]
 SECONDS = {"generate": 4.0, "reward": 0.5, "ref_logp": 1.0, "logp": 1.0, "actor-train": 2.0,
            "sync": 0.2}
 
@@ -79,7 +84,7 @@ def test_devices_sharing_a_host_scale_nothing(tmp_path):
 
 def test_plan_ranks_fitting_layouts_and_refuses_what_does_not_fit(tmp_path):
     m = planner.measure(_trace(tmp_path))
-    cands = planner.plan(QWEN2, [], m, gpu_memory_gib=80.0)
+    cands = planner.plan(QWEN2, LOGP4, m, gpu_memory_gib=80.0)
     ok = [c for c in cands if c.refused is None]
     assert ok and [c.step_s for c in ok] == sorted(c.step_s for c in ok)
     assert {sum(c.devices) for c in cands} == {32}  # 4 nodes of 8
@@ -97,7 +102,7 @@ def test_plan_ranks_fitting_layouts_and_refuses_what_does_not_fit(tmp_path):
     # the first choice, pasted back, loads and is that layout
     from megarl.config import load_config
 
-    best = load_config(QWEN2, ok[0].overrides())
+    best = load_config(QWEN2, [*LOGP4, *ok[0].overrides()])
     assert best.trainer.generate_ahead_steps == ok[0].ahead
     assert len(best.trainer.separated_node_tasks) == len(ok[0].groups)
 
@@ -156,8 +161,10 @@ def test_plan_takes_a_rollout_tp_that_fits_where_the_configs_does_not(tmp_path):
                 "trainer.separated_node_ratios=[0.5,0.5]",
                 "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
                 "actor_rollout_ref.ref.megatron.tensor_model_parallel_size=2",
-                "actor_rollout_ref.rollout.tensor_model_parallel_size=4"]
-    ok = [c for c in planner.plan(QWEN2, one_node, m, gpu_memory_gib=80.0)
+                "actor_rollout_ref.rollout.tensor_model_parallel_size=4", *LOGP4]
+    # 141 GiB (an H200): at TP2 the trainer's state, its log-prob path and the dual buffer's
+    # snapshot of the whole 7B model, with the reference beside it, pass 80 GiB
+    ok = [c for c in planner.plan(QWEN2, one_node, m, gpu_memory_gib=141.0)
           if c.refused is None]
     retuned = [c for c in ok if c.rollout_tp is not None]
     assert retuned, [c.label() for c in ok]
@@ -182,7 +189,7 @@ def test_plan_knows_context_parallelism(tmp_path):
            *(f"actor_rollout_ref.{s}.megatron.tensor_model_parallel_size=1"
              for s in ("actor", "ref")),
            "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
-           "actor_rollout_ref.actor.megatron.context_parallel_size=2"]
+           "actor_rollout_ref.actor.megatron.context_parallel_size=2", *LOGP4]
     cands = planner.plan(QWEN2, cp2, m, gpu_memory_gib=141.0, aheads=[2])
     ok = [c for c in cands if c.refused is None]
     assert ok
