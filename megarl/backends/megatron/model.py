@@ -2,9 +2,9 @@
 GLM-4.5).
 
 Owns the mapping from HF hyper-parameters to Megatron's `TransformerConfig` and the layer
-spec. The spec is Megatron's local one with `SDPAttention` as core attention (see
-attention.py), so the parameter names are the local spec's on every device; Transformer
-Engine layers are not used yet (a GPU speed-up left for later, it renames the fused norms).
+spec: Megatron's local layers with `SDPAttention` as core attention (attention.py) where
+Transformer Engine is absent, TE's layers with TE's attention where it is used; the HF maps
+read both layouts.
 """
 from __future__ import annotations
 
