@@ -413,8 +413,9 @@ class TransformerOverrides:
     on CUDA) and runs packed sequences through FlexAttention on CUDA (a document mask made
     once per micro-batch; not yet measured on a GPU) and one SDPA call per sequence length
     on the CPU; ``flex``: FlexAttention for packed sequences on any device (eager and slow
-    on the CPU); ``flash``, ``fused`` (cuDNN) pin SDPA's CUDA kernel and ``unfused`` its
-    math kernel, packed sequences one call per length. With Transformer Engine's layers TE's
+    on the CPU); ``flash`` (verl's default), ``fused`` (cuDNN) put that SDPA kernel first,
+    falling back to the others where it cannot run (the CPU, fp32); ``unfused``: SDPA's
+    math kernel only; packed sequences one call per length under these three. With Transformer Engine's layers TE's
     own attention runs (it chooses its kernel), except under ``flex``. All give the same
     numbers."""
 

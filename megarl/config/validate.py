@@ -501,18 +501,13 @@ def _models_on(cfg: DictConfig, plan: GroupPlan, plans: list[GroupPlan]) -> list
 
 
 def _check_transformer_impl(cfg: DictConfig) -> None:
-    """Transformer Engine's layers and SDPA's flash / cuDNN kernels are CUDA kernels
-    (whether TE is installed, preflight checks)."""
+    """Transformer Engine's layers are CUDA kernels (whether it is installed, preflight
+    checks)."""
     for key in MEGATRON_SECTIONS:
         if _get(cfg, key).transformer_impl == "transformer_engine" and \
                 cfg.trainer.device != "cuda":
             raise ConfigError(f"{key}.transformer_impl: transformer_engine runs on CUDA only, "
                               f"but trainer.device={cfg.trainer.device} (use auto or local)")
-        backend = _get(cfg, key).override_transformer_config.attention_backend
-        if backend in ("flash", "fused") and cfg.trainer.device != "cuda":
-            raise ConfigError(f"{key}.override_transformer_config.attention_backend: {backend} "
-                              f"is a CUDA kernel, but trainer.device={cfg.trainer.device} "
-                              f"(use auto, flex or unfused)")
 
 
 def _check_recompute(cfg: DictConfig) -> None:

@@ -9,8 +9,9 @@ mask alone keeps real tokens from attending to pads.
 
 `backend` (the config's `override_transformer_config.attention_backend`, Megatron's names
 where they apply; `BACKENDS`): `auto` lets SDPA choose its kernel (flash / cuDNN / memory-
-efficient on CUDA, never forced to the math one); `flash`, `fused` (cuDNN's fused attention)
-and `unfused` (the math kernel, the plain reference) pin it. Packed sequences (Megatron's
+efficient on CUDA, never forced to the math one); `flash` and `fused` (cuDNN's fused
+attention) put that kernel first, the others behind it; `unfused` allows only the math
+kernel (the plain reference). Packed sequences (Megatron's
 THD layout, `PackedSeqParams.cu_seqlens_q`) attend causally within their own sequence, by
 a plan made once per micro-batch (packed_attention.py): FlexAttention with a document mask
 (`flex`, and `auto` on CUDA), or one batched SDPA call per distinct length (the other
@@ -46,13 +47,18 @@ def _offset_causal_mask(c: int, offset: int, device, dtype) -> torch.Tensor:
         ~allowed, float("-inf"))
 
 
-# The SDPA kernels each backend allows (None: SDPA's own choice). Megatron's `fused` is
-# cuDNN's fused attention, which torch's SDPA also ships.
+# The SDPA kernels each backend allows, in priority order (None: SDPA's own choice). `flash`
+# and `fused` (Megatron's name for cuDNN's fused attention) put their kernel first and keep
+# the others behind it, so verl's default (`flash`) runs wherever its kernel does not (the
+# CPU, fp32, a mask); `unfused` allows the math kernel alone, the plain reference.
 def _kernels(name: str):
-    from torch.nn.attention import SDPBackend
+    from torch.nn.attention import SDPBackend as B
 
-    return {"auto": None, "flex": None, "flash": [SDPBackend.FLASH_ATTENTION],
-            "fused": [SDPBackend.CUDNN_ATTENTION], "unfused": [SDPBackend.MATH]}[name]
+    rest = [B.EFFICIENT_ATTENTION, B.MATH]
+    return {"auto": None, "flex": None,
+            "flash": [B.FLASH_ATTENTION, B.CUDNN_ATTENTION, *rest],
+            "fused": [B.CUDNN_ATTENTION, B.FLASH_ATTENTION, *rest],
+            "unfused": [B.MATH]}[name]
 
 
 BACKENDS = ("auto", "flex", "flash", "fused", "unfused")
@@ -130,7 +136,7 @@ class SDPAttention(MegatronModule):
             return contextlib.nullcontext()
         from torch.nn.attention import sdpa_kernel
 
-        return sdpa_kernel(self.kernels)
+        return sdpa_kernel(self.kernels, set_priority=True)
 
     def _cp_causal(self, q, k, v):
         """Context parallelism: q [n, heads, 2c, dim] this rank's two chunks (r and
