@@ -156,7 +156,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--seq", type=int, default=None, help="GQA bench length (CPU 1024, CUDA 4096)")
-    ap.add_argument("--pack", type=int, default=None, help="packed row tokens (CPU 2048, CUDA 16384)")
+    ap.add_argument("--pack", type=int, default=None,
+                    help="packed row tokens (CPU 2048, CUDA 16384)")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--dtype", default=None, help="float32 (CPU default) or bfloat16 (CUDA)")

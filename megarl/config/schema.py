@@ -415,9 +415,9 @@ class TransformerOverrides:
     on the CPU; ``flex``: FlexAttention for packed sequences on any device (eager and slow
     on the CPU); ``flash`` (verl's default), ``fused`` (cuDNN) put that SDPA kernel first,
     falling back to the others where it cannot run (the CPU, fp32); ``unfused``: SDPA's
-    math kernel only; packed sequences one call per length under these three. With Transformer Engine's layers TE's
-    own attention runs (it chooses its kernel), except under ``flex``. All give the same
-    numbers."""
+    math kernel only; packed sequences one call per length under these three. With
+    Transformer Engine's layers TE's own attention runs (it chooses its kernel), except
+    under ``flex``. All give the same numbers."""
 
 
 @dataclass
