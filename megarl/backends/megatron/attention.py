@@ -11,7 +11,8 @@ mask alone keeps real tokens from attending to pads.
 where they apply; `BACKENDS`): `auto` lets SDPA choose its kernel (flash / cuDNN / memory-
 efficient on CUDA, never forced to the math one); `flash` and `fused` (cuDNN's fused
 attention) put that kernel first, the others behind it; `unfused` allows only the math
-kernel (the plain reference). Packed sequences (Megatron's
+kernel (the plain reference). On CUDA torch gives GQA to the flash and math kernels
+only, so with grouped heads `fused` (cuDNN) runs flash. Packed sequences (Megatron's
 THD layout, `PackedSeqParams.cu_seqlens_q`) attend causally within their own sequence, by
 a plan made once per micro-batch (packed_attention.py): FlexAttention with a document mask
 (`flex`, and `auto` on CUDA), or one batched SDPA call per distinct length (the other
@@ -121,8 +122,9 @@ class SDPAttention(MegatronModule):
         explicit additive mask [s_q, s_k] instead of the square causal one."""
         gqa = self.heads != self.groups
         if gqa and mask is not None and q.is_cuda:
-            # on CUDA a masked call goes to the memory-efficient kernel, which has no GQA:
-            # with enable_gqa SDPA would fall back to the math kernel, so repeat K/V here
+            # on CUDA, GQA "works only for Flash_attention and math kernel" (torch 2.13's
+            # SDPA docstring) and flash takes no mask: with enable_gqa a masked call would
+            # fall to the math kernel, so K/V are repeated for the memory-efficient one
             rep = self.heads // self.groups
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
             gqa = False
