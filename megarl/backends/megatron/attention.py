@@ -15,8 +15,8 @@ kernel (the plain reference). On CUDA torch gives GQA to the flash and math kern
 only, so with grouped heads `fused` (cuDNN) runs flash. Packed sequences (Megatron's
 THD layout, `PackedSeqParams.cu_seqlens_q`) attend causally within their own sequence, by
 a plan made once per micro-batch (packed_attention.py): FlexAttention with a document mask
-(`flex`, and `auto` on CUDA), or one batched SDPA call per distinct length (the other
-backends, and `auto` on the CPU).
+(`flex`, and `auto` on CUDA; under CP each rank's query chunks against the gathered row),
+or one batched SDPA call per distinct length (the other backends, and `auto` on the CPU).
 
 Context parallelism (context_parallel.py): each rank holds two chunks of every sequence; K and
 V are all-gathered over the CP group and each local query chunk attends to the keys at or
@@ -65,13 +65,11 @@ def _kernels(name: str):
 BACKENDS = ("auto", "flex", "flash", "fused", "unfused")
 
 
-def packed_path(backend: str, cp: int = 1, cuda: bool | None = None) -> str:
+def packed_path(backend: str, cuda: bool | None = None) -> str:
     """How packed micro-batches run: `flex` (FlexAttention, one call per layer) or
-    `per_length` (one SDPA call per distinct length). Under CP always per length."""
+    `per_length` (one SDPA call per distinct length)."""
     cuda = torch.cuda.is_available() if cuda is None else cuda
-    if cp == 1 and (backend == "flex" or (backend == "auto" and cuda)):
-        return "flex"
-    return "per_length"
+    return "flex" if backend == "flex" or (backend == "auto" and cuda) else "per_length"
 
 
 class SDPAttention(MegatronModule):
@@ -95,7 +93,7 @@ class SDPAttention(MegatronModule):
         self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         self.backend = backend
         self.kernels = _kernels(backend)
-        self.packed_path = packed_path(backend, config.context_parallel_size)
+        self.packed_path = packed_path(backend)
         if self.packed_path == "flex" and self.dropout:
             raise ValueError("attention_backend=flex: FlexAttention has no attention dropout")
 
@@ -163,18 +161,17 @@ class SDPAttention(MegatronModule):
         if params.cu_seqlens_q_padded is not None and not torch.equal(
                 params.cu_seqlens_q_padded, params.cu_seqlens_q):
             raise NotImplementedError("SDPAttention: padded packed sequences")
-        if self.packed_path == "flex":
-            plan = packed.plan_of(params, device=query.device)
-            mask = packed.document_block_mask(plan, params.cu_seqlens_q, query.shape[0])
-            q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (query, key, value))
-            out = packed.flex(q, k, v, mask, self.scale)  # [1, heads, t, dim]
-            return out[0].transpose(0, 1).reshape(query.shape[0], self.heads * self.head_dim)
         cp = self.cp_group.size() if self.cp_group is not None else 1
         plan = packed.plan_of(params, cp, self.cp_group.rank() if cp > 1 else 0, query.device)
         if cp > 1:
             # the row's segments (whole, over the group); this rank holds 1/CP of each
             key, value = (cpar.gather_sequence(t, plan.segments, 0, self.cp_group,
                                                sum_grads=True) for t in (key, value))
+        if self.packed_path == "flex":
+            mask = packed.document_block_mask(plan, params.cu_seqlens_q, key.shape[0])
+            q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (query, key, value))
+            out = packed.flex(q, k, v, mask, self.scale)  # [1, heads, t(/CP), dim]
+            return out[0].transpose(0, 1).reshape(query.shape[0], self.heads * self.head_dim)
         outs = []
         for length, n, qi, kvi in plan.groups:
             m = length // cp

@@ -425,7 +425,7 @@ def layer_spec(impl: str = "auto", qk_norm: bool = False, num_experts: int = 0,
             f" (CP={context_parallel}: TE's ring)" if context_parallel > 1 else "")
     else:
         path = {"flex": "FlexAttention", "per_length": "one SDPA call per length"}[
-            packed_path(attention_backend, context_parallel)]
+            packed_path(attention_backend)]
         what += (f", torch SDPA attention (attention_backend={attention_backend}; packed "
                  f"sequences: {path})")
         if context_parallel > 1:

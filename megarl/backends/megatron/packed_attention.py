@@ -15,8 +15,9 @@ Two ways to run a pack's sequences:
   with no host sync. Compiled on CUDA (`torch.compile`); on the CPU torch's eager reference
   runs (it materialises the [T, T] scores: for tests), and its backward only because
   `_patches.flex_backward_on_cpu` lifts torch's up-front refusal.
-Under context parallelism only the per-length way exists (`PackedPlan` holds each rank's
-query positions and the row's key positions per length).
+Under context parallelism (context_parallel.py) a rank's queries are its chunks of each
+segment and the keys the whole row (gathered): the per-length groups hold both positions,
+and the block mask maps each local query to its position in the row.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ import warnings
 
 import torch
 
+from . import context_parallel as cpar
 
 _ATTR = "_megarl_packed_plan"
 
@@ -43,6 +45,7 @@ class PackedPlan:
     segments: tuple[int, ...]
     groups: list[tuple[int, int, "torch.Tensor | int", "torch.Tensor | None"]]
     inverse: torch.Tensor
+    q_positions: torch.Tensor | None = None  # under CP: each local query's row position
     block_mask: object = None  # FlexAttention's, built on first use
 
 
@@ -79,24 +82,32 @@ def _build(cu_seqlens: torch.Tensor, cp: int, rank: int, device, key) -> PackedP
         groups.append((length, n, q.to(device), kv))
         order.append(q)
     inverse = torch.argsort(torch.cat(order)) if order else torch.zeros(0, dtype=torch.long)
-    return PackedPlan(key, segments, groups, inverse.to(device))
+    q_positions = cpar.local_index(segments, cp, rank).to(device) if cp > 1 else None
+    return PackedPlan(key, segments, groups, inverse.to(device), q_positions)
 
 
 def document_block_mask(plan: PackedPlan, cu_seqlens: torch.Tensor, total: int):
-    """FlexAttention's document-causal mask of a packed row of `total` tokens (no CP), kept
-    on the plan: built once per micro-batch, read by every layer."""
+    """FlexAttention's document-causal mask of a packed row of `total` tokens (keys; the
+    queries: all of them, or under CP this rank's `plan.q_positions`), kept on the plan:
+    built once per micro-batch, read by every layer."""
     if plan.block_mask is None:
         from torch.nn.attention.flex_attention import create_block_mask
 
         dev = cu_seqlens.device
-        cu = cu_seqlens.to(torch.long)
+        cu = cu_seqlens.to(device=dev, dtype=torch.long)
         # each token's segment: zero-length segments take no token
         doc = torch.searchsorted(cu[1:], torch.arange(total, device=dev), right=True)
+        pos = plan.q_positions
 
-        def same_sequence_causal(b, h, q, kv):
-            return (doc[q] == doc[kv]) & (q >= kv)
+        if pos is None:
+            def same_sequence_causal(b, h, q, kv):
+                return (doc[q] == doc[kv]) & (q >= kv)
+        else:
+            def same_sequence_causal(b, h, q, kv):
+                return (doc[pos[q]] == doc[kv]) & (pos[q] >= kv)
 
-        plan.block_mask = create_block_mask(same_sequence_causal, None, None, total, total,
+        q_len = total if pos is None else pos.numel()
+        plan.block_mask = create_block_mask(same_sequence_causal, None, None, q_len, total,
                                             device=dev, _compile=dev.type == "cuda")
     return plan.block_mask
 

@@ -99,4 +99,24 @@ def test_which_packed_path_each_backend_takes():
     assert packed_path("auto", cuda=False) == "per_length"  # the CPU's exact default
     assert packed_path("flex", cuda=False) == "flex"
     assert packed_path("unfused", cuda=True) == "per_length"
-    assert packed_path("flex", cp=2, cuda=True) == "per_length"  # CP: per length only
+
+
+def test_flex_under_context_parallelism_attends_each_ranks_chunks_to_the_whole_row():
+    """Each CP rank's queries (its chunks r and 2·CP-1-r of every segment) against the whole
+    row's keys, through the plan's query positions: the rows of the one-process answer."""
+    g = torch.Generator().manual_seed(3)
+    cp, segs = 2, cpar.packed_segments([3, 8, 2, 8], 2)  # 4, 8, 4, 8
+    total, scale = sum(segs), 0.25
+    q = torch.randn(1, 4, total, 8, generator=g)
+    k, v = (torch.randn(1, 2, total, 8, generator=g) for _ in range(2))
+    p = params(segs)
+    whole = pa.flex(q, k, v, pa.document_block_mask(pa.plan_of(p), p.cu_seqlens_q, total),
+                    scale)
+    for rank in range(cp):
+        p = params(segs)
+        plan = pa.plan_of(p, cp=cp, rank=rank)
+        idx = cpar.local_index(tuple(segs), cp, rank)
+        assert torch.equal(plan.q_positions, idx)
+        got = pa.flex(q[:, :, idx], k, v, pa.document_block_mask(plan, p.cu_seqlens_q, total),
+                      scale)
+        assert (got - whole[:, :, idx]).abs().max() <= 1e-6
