@@ -162,7 +162,8 @@ class SDPAttention(MegatronModule):
                 params.cu_seqlens_q_padded, params.cu_seqlens_q):
             raise NotImplementedError("SDPAttention: padded packed sequences")
         cp = self.cp_group.size() if self.cp_group is not None else 1
-        plan = packed.plan_of(params, cp, self.cp_group.rank() if cp > 1 else 0, query.device)
+        plan = packed.plan_of(params, cp, self.cp_group.rank() if cp > 1 else 0, query.device,
+                              flex=self.packed_path == "flex")
         if cp > 1:
             # the row's segments (whole, over the group); this rank holds 1/CP of each
             key, value = (cpar.gather_sequence(t, plan.segments, 0, self.cp_group,

@@ -12,9 +12,9 @@ Two ways to run a pack's sequences:
 - FlexAttention (`flex`): one call per layer over the whole pack with a document-causal
   `BlockMask` (a token sees the tokens of its own sequence at or before it); blocks outside
   every sequence's causal triangle are skipped, so the work is that sum at block granularity,
-  with no host sync. Compiled on CUDA (`torch.compile`); on the CPU torch's eager reference
-  runs (it materialises the [T, T] scores: for tests), and its backward only because
-  `_patches.flex_backward_on_cpu` lifts torch's up-front refusal.
+  and without CP no host read of `cu_seqlens`. Compiled on CUDA (`torch.compile`); on the
+  CPU torch's eager reference runs (it materialises the [T, T] scores: for tests), and its
+  backward only because `_patches.flex_backward_on_cpu` lifts torch's up-front refusal.
 Under context parallelism (context_parallel.py) a rank's queries are its chunks of each
 segment and the keys the whole row (gathered): the per-length groups hold both positions,
 and the block mask maps each local query to its position in the row.
@@ -49,12 +49,18 @@ class PackedPlan:
     block_mask: object = None  # FlexAttention's, built on first use
 
 
-def plan_of(params, cp: int = 1, rank: int = 0, device=None) -> PackedPlan:
-    """The plan of the micro-batch `params` describes, built once and kept on `params`."""
-    key = (cp, rank, str(device))
+def plan_of(params, cp: int = 1, rank: int = 0, device=None, flex: bool = False
+            ) -> PackedPlan:
+    """The plan of the micro-batch `params` describes, built once and kept on `params`.
+    `flex` without CP: only the block mask is wanted, so `cu_seqlens` is never read to the
+    host (no sync at all); under CP the gather needs the segments on the host anyway."""
+    key = (cp, rank, str(device), flex and cp == 1)
     plan = getattr(params, _ATTR, None)
     if plan is None or plan.key != key:
-        plan = _build(params.cu_seqlens_q, cp, rank, device, key)
+        if key[-1]:
+            plan = PackedPlan(key, (), [], torch.zeros(0, dtype=torch.long))
+        else:
+            plan = _build(params.cu_seqlens_q, cp, rank, device, key)
         setattr(params, _ATTR, plan)
     return plan
 
