@@ -75,13 +75,10 @@ def test_context_parallelism_equals_cp1(tmp_path, tiny_qwen2, torch_dp1):
     """CP=2 × TP=2 with SP, packed: each rank's loss is computed from log-probs gathered over
     the CP group, its gradient flows through its own chunks (and K/V's reduce-scatter);
     Megatron's schedule scales it by CP and DDP averages over DP×CP: the CP=1 step. Two
-    16-token rows per packed micro-batch (the budget counts per CP rank), through
-    FlexAttention (`attention_backend: flex`: each rank's query chunks against the gathered
-    row under one document mask, its backward included). (CP=2 alone, padded, measured equal
-    too: the same code without the TP collectives.)"""
+    16-token rows per packed micro-batch (the budget counts per CP rank). (CP=2 alone,
+    padded, measured equal too: the same code without the TP collectives.)"""
     got = _curve(tmp_path, tiny_qwen2, 4, f"{M}.context_parallel_size=2",
                  f"{M}.tensor_model_parallel_size=2", f"{M}.sequence_parallel=true",
-                 f"{M}.override_transformer_config.attention_backend=flex",
                  env={"OPTIM_TOKEN_BUDGET": "16"})
     assert all(s["update_skipped"] == 0.0 for s in got)
     _same(torch_dp1, got)

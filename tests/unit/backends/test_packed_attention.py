@@ -104,20 +104,30 @@ def test_which_packed_path_each_backend_takes():
 
 def test_flex_under_context_parallelism_attends_each_ranks_chunks_to_the_whole_row():
     """Each CP rank's queries (its chunks r and 2·CP-1-r of every segment) against the whole
-    row's keys, through the plan's query positions: the rows of the one-process answer."""
+    row's keys, through the plan's query positions: the rows of the one-process answer, and
+    the gradients too (each rank's query rows; K/V summed over the ranks, which is what the
+    gather's reduce-scatter does)."""
     g = torch.Generator().manual_seed(3)
     cp, segs = 2, cpar.packed_segments([3, 8, 2, 8], 2)  # 4, 8, 4, 8
     total, scale = sum(segs), 0.25
-    q = torch.randn(1, 4, total, 8, generator=g)
-    k, v = (torch.randn(1, 2, total, 8, generator=g) for _ in range(2))
+    q = torch.randn(1, 4, total, 8, generator=g, requires_grad=True)
+    k, v = (torch.randn(1, 2, total, 8, generator=g, requires_grad=True) for _ in range(2))
+    w = torch.randn(1, 4, total, 8, generator=g)
     p = params(segs)
     whole = pa.flex(q, k, v, pa.document_block_mask(pa.plan_of(p), p.cu_seqlens_q, total),
                     scale)
+    want = torch.autograd.grad((whole * w).sum(), (q, k, v))
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     for rank in range(cp):
         p = params(segs)
         plan = pa.plan_of(p, cp=cp, rank=rank)
         idx = cpar.local_index(tuple(segs), cp, rank)
         assert torch.equal(plan.q_positions, idx)
-        got = pa.flex(q[:, :, idx], k, v, pa.document_block_mask(plan, p.cu_seqlens_q, total),
-                      scale)
+        ql = q.detach()[:, :, idx].requires_grad_()
+        got = pa.flex(ql, k, v, pa.document_block_mask(plan, p.cu_seqlens_q, total), scale)
         assert (got - whole[:, :, idx]).abs().max() <= 1e-6
+        gq, gk, gv = torch.autograd.grad((got * w[:, :, idx]).sum(), (ql, k, v))
+        dq[:, :, idx] = gq
+        dk, dv = dk + gk, dv + gv
+    for a, b in zip((dq, dk, dv), want):
+        assert (a - b).abs().max() <= 1e-5
