@@ -159,10 +159,8 @@ RULES: list[tuple[str, str, str]] = [
     ("*.megatron.override_transformer_config.recompute_modules", "refused",
      "megarl recomputes whole layers (recompute_granularity=full) or core attention (selective); "
      "a module list is not read"),
-    ("*.megatron.override_transformer_config.attention_backend", "noted",
-     "megarl picks the attention kernel from megatron.transformer_impl"),
     ("*.megatron.override_transformer_config.*", "refused",
-     "megarl passes only the recompute_* and moe_* transformer settings through"),
+     "megarl passes only the recompute_*, moe_* and attention_backend transformer settings through"),
     ("*.megatron.override_ddp_config", "refused", "megarl sets Megatron's DDP config itself"),
     ("*.megatron.override_mcore_model_config", "refused",
      "megarl builds the Megatron model from the HF config; use actor_rollout_ref.model.override_config"),

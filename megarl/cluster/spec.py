@@ -42,6 +42,8 @@ class ModelSpec:
     sequence_parallel: bool = False  # Megatron's SP (`<section>.megatron.sequence_parallel`)
     context_parallel: int = 1  # CP ranks (`<section>.megatron.context_parallel_size`)
     vpp: int | None = None  # model chunks per stage (`<section>.megatron.virtual_pipeline_...`)
+    # `<section>.megatron.override_transformer_config.attention_backend` (attention.py)
+    attention_backend: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -121,7 +123,8 @@ def megatron_spec(cfg, role: str, schedule_steps: int | None = None) -> Megatron
                           recompute=recompute_settings(m.override_transformer_config, False),
                           sequence_parallel=bool(m.sequence_parallel),
                           context_parallel=int(m.context_parallel_size),
-                          vpp=m.virtual_pipeline_model_parallel_size)
+                          vpp=m.virtual_pipeline_model_parallel_size,
+                          attention_backend=m.override_transformer_config.attention_backend)
         loss = CriticLossSpec(float(c.cliprange_value),
                               c.loss_agg_mode or arr.actor.loss_agg_mode,
                               int(cfg.data.max_response_length))
@@ -146,7 +149,8 @@ def megatron_spec(cfg, role: str, schedule_steps: int | None = None) -> Megatron
                       sequence_parallel=bool(m.sequence_parallel),
                       context_parallel=int(m.context_parallel_size),
                       # a logp replica has its own PP (actor_rollout_ref.logp), no chunks
-                      vpp=None if role == "logp" else m.virtual_pipeline_model_parallel_size)
+                      vpp=None if role == "logp" else m.virtual_pipeline_model_parallel_size,
+                      attention_backend=m.override_transformer_config.attention_backend)
     if not trains:
         return MegatronSpec(role, model, arr.model.path)
     loss = ActorLossSettings.from_config(arr.actor, cfg.data.max_response_length,

@@ -82,6 +82,8 @@ for _section in MEGATRON_SECTIONS:
         None, "full", "selective")
     CHOICES[f"{_section}.override_transformer_config.recompute_method"] = (
         None, "uniform", "block")
+    CHOICES[f"{_section}.override_transformer_config.attention_backend"] = (
+        "auto", "flex", "flash", "fused", "unfused")
     CHOICES[f"{_section}.optimizer"] = ("megatron", "torch")
 for _section in ("actor_rollout_ref.actor.optim", "critic.optim"):
     CHOICES[f"{_section}.lr_decay_style"] = ("constant", "linear", "cosine")
@@ -409,6 +411,17 @@ class TransformerOverrides:
     recompute_num_layers: Optional[int] = None
     """With ``full``: layers per recomputed group (uniform) or recomputed layers per stage
     (block); null: 1. Not with ``selective``."""
+    attention_backend: str = "auto"
+    """The attention kernel (Megatron's key; its names where they apply). With megarl's
+    SDPA attention (no Transformer Engine): ``auto`` lets torch's SDPA choose (flash / cuDNN
+    on CUDA) and runs packed sequences through FlexAttention on CUDA (a document mask made
+    once per micro-batch; not yet measured on a GPU) and one SDPA call per sequence length
+    on the CPU; ``flex``: FlexAttention for packed sequences on any device (eager and slow
+    on the CPU); ``flash`` (verl's default), ``fused`` (cuDNN) put that SDPA kernel first,
+    falling back to the others where it cannot run (the CPU, fp32); ``unfused``: SDPA's
+    math kernel only; packed sequences one call per length under these three. With
+    Transformer Engine's layers TE's own attention runs (it chooses its kernel), except
+    under ``flex``. All give the same numbers."""
 
 
 @dataclass

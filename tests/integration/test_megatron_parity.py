@@ -7,8 +7,9 @@ parallelism (`sp:` keys), padded and packed (THD), 17-token rows that SP pads to
 job also runs a 4-layer Qwen2 (tied embeddings) at PP2 × VPP2 (`vpp:` keys): two model chunks
 per stage under Megatron's interleaved schedule.
 Context parallelism: CP=2 (Qwen3-MoE: Qwen3's Q/K norms and head_dim 24, routed experts, and
-routing replay) and CP=2 × TP=2 with SP (Qwen2: QKV bias, tied), padded and packed, 17-token
-rows padded to 2·CP (×TP) chunks."""
+routing replay; packed rows through FlexAttention, `attention_backend: flex`) and CP=2 × TP=2
+with SP (Qwen2: QKV bias, tied; packed rows one SDPA call per length), padded and packed,
+17-token rows padded to 2·CP (×TP) chunks."""
 import pytest
 
 from launch_helpers import SCRIPTS, read_json, torchrun
@@ -65,7 +66,7 @@ def test_context_parallel_matches_hf(tmp_path, tiny_qwen2, tiny_qwen3_moe, tp, c
     out = tmp_path / "parity.json"
     torchrun(SCRIPTS / "parity.py", tp * cp, out, tp, 1, model,
              env={"PARITY_CP": str(cp), "PARITY_REPLAY": "1",
-                  **({"PARITY_SP": "only"} if tp > 1 else {})})
+                  **({"PARITY_SP": "only"} if tp > 1 else {"PARITY_ATTENTION": "flex"})})
     r = read_json(out)[str(model)]
     if tp == 1:
         assert r["forced_vs_own"] > 0.05, r  # the forced routing really is another one

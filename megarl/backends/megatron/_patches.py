@@ -187,3 +187,23 @@ def cuda_tensor_types():
         yield
     finally:
         torch.Tensor.type = saved
+
+
+@contextlib.contextmanager
+def flex_backward_on_cpu():
+    """torch 2.13's `flex_attention` refuses up front to run on CPU tensors that need a
+    gradient (its fused backward is GPU-only), although its eager reference implementation,
+    the one a CPU call runs, has a backward that autograd runs exactly. While this is open
+    the refusal is lifted, so `attention_backend: flex` trains on the CPU (tests compare it
+    with the per-length path there). No-op with CUDA."""
+    if cuda_available():
+        yield
+        return
+    from torch.nn.attention import flex_attention as fa
+
+    saved = fa._validate_device
+    fa._validate_device = lambda query, key, value: None
+    try:
+        yield
+    finally:
+        fa._validate_device = saved

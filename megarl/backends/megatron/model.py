@@ -2,9 +2,9 @@
 GLM-4.5).
 
 Owns the mapping from HF hyper-parameters to Megatron's `TransformerConfig` and the layer
-spec. The spec is Megatron's local one with `SDPAttention` as core attention (see
-attention.py), so the parameter names are the local spec's on every device; Transformer
-Engine layers are not used yet (a GPU speed-up left for later, it renames the fused norms).
+spec: Megatron's local layers with `SDPAttention` as core attention (attention.py) where
+Transformer Engine is absent, TE's layers with TE's attention where it is used; the HF maps
+read both layouts.
 """
 from __future__ import annotations
 
@@ -395,42 +395,46 @@ _SPEC_LOGGED: set = set()
 
 
 def layer_spec(impl: str = "auto", qk_norm: bool = False, num_experts: int = 0,
-               context_parallel: int = 1):
+               context_parallel: int = 1, attention_backend: str = "auto"):
     """The transformer layer: Transformer Engine's (each pre-norm fused into the linear after
     it) for `transformer_engine`, or `auto` where TE is usable; else Megatron's local layers.
-    Attention is torch's SDPA in both (on CUDA its flash / memory-efficient kernels), which
-    takes the padding masks megarl's batches carry as they are. The HF maps and checkpoints
-    read both layouts (hf/mapping.py: `local_name`). Under context parallelism with TE
-    layers, TE's own CP attention (`TEDotProductAttention`, its ring over the CP group) is
-    the core attention; elsewhere SDPAttention's all-gather form."""
+    TE's layers come with TE's own core attention (`TEDotProductAttention`, its CP ring
+    under context parallelism), as Megatron ships them; the local layers with
+    `SDPAttention` (attention.py; `attention_backend` chooses its kernels and packed path),
+    and so do TE's layers where `attention_backend: flex` asks for FlexAttention. The HF
+    maps and checkpoints read both layouts (hf/mapping.py: `local_name`)."""
     from megatron.core.models.gpt import gpt_layer_specs
+    from megatron.core.transformer.spec_utils import ModuleSpec
 
-    from .attention import SDPAttention
+    from .attention import SDPAttention, packed_path
 
     use_te = impl == "transformer_engine" or (impl == "auto" and transformer_engine_usable())
     if use_te:
         spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
             num_experts=num_experts or None, moe_grouped_gemm=False, qk_layernorm=qk_norm)
-        what = "Transformer Engine layers (fused norm + linear), torch SDPA attention"
+        what = "Transformer Engine layers (fused norm + linear)"
     else:
         spec = gpt_layer_specs.get_gpt_layer_local_spec(
             num_experts=num_experts or None, moe_grouped_gemm=False, normalization="RMSNorm",
             qk_layernorm=qk_norm)
         why = {"local": "transformer_impl=local",
                "auto": "Transformer Engine not installed or no CUDA"}.get(impl, impl)
-        what = f"Megatron local layers ({why}), torch SDPA attention"
-    core = SDPAttention
-    if use_te and context_parallel > 1:
-        from megatron.core.extensions.transformer_engine import TEDotProductAttention
-
-        core = TEDotProductAttention
-        what = what.replace("torch SDPA attention", "Transformer Engine CP attention")
-    elif context_parallel > 1:
-        what += f" (CP={context_parallel}: K/V all-gathered over the CP group)"
+        what = f"Megatron local layers ({why})"
+    if use_te and attention_backend != "flex":
+        what += ", Transformer Engine attention" + (
+            f" (CP={context_parallel}: TE's ring)" if context_parallel > 1 else "")
+    else:
+        path = {"flex": "FlexAttention", "per_length": "one SDPA call per length"}[
+            packed_path(attention_backend)]
+        what += (f", torch SDPA attention (attention_backend={attention_backend}; packed "
+                 f"sequences: {path})")
+        if context_parallel > 1:
+            what += f" (CP={context_parallel}: K/V all-gathered over the CP group)"
+        spec.submodules.self_attention.submodules.core_attention = ModuleSpec(
+            module=SDPAttention, params={"backend": attention_backend})
     if what not in _SPEC_LOGGED:  # once per process, not once per model
         _SPEC_LOGGED.add(what)
         logger.info("megatron: %s", what)
-    spec.submodules.self_attention.submodules.core_attention = core
     return spec
 
 
@@ -540,7 +544,7 @@ class ValueHead(torch.nn.Module):
 
 def build_gpt_model(args: ModelArgs, config, make_vocab_size_divisible_by: int = 128,
                     value_head: bool = False, transformer_impl: str = "auto",
-                    vp_stage: int | None = None):
+                    vp_stage: int | None = None, attention_backend: str = "auto"):
     """Build this rank's pipeline stage of the model (parallel_state must be initialised);
     under a virtual pipeline its model chunk `vp_stage` (`build_model_chunks`: all of them).
 
@@ -553,7 +557,8 @@ def build_gpt_model(args: ModelArgs, config, make_vocab_size_divisible_by: int =
 
     _patches.apply()
     tp = ps.get_tensor_model_parallel_world_size()
-    dense = layer_spec(transformer_impl, args.qk_norm, 0, config.context_parallel_size) \
+    dense = layer_spec(transformer_impl, args.qk_norm, 0, config.context_parallel_size,
+                       attention_backend) \
         if args.first_k_dense else None
     # the embedding lives in the first stage's first chunk, the output layer in the last
     # stage's last chunk (ignore_virtual=False asks for the chunk's place, not the rank's)
@@ -561,7 +566,7 @@ def build_gpt_model(args: ModelArgs, config, make_vocab_size_divisible_by: int =
     model = GPTModel(
         config=config, transformer_layer_spec=block_spec(
             layer_spec(transformer_impl, args.qk_norm, args.num_experts,
-                       config.context_parallel_size), config,
+                       config.context_parallel_size, attention_backend), config,
             dense_layer=dense, first_k_dense=args.first_k_dense, vp_stage=vp_stage),
         vocab_size=padded_vocab_size(args.vocab_size, make_vocab_size_divisible_by, tp),
         max_sequence_length=args.max_position_embeddings,
@@ -583,7 +588,8 @@ def build_gpt_model(args: ModelArgs, config, make_vocab_size_divisible_by: int =
 
 
 def build_model_chunks(args: ModelArgs, config, make_vocab_size_divisible_by: int = 128,
-                       value_head: bool = False, transformer_impl: str = "auto"):
+                       value_head: bool = False, transformer_impl: str = "auto",
+                       attention_backend: str = "auto"):
     """This rank's model chunks: one per virtual pipeline stage (`config`'s
     virtual_pipeline_model_parallel_size; one chunk without a virtual pipeline), in chunk
     order, which is also the order of their layers (Megatron's interleaved layout: chunk c
@@ -592,9 +598,11 @@ def build_model_chunks(args: ModelArgs, config, make_vocab_size_divisible_by: in
     vpp = config.virtual_pipeline_model_parallel_size
     if not vpp or vpp == 1:
         return build_gpt_model(args, config, make_vocab_size_divisible_by, value_head,
-                               transformer_impl)
+                               transformer_impl, attention_backend=attention_backend)
     return ModelChunks([build_gpt_model(args, config, make_vocab_size_divisible_by, value_head,
-                                        transformer_impl, vp_stage=i) for i in range(vpp)])
+                                        transformer_impl, vp_stage=i,
+                                        attention_backend=attention_backend)
+                        for i in range(vpp)])
 
 
 class ModelChunks(torch.nn.ModuleList):

@@ -98,7 +98,8 @@ class MegatronWorker:
                  value_model: bool = False, transformer_impl: str = "auto",
                  collective_timeout_s: float = 600.0, moe: mmodel.MoESettings | None = None,
                  recompute: dict | bool | None = None, sequence_parallel: bool = False,
-                 context_parallel: int = 1, vpp: int | None = None):
+                 context_parallel: int = 1, vpp: int | None = None,
+                 attention_backend: str = "auto"):
         # The converter's checks and layout rules, before any collective: a model that cannot
         # split over TP×PP fails here with the converter's message, not a Megatron assertion.
         self.args = read_model_args(model_dir)
@@ -133,7 +134,8 @@ class MegatronWorker:
         self.model = mmodel.build_model_chunks(self.args, self.config,
                                                make_vocab_size_divisible_by,
                                                value_head=value_model,
-                                               transformer_impl=transformer_impl)
+                                               transformer_impl=transformer_impl,
+                                               attention_backend=attention_backend)
         if load_hf:
             reader = HFReader(model_dir)
             # A critic takes the transformer from a causal LM and starts its value head at
@@ -166,7 +168,8 @@ class MegatronWorker:
                    value_model=spec.value_model, transformer_impl=spec.transformer_impl,
                    collective_timeout_s=spec.collective_timeout_s, moe=spec.moe,
                    recompute=spec.recompute, sequence_parallel=spec.sequence_parallel,
-                   context_parallel=spec.context_parallel, vpp=spec.vpp)
+                   context_parallel=spec.context_parallel, vpp=spec.vpp,
+                   attention_backend=spec.attention_backend)
 
     # ---------------------------------------------------------------- forward plumbing
     def _device(self):

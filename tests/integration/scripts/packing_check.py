@@ -1,6 +1,9 @@
 """Rank program: packed token-budget micro-batches against padded ones, on one ragged batch.
 
 argv: out.json tp pp model_dir [cp]  (cp: both workers at that context parallelism)
+PACKING_ATTENTION=padded:packed (default auto:auto): each policy worker's attention_backend,
+e.g. unfused:flex (SDPA's math kernel, the plain path, against FlexAttention's document mask;
+the critics, the same attention code, keep auto: FlexAttention's eager CPU reference is slow).
 
 Pairs of workers from the same HF weights, one padded (fixed micro-batch rows), one packed (a
 token budget): a policy and a critic. Over a few optimizer steps, rank 0 writes the largest
@@ -11,6 +14,7 @@ parallelism (packed rows padded to a multiple of TP, the critic's head gathering
 the norms' grads summed over TP) against padded ones without it: the same numbers.
 """
 import json
+import os
 import sys
 
 import torch
@@ -45,11 +49,15 @@ def main():
     from megarl.backends.megatron.packing import TokenBudget
     from megarl.backends.megatron.worker import MegatronWorker
 
-    def worker(critic, sp=False):
-        return MegatronWorker(model_dir, tp, pp, optim=OptimConfig(lr=1e-3, weight_decay=0.0),
-                              value_model=critic, sequence_parallel=sp, context_parallel=cp)
+    backends = os.environ.get("PACKING_ATTENTION", "auto:auto").split(":")
 
-    padded, packed = worker(False), worker(False, sp=tp > 1)
+    def worker(critic, packs):
+        return MegatronWorker(model_dir, tp, pp, optim=OptimConfig(lr=1e-3, weight_decay=0.0),
+                              value_model=critic, sequence_parallel=packs and tp > 1,
+                              context_parallel=cp,
+                              attention_backend="auto" if critic else backends[int(packs)])
+
+    padded, packed = worker(False, False), worker(False, True)
     ps = padded.ps
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     batch, tokens = ragged_batch(padded.args.vocab_size, dp_rank, dp)
@@ -91,7 +99,7 @@ def main():
         loss = ((values - mb["advantages"]) ** 2 * m).sum() / tokens
         return loss, {"vsum": (values * m).sum() / tokens}
 
-    vpadded, vpacked = worker(True), worker(True, sp=tp > 1)
+    vpadded, vpacked = worker(True, False), worker(True, True)
     for _ in range(STEPS):
         note("values", vpadded.compute_values(batch, 3)["values"],
              vpacked.compute_values(batch, budget)["values"])

@@ -8,6 +8,8 @@ models with routing replay (R3), and a forced routing replayed (`forced_*`: log-
 transformers' under the same routing, padded and packed). PARITY_EP (default 1): expert-parallel ranks for
 the mixture-of-experts models (the world is then larger than TP×PP: data-parallel ranks
 that each run the same rows, their tokens crossing to the experts' ranks).
+PARITY_ATTENTION (default auto): the workers' attention_backend (flex: packed rows through
+FlexAttention's document mask).
 PARITY_VPP_MODELS (os.pathsep-separated model dirs): run at PP×VPP with PARITY_VPP (default 2)
 model chunks per stage after the others, padded and packed, and with one-row micro-batches
 (3 of them, which the interleaved schedule pads to a multiple of PP).
@@ -101,7 +103,8 @@ def main():
                                moe=MoESettings(ep=ep, etp=int(os.environ["PARITY_ETP"])
                                                if os.environ.get("PARITY_ETP") else None,
                                                routing_replay=replay),
-                               sequence_parallel=sp, context_parallel=cp)
+                               sequence_parallel=sp, context_parallel=cp,
+                               attention_backend=os.environ.get("PARITY_ATTENTION", "auto"))
             r.update({("sp:" if sp else "") + k: v
                       for k, v in compare(w, hf, sp or cp > 1, cp).items()})
             if replay and w.args.is_moe:

@@ -20,9 +20,14 @@ def test_auto_without_transformer_engine_or_cuda_builds_local_layers_and_says_so
     said = [r.getMessage() for r in caplog.records]
     # one line per process, naming the reason
     assert said == ["megatron: Megatron local layers (Transformer Engine not installed or no "
-                    "CUDA), torch SDPA attention"], said
+                    "CUDA), torch SDPA attention (attention_backend=auto; packed sequences: "
+                    "one SDPA call per length)"], said
     attn = specs[0].submodules.self_attention.submodules
-    assert attn.linear_qkv is ColumnParallelLinear and attn.core_attention is SDPAttention
+    assert attn.linear_qkv is ColumnParallelLinear
+    assert attn.core_attention.module is SDPAttention
+    assert attn.core_attention.params == {"backend": "auto"}
+    flex = model.layer_spec("local", attention_backend="flex")
+    assert flex.submodules.self_attention.submodules.core_attention.params == {"backend": "flex"}
     # the local spec keeps the norms as modules of their own, under the names the HF map uses
     assert specs[0].submodules.input_layernorm is not None
 
@@ -33,6 +38,10 @@ def test_transformer_engine_layers_fuse_the_norms_into_the_linears():
     pytest.importorskip("transformer_engine", reason="needs Transformer Engine (GPU extra)")
     from megatron.core.extensions.transformer_engine import TELayerNormColumnParallelLinear
 
+    from megatron.core.extensions.transformer_engine import TEDotProductAttention
+
     spec = model.layer_spec("transformer_engine")
     attn = spec.submodules.self_attention.submodules
     assert attn.linear_qkv is TELayerNormColumnParallelLinear
+    # TE's layers as Megatron ships them: TE's own attention, no SDPA forced in
+    assert attn.core_attention is TEDotProductAttention

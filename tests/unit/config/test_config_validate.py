@@ -334,3 +334,20 @@ _OTC = f"{ARR}.actor.megatron.override_transformer_config"
         "zero-layers"])
 def test_recompute_settings_are_refused_by_key(overrides, said):
     assert said in error_of(*overrides)
+
+
+def test_attention_backend_is_refused_by_key():
+    # Megatron's `local` (its own DotProductAttention) allocates on CUDA and takes no packed
+    # sequences: not one of megarl's
+    assert f"{_OTC}.attention_backend" in error_of(f"{_OTC}.attention_backend=local")
+
+
+def test_attention_backend_reaches_each_model_spec():
+    from megarl.cluster.spec import megatron_spec
+
+    # verl's default (flash) loads on the CPU too: SDPA falls back where flash cannot run
+    cfg = load_config(None, [f"{_OTC}.attention_backend=flex",
+                             f"{ARR}.ref.megatron.override_transformer_config.attention_backend"
+                             f"=flash"])
+    assert [megatron_spec(cfg, r).model.attention_backend for r in ("actor", "logp", "ref")] \
+        == ["flex", "flex", "flash"]
