@@ -143,7 +143,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
                 stats[1, sl] = torch.where(owned, picked, torch.zeros_like(picked))
                 if with_entropy:
                     z[:, n_real:] = 0.0  # p = 0 there: 0, not -inf, in the product
-                    stats[2, sl] = (e * z).sum(-1)
+                    stats[2, sl] = z.mul_(e).sum(-1)  # in place: two chunk-sized tensors
                 del z, e
         m = m_loc.clone()
         if tp > 1:
@@ -176,16 +176,18 @@ class _ChunkedLogprobs(torch.autograd.Function):
         flat = grad.view(-1, local_v)
         for off, part in _chunks(logits, chunk):
             sl = slice(off, off + part.shape[0])
+            # two chunk-sized fp32 tensors at most: z, turned in place into the gradient, and p
             z = _scaled(part, temperature, n_real)
             p = (z - log_z[sl].unsqueeze(-1)).exp_()
-            gz = torch.zeros_like(p)
             if g_ent is not None:
                 # dH/dz_j = -p_j (z_j - E_p[z]); padded columns have p = 0
                 z[:, n_real:] = 0.0
-                gz -= p * (z - mean_z[sl].unsqueeze(-1)) * g_ent[sl].unsqueeze(-1)
+                gz = z.sub_(mean_z[sl].unsqueeze(-1)).mul_(p).mul_(-g_ent[sl].unsqueeze(-1))
+            else:
+                gz = z.zero_()
             if g_logp is not None:
                 # dlogp/dz_j = [j = target] - p_j
-                gz -= p * g_logp[sl].unsqueeze(-1)
+                gz.addcmul_(p, g_logp[sl].unsqueeze(-1), value=-1.0)
                 t = flat_t[sl] - start
                 owned = (t >= 0) & (t < local_v)
                 gz.scatter_add_(-1, t.clamp(0, local_v - 1).unsqueeze(-1),
