@@ -3,8 +3,7 @@ of the actor: Megatron's fused SwiGLU and bias-dropout-add (`override_transforme
 bias_activation_fusion` / `bias_dropout_fusion`, torch.compile'd), the token-chunked
 log-prob + entropy path (`entropy_from_logits_with_chunking`, packed micro-batches included),
 and torch's fused AdamW with the foreach grad norm (`optim.fused`) under Megatron's optimizer
-and the plain torch one: log-probs, entropies, losses and grad norms within 1e-5; weights
-within 2e-6 after the fused optimizer's steps (1e-4 = lr/10 after the kernels', see below);
+and the plain torch one: log-probs, entropies, losses, grad norms and weights within 1e-5;
 and on the same gradients, fused AdamW and the foreach norm equal the loop's within 1e-6.
 One rank program in a subprocess, so no process group leaks into this one."""
 import json
@@ -116,13 +115,10 @@ def test_fast_paths_equal_the_plain_path(tiny_qwen2, tmp_path):
         got = runs[case]
         diffs = {key: _maxdiff(got[key], ref[key])
                  for key in ("loss", "grad_norm", "logp", "entropy", "weights")}
-        # Adam divides each gradient by its running RMS, so a last-bit difference in a tiny
-        # gradient moves that weight by up to ~lr: the weights after the kernels' steps are
-        # held to lr / 10. The fused optimizer's update differs from the loop's in the last
-        # bit (test_fused_adam_steps_like_the_loop), which the next steps' gradients carry on.
-        weights_tol = 2e-6 if "adam" in case else 1e-4
-        assert diffs.pop("weights") <= weights_tol and max(diffs.values()) <= 1e-5, \
-            (case, diffs)
+        # Adam divides each gradient by its running RMS, so a last-bit difference in a small
+        # gradient grows in the weights (measured: 1e-6 to 3e-6 here, 2026-11-29); the fused
+        # optimizer's own update is the loop's to 1e-6 (test_fused_adam_steps_like_the_loop)
+        assert max(diffs.values()) <= 1e-5, (case, diffs)
 
 
 def test_fused_adam_steps_like_the_loop():
