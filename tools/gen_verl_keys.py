@@ -120,6 +120,8 @@ _OFFLOAD = ("megarl keeps parameters, gradients and optimizer state on the devic
 _PROFILE = ("megarl has no per-worker profiler hooks; it writes its own timeline trace "
             "(trainer.timeline_freq) and timing/* metrics")
 _FSDP = "an FSDP setting: megarl trains with Megatron-core only"
+_FAST_PATHS = ("megarl's fast paths are keys of their own: actor.entropy_from_logits_with_chunking, "
+               "megatron.override_transformer_config.bias_{activation,dropout}_fusion, optim.fused")
 _VLLM = "an inference-engine knob of verl's vLLM/SGLang launcher; megarl starts SGLang itself"
 _TARGET = "verl's Hydra class path; megarl builds its own config objects"
 
@@ -177,8 +179,10 @@ RULES: list[tuple[str, str, str]] = [
      "megarl's token budgets (ppo_max_token_len_per_gpu) count per CP rank"),
     ("*.megatron.pad_*", "noted", "megarl packs sequences (THD), it does not pad to a length"),
     ("*.megatron.forward_only", "noted", "megarl knows which models only run forward (ref, logp)"),
-    ("*entropy_from_logits_with_chunking", "noted", "megarl computes entropy in its fused log-prob pass"),
-    ("*entropy_from_logits_chunk_size", "noted", "megarl computes entropy in its fused log-prob pass"),
+    ("*entropy_from_logits_with_chunking", "noted",
+     "megarl's reference follows actor_rollout_ref.actor.entropy_from_logits_with_chunking"),
+    ("*entropy_from_logits_chunk_size", "noted",
+     "megarl's reference follows actor_rollout_ref.actor.entropy_from_logits_chunk_size"),
     ("*.optim.optimizer", "refused", "megarl trains with Megatron's Adam (megatron.optimizer)"),
     ("*.optim.muon_*", "noted", "Muon's settings; megarl trains with Adam"),
     ("*.optim.lr_warmup_steps_ratio", "refused",
@@ -213,8 +217,8 @@ RULES: list[tuple[str, str, str]] = [
     ("*.forward_micro_batch_size", "refused",
      "a global micro-batch size (deprecated in verl); use forward_micro_batch_size_per_gpu"),
     ("*.use_torch_compile", "noted", "megarl does not torch.compile the trainer's functions"),
-    ("*use_fused_kernels", "noted", "megarl's log-prob pass is fused already"),
-    ("*.fused_kernel_options.*", "noted", "megarl's log-prob pass is fused already"),
+    ("*use_fused_kernels", "noted", _FAST_PATHS),
+    ("*.fused_kernel_options.*", "noted", _FAST_PATHS),
     ("*.freeze_vision_tower", "noted", "megarl trains text models"),
     ("*.calculate_entropy", "noted", "megarl reports actor/entropy every step"),
     ("*.calculate_sum_pi_squared", "refused", "megarl does not compute sum(pi^2) (verl's optimal-baseline estimators)"),
@@ -396,12 +400,19 @@ LEGACY = [
     (f"{s}.megatron.override_transformer_config.{f}", None, "noted",
      "a Megatron kernel/fusion switch; megarl chooses its kernels itself")
     for s in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic")
-    for f in ("apply_rope_fusion", "masked_softmax_fusion", "bias_activation_fusion",
-              "bias_dropout_fusion", "gradient_accumulation_fusion", "deallocate_pipeline_outputs",
+    # bias_activation_fusion and bias_dropout_fusion are megarl's keys (schema.py)
+    for f in ("apply_rope_fusion", "masked_softmax_fusion", "gradient_accumulation_fusion",
+              "deallocate_pipeline_outputs",
               "persist_layer_norm", "moe_grouped_gemm", "moe_permute_fusion", "moe_enable_deepep")
 ] + [
+    (f"{s}.megatron.override_transformer_config.{f}", None, "works",
+     f"{s}.megatron.override_transformer_config.{f}")
+    for s in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic")
+    for f in ("bias_activation_fusion", "bias_dropout_fusion")
+] + [
     (f"{s}.megatron.override_transformer_config.*", {}, "refused",
-     "megarl passes only the recompute_* and moe_{aux_loss_coeff,z_loss_coeff,expert_capacity_"
+     "megarl passes only the recompute_*, bias_{activation,dropout}_fusion and "
+     "moe_{aux_loss_coeff,z_loss_coeff,expert_capacity_"
      "factor,token_drop_policy,token_dispatcher_type} transformer settings through; the model's "
      "shape comes from its HF config")
     for s in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic")

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from omegaconf import OmegaConf
 
 from megarl.algo.actor_loss import ActorLossSettings
+from megarl.backends.megatron import model as mmodel
 from megarl.backends.megatron.model import MoESettings, recompute_settings
 from megarl.backends.megatron.optim import OptimConfig
 from megarl.backends.sglang.launcher import ServerArgs, module_for, replica_server_args
@@ -44,6 +45,9 @@ class ModelSpec:
     vpp: int | None = None  # model chunks per stage (`<section>.megatron.virtual_pipeline_...`)
     # `<section>.megatron.override_transformer_config.attention_backend` (attention.py)
     attention_backend: str = "auto"
+    # Megatron's fusions set in `override_transformer_config` ({name: bool}; unset: off)
+    fusions: dict | None = None
+    logprob_chunk_size: int | None = None  # tokens per log-prob chunk (None: unchunked)
 
 
 @dataclass(frozen=True)
@@ -103,6 +107,12 @@ def moe_settings(m, replay: bool = False) -> MoESettings:
                        token_drop_policy=o.moe_token_drop_policy, routing_replay=replay)
 
 
+def fusion_settings(overrides) -> dict | None:
+    """Megatron's fusions a section's `override_transformer_config` sets (None: none)."""
+    out = {k: bool(overrides[k]) for k in mmodel.FUSION_KEYS if overrides[k] is not None}
+    return out or None
+
+
 def megatron_spec(cfg, role: str, schedule_steps: int | None = None) -> MegatronSpec:
     """The spec of the `role` model's workers from the run config. `schedule_steps`: the
     trainer's total steps, the LR schedule's length where the config leaves it null (None: a
@@ -124,7 +134,8 @@ def megatron_spec(cfg, role: str, schedule_steps: int | None = None) -> Megatron
                           sequence_parallel=bool(m.sequence_parallel),
                           context_parallel=int(m.context_parallel_size),
                           vpp=m.virtual_pipeline_model_parallel_size,
-                          attention_backend=m.override_transformer_config.attention_backend)
+                          attention_backend=m.override_transformer_config.attention_backend,
+                          fusions=fusion_settings(m.override_transformer_config))
         loss = CriticLossSpec(float(c.cliprange_value),
                               c.loss_agg_mode or arr.actor.loss_agg_mode,
                               int(cfg.data.max_response_length))
@@ -150,7 +161,11 @@ def megatron_spec(cfg, role: str, schedule_steps: int | None = None) -> Megatron
                       context_parallel=int(m.context_parallel_size),
                       # a logp replica has its own PP (actor_rollout_ref.logp), no chunks
                       vpp=None if role == "logp" else m.virtual_pipeline_model_parallel_size,
-                      attention_backend=m.override_transformer_config.attention_backend)
+                      attention_backend=m.override_transformer_config.attention_backend,
+                      fusions=fusion_settings(m.override_transformer_config),
+                      # verl's ref follows the actor's key by default; megarl reads it for all
+                      logprob_chunk_size=int(arr.actor.entropy_from_logits_chunk_size)
+                      if arr.actor.entropy_from_logits_with_chunking else None)
     if not trains:
         return MegatronSpec(role, model, arr.model.path)
     loss = ActorLossSettings.from_config(arr.actor, cfg.data.max_response_length,

@@ -228,6 +228,7 @@ RANGES: Dict[str, Range] = {
     "critic.optim.betas": Range(0, 1, high_open=True, length=2),
     "critic.optim.eps": POSITIVE,
     "critic.optim.clip_grad": NON_NEGATIVE,
+    "actor_rollout_ref.actor.entropy_from_logits_chunk_size": POSITIVE,
     "critic.optim.lr_warmup_steps": NON_NEGATIVE,
     "critic.optim.min_lr": NON_NEGATIVE,
     "critic.optim.total_training_steps": POSITIVE,
@@ -375,6 +376,12 @@ class OptimConfig:
     """Where a linear or cosine decay ends; at most ``lr``."""
     total_training_steps: Optional[int] = None
     """Steps of the LR schedule; null means the trainer's total steps, known at runtime."""
+    fused: Optional[bool] = None
+    """Where neither Transformer Engine nor Apex is installed (Megatron then steps with
+    ``torch.optim.AdamW``): ``true`` steps with torch's fused AdamW kernel (``fused=True``)
+    and takes the gradient norm with one ``torch._foreach_norm`` instead of one norm and host
+    sync per tensor; the same weights to ~1e-7 in fp32. null: off (it has not been measured
+    on a GPU yet). With TE or Apex their fused Adam runs either way."""
 
 
 @dataclass
@@ -422,6 +429,12 @@ class TransformerOverrides:
     math kernel only; packed sequences one call per length under these three. With
     Transformer Engine's layers TE's own attention runs (it chooses its kernel), except
     under ``flex``. All give the same numbers."""
+    bias_activation_fusion: Optional[bool] = None
+    """Megatron's fused SwiGLU (``torch.compile``d, no Apex or TE needed): the same numbers
+    as the plain activation, fewer kernels and saved tensors. null: off (not yet measured on
+    a GPU; on the CPU the first call compiles for seconds)."""
+    bias_dropout_fusion: Optional[bool] = None
+    """Megatron's fused bias-dropout-add on the residual (``torch.compile``d); as above."""
 
 
 @dataclass
@@ -565,6 +578,13 @@ class ActorConfig:
     ``data.max_response_length`` (the padded response width verl's default uses)."""
     entropy_coeff: float = 0.0
     """Weight of the entropy bonus."""
+    entropy_from_logits_with_chunking: bool = False
+    """Log-probs and entropy ``entropy_from_logits_chunk_size`` tokens at a time (verl's
+    key), for the actor, its log-prob replica and the reference: no fp32 [tokens, vocab]
+    tensor is built beyond one chunk's, and backward recomputes each chunk's softmax (one
+    more pass over the logits). The same values and gradients as without."""
+    entropy_from_logits_chunk_size: int = 2048
+    """Tokens per chunk of ``entropy_from_logits_with_chunking``."""
     router_replay: RouterReplayConfig = field(default_factory=RouterReplayConfig)
     """A mixture of experts: whose routing the actor's forward passes use."""
     use_kl_loss: bool = False

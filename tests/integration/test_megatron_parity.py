@@ -61,12 +61,14 @@ def test_context_parallel_matches_hf(tmp_path, tiny_qwen2, tiny_qwen3_moe, tp, c
     """Each rank holds chunks r and 2·CP-1-r of every sequence (of every packed sequence),
     attends over K/V gathered from the CP group; Megatron's RoPE slices the same chunks. At
     CP=2 the MoE worker replays a forced routing (R3): each router takes the experts of its
-    rank's chunks."""
+    rank's chunks. At CP=2 × TP=2 the log-probs take the token-chunked path (5-token chunks of
+    each rank's share, vocab-parallel): the same numbers."""
     model = tiny_qwen3_moe if tp == 1 else tiny_qwen2
     out = tmp_path / "parity.json"
     torchrun(SCRIPTS / "parity.py", tp * cp, out, tp, 1, model,
              env={"PARITY_CP": str(cp), "PARITY_REPLAY": "1",
-                  **({"PARITY_SP": "only"} if tp > 1 else {"PARITY_ATTENTION": "flex"})})
+                  **({"PARITY_SP": "only", "PARITY_CHUNK": "5"} if tp > 1
+                     else {"PARITY_ATTENTION": "flex"})})
     r = read_json(out)[str(model)]
     if tp == 1:
         assert r["forced_vs_own"] > 0.05, r  # the forced routing really is another one

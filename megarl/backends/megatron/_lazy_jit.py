@@ -5,7 +5,7 @@ kernels with it at import. Decorating is cheap, but the first `torch.compile(fn)
 torch._dynamo and torch._inductor: 1.8 s of CPU in every process that imports megatron.core
 (measured on torch 2.13, megatron-core 0.16.1: 4.9 s -> 3.1 s for torch + megatron.core +
 transformers), paid by every trainer, reference and log-prob worker and by every tool that
-loads a checkpoint. megarl turns the fusions off on its path (`model.py`), so most processes
+loads a checkpoint. megarl turns the fusions off by default (`model.py`), so most processes
 never call one of these kernels at all.
 
 `install()` puts a finder on `sys.meta_path` that, when `megatron.core.jit` is imported (it

@@ -262,6 +262,12 @@ FULL_RECOMPUTE = {"recompute_granularity": "full", "recompute_method": "uniform"
                   "recompute_num_layers": 1}
 
 
+# Megatron's fusions a config may turn on (`override_transformer_config`); both are
+# `torch.compile`d functions in megatron-core 0.16 (megatron/core/fusions/), needing neither
+# Apex nor TE, and compute what the unfused path does.
+FUSION_KEYS = ("bias_activation_fusion", "bias_dropout_fusion")
+
+
 def recompute_settings(overrides, gradient_checkpointing: bool) -> dict | None:
     """Megatron's recompute settings of a model that trains, from its section's
     `override_transformer_config` (verl's keys, Megatron's names) or, where those leave it
@@ -335,7 +341,9 @@ def transformer_config(args: ModelArgs, tp: int, pp: int, params_dtype: str = "f
         batch_p2p_comm=not (vpp and vpp > 1),
         params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16, use_cpu_initialization=not on_gpu,
-        # The fused kernels below are CUDA/apex-only; their unfused paths are exact.
+        # Off unless asked for (FUSION_KEYS, via `overrides`): SwiGLU and bias-dropout-add are
+        # torch.compile'd and run anywhere, but compile for seconds and are not yet measured on
+        # a GPU. The others need Apex or TE kernels (softmax: megarl's attention is SDPA).
         bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
         apply_rope_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
         # Every micro-batch of a call is padded to the same length, so pipeline stages can

@@ -43,6 +43,8 @@ class OptimConfig:
     use_distributed_optimizer: bool = False
     overlap_grad_reduce: bool = False
     impl: str = "megatron"
+    # torch's fused AdamW and a foreach grad norm where neither TE nor Apex is installed
+    fused: bool | None = None
 
     def __post_init__(self):
         if self.impl not in IMPLS:
@@ -131,7 +133,8 @@ class TorchOptimizer(_Scheduled):
         self.cfg = cfg
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(self.params, lr=cfg.lr, betas=tuple(cfg.betas),
-                                     eps=cfg.eps, weight_decay=cfg.weight_decay)
+                                     eps=cfg.eps, weight_decay=cfg.weight_decay,
+                                     fused=bool(cfg.fused) or None)
         self.sched = _scheduler(self.opt, cfg)
 
     def zero_grad(self):
@@ -166,10 +169,15 @@ class TorchOptimizer(_Scheduled):
     def grad_norm(self) -> float:
         from megatron.core import parallel_state as ps
 
-        sq = torch.zeros((), dtype=torch.float64)
-        for p in self.params:
-            if p.grad is not None and _counts_once(p):
-                sq += p.grad.double().pow(2).sum()
+        grads = [p.grad for p in self.params if p.grad is not None and _counts_once(p)]
+        if self.cfg.fused and grads:
+            # in fp64 as below, in one call with no host sync per tensor
+            norms = torch._foreach_norm(grads, 2, dtype=torch.float64)
+            sq = torch.stack(norms).pow(2).sum().cpu()
+        else:
+            sq = torch.zeros((), dtype=torch.float64)
+            for g in grads:
+                sq += g.double().pow(2).sum()
         dist.all_reduce(sq, group=ps.get_model_parallel_group())
         return math.sqrt(sq.item())
 
@@ -195,6 +203,8 @@ class TorchOptimizer(_Scheduled):
     def load_state_dict(self, sd):
         _check_impl(sd, "torch")
         self.opt.load_state_dict(sd["opt"])
+        if self.cfg.fused:  # a loaded state_dict brings its own param groups' flags
+            _fuse_adam(self.opt)
         self.resume_schedule(sd["steps"])
 
 
@@ -237,6 +247,8 @@ class MegatronOptimizer(_Scheduled):
             # Megatron's default (True) asks for gloo groups, which on CUDA were never made
             self.opt = get_megatron_optimizer(ocfg, ddps,
                                               use_gloo_process_groups=has_gloo_groups())
+        if cfg.fused:
+            _fuse_torch_adam(self._parts())
         # The schedules call these: grads reduce after the last micro-batch's backward (and,
         # with overlap, bucket by bucket while the backward still runs), then are finalized.
         tcfg.finalize_model_grads_func = finalize_model_grads
@@ -300,7 +312,57 @@ class MegatronOptimizer(_Scheduled):
             for o, state in zip(self._parts(), sd.get("param_state", ())):
                 o.load_parameter_state_from_dp_reshardable(state)
         _unshare_adam_steps(self._parts())
+        if self.cfg.fused:  # a loaded state_dict brings its own param groups' flags
+            _fuse_torch_adam(self._parts())
         self.resume_schedule(sd["steps"])
+
+
+def _foreach_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
+    """Megatron's `multi_tensor_l2norm` contract (the norm of all tensors of the first list,
+    as a 1-element fp32 tensor) in one `torch._foreach_norm`, on the tensors' device: its
+    local fallback (no Apex or TE) takes each tensor's norm to the host, one sync each."""
+    grads = tensor_lists[0]
+    norms = torch._foreach_norm(grads)
+    return torch.linalg.vector_norm(torch.stack(norms).float()).reshape(1), None
+
+
+def _foreach_scale(chunk_size, noop_flag, tensor_lists, scale):
+    """Megatron's `multi_tensor_scale` contract (dst = src * scale), in place in one call
+    where the lists are the same tensors (the grad clip), else one copy per tensor."""
+    src, dst = tensor_lists
+    if all(a is b for a, b in zip(src, dst)):
+        torch._foreach_mul_(dst, scale)
+    else:
+        torch._foreach_copy_(dst, torch._foreach_mul(src, scale))
+
+
+def _fuse_torch_adam(parts) -> None:
+    """Where Megatron fell back to `torch.optim.AdamW` (no TE or Apex), step it with torch's
+    fused kernel, and take the grad norm and clip with foreach ops. Set before the first step,
+    so Adam's state is made for the fused kernel (its `step` on the params' device). With TE
+    or Apex, their fused Adam and multi-tensor kernels are used as they are."""
+    from megatron.core.optimizer import USING_PYTORCH_OPTIMIZER, clip_grads
+
+    if not USING_PYTORCH_OPTIMIZER:
+        return
+    if clip_grads.l2_norm_impl.__name__ == "local_multi_tensor_l2_norm":
+        clip_grads.l2_norm_impl = _foreach_l2_norm
+        clip_grads.multi_tensor_scale_impl = _foreach_scale
+    for o in parts:
+        adam = getattr(o, "optimizer", o)
+        if isinstance(adam, torch.optim.AdamW):
+            _fuse_adam(adam)
+
+
+def _fuse_adam(adam: torch.optim.AdamW) -> None:
+    """`adam` steps with torch's fused kernel from its next step."""
+    adam.defaults.update(fused=True, foreach=False)
+    for group in adam.param_groups:
+        group.update(fused=True, foreach=False)
+    # state loaded from an unfused run: the fused kernel wants fp32 steps on the device
+    for p, state in adam.state.items():
+        if torch.is_tensor(state.get("step")):
+            state["step"] = state["step"].to(device=p.device, dtype=torch.float32)
 
 
 def _mark_unpadded(state: dict) -> dict:

@@ -37,7 +37,7 @@ from megarl.backends.megatron.hf.model_config import check_layout, read_model_ar
 
 from . import context_parallel as cpar
 from . import model as mmodel
-from .logprobs import vocab_parallel_logprobs
+from .logprobs import token_logprobs
 from .optim import OptimConfig, build_optimizer
 from .packing import TokenBudget, balanced_partition, count_micro_batches, pack, row_lengths, \
     unpack_shifted
@@ -99,7 +99,8 @@ class MegatronWorker:
                  collective_timeout_s: float = 600.0, moe: mmodel.MoESettings | None = None,
                  recompute: dict | bool | None = None, sequence_parallel: bool = False,
                  context_parallel: int = 1, vpp: int | None = None,
-                 attention_backend: str = "auto"):
+                 attention_backend: str = "auto",
+                 fusions: dict | None = None, logprob_chunk_size: int | None = None):
         # The converter's checks and layout rules, before any collective: a model that cannot
         # split over TP×PP fails here with the converter's message, not a Megatron assertion.
         self.args = read_model_args(model_dir)
@@ -121,7 +122,10 @@ class MegatronWorker:
         self.config = mmodel.transformer_config(self.args, tp, pp, params_dtype, moe,
                                                 recompute=recompute,
                                                 sequence_parallel=sequence_parallel,
-                                                context_parallel=cp, vpp=self.vpp)
+                                                context_parallel=cp, vpp=self.vpp,
+                                                **(fusions or {}))
+        # tokens per chunk of the log-prob + entropy path (None: the unchunked path)
+        self.logprob_chunk_size = logprob_chunk_size
         # Under sequence parallelism every rank holds S / TP positions of the residual
         # stream, so the sequences the model sees are padded to a multiple of TP (right
         # padding: causal attention keeps it from every real token; outputs are cut back).
@@ -169,7 +173,8 @@ class MegatronWorker:
                    collective_timeout_s=spec.collective_timeout_s, moe=spec.moe,
                    recompute=spec.recompute, sequence_parallel=spec.sequence_parallel,
                    context_parallel=spec.context_parallel, vpp=spec.vpp,
-                   attention_backend=spec.attention_backend)
+                   attention_backend=spec.attention_backend,
+                   fusions=spec.fusions, logprob_chunk_size=spec.logprob_chunk_size)
 
     # ---------------------------------------------------------------- forward plumbing
     def _device(self):
@@ -498,8 +503,8 @@ class MegatronWorker:
             return self._token_logprobs_cp(mb, logits, temperature, with_entropy)
         packed = mb.get("_packed")
         ids = mb["input_ids"] if packed is None else packed.input_ids
-        lp, ent = vocab_parallel_logprobs(logits[:, :-1], ids[:, 1:], self.args.vocab_size,
-                                          temperature, with_entropy)
+        lp, ent = token_logprobs(logits[:, :-1], ids[:, 1:], self.args.vocab_size,
+                                 temperature, with_entropy, self.logprob_chunk_size)
         if packed is not None:  # back to the rows' [rows, S] layout
             width = mb["input_ids"].shape[1]
             lp = unpack_shifted(lp[0], packed.lengths, width)
@@ -527,8 +532,8 @@ class MegatronWorker:
         full = sum(segs)
         nxt = torch.cat([ids[:, 1:], ids.new_zeros(ids.shape[0], 1 + full - ids.shape[1])], 1)
         targets = self._cp_local(nxt, segs, 1)
-        lp, ent = vocab_parallel_logprobs(logits, targets, self.args.vocab_size, temperature,
-                                          with_entropy)
+        lp, ent = token_logprobs(logits, targets, self.args.vocab_size, temperature,
+                                 with_entropy, self.logprob_chunk_size)
         # [b, L]: position j's prediction of token j + 1
         lp = self._cp_gather(mb, lp)
         ent = self._cp_gather(mb, ent) if ent is not None else None

@@ -13,6 +13,8 @@ FlexAttention's document mask).
 PARITY_VPP_MODELS (os.pathsep-separated model dirs): run at PP×VPP with PARITY_VPP (default 2)
 model chunks per stage after the others, padded and packed, and with one-row micro-batches
 (3 of them, which the interleaved schedule pads to a multiple of PP).
+PARITY_CHUNK (tokens): the log-probs through the token-chunked path
+(`entropy_from_logits_with_chunking`) in chunks of that many tokens.
 """
 import json
 import os
@@ -104,7 +106,8 @@ def main():
                                                if os.environ.get("PARITY_ETP") else None,
                                                routing_replay=replay),
                                sequence_parallel=sp, context_parallel=cp,
-                               attention_backend=os.environ.get("PARITY_ATTENTION", "auto"))
+                               attention_backend=os.environ.get("PARITY_ATTENTION", "auto"),
+                               logprob_chunk_size=int(os.environ.get("PARITY_CHUNK", 0)) or None)
             r.update({("sp:" if sp else "") + k: v
                       for k, v in compare(w, hf, sp or cp > 1, cp).items()})
             if replay and w.args.is_moe:
