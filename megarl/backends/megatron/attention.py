@@ -4,7 +4,8 @@ Megatron's local `DotProductAttention` allocates its score buffer on `cuda`, and
 Engine is a GPU-only extra, so this module is the core attention wherever TE is absent: on the
 CPU and on a GPU without TE. It is plugged in through the layer spec, so no Megatron layer code
 changes. Supports causal self-attention with GQA; padding is on the right, so a causal mask
-alone keeps real tokens from attending to pads. Packed sequences (Megatron's THD layout,
+alone keeps real tokens from attending to pads. Multi-latent attention (DeepSeek-V3) hands
+keys wider than values (`k_channels`, `v_channels`): the output is heads × v_channels. Packed sequences (Megatron's THD layout,
 `PackedSeqParams.cu_seqlens_q`) attend causally within their own sequence: one batched SDPA
 call per distinct length, so the work is the sum of the squared lengths, not the square of
 the pack's.
@@ -40,7 +41,7 @@ def _offset_causal_mask(c: int, offset: int, device, dtype) -> torch.Tensor:
 class SDPAttention(MegatronModule):
     def __init__(self, config, layer_number, attn_mask_type, attention_type,
                  attention_dropout=None, softmax_scale=None, cp_comm_type=None,
-                 pg_collection=None):
+                 pg_collection=None, k_channels=None, v_channels=None):
         super().__init__(config=config)
         if pg_collection is None:
             from megatron.core.process_groups_config import ProcessGroupCollection
@@ -50,7 +51,9 @@ class SDPAttention(MegatronModule):
         self.cp_group = pg_collection.cp if config.context_parallel_size > 1 else None
         self.heads = config.num_attention_heads // tp
         self.groups = config.num_query_groups // tp
-        self.head_dim = config.kv_channels
+        self.head_dim = k_channels or config.kv_channels
+        # the output's per-head width: the values' (MLA's v_head_dim), else the keys'
+        self.v_dim = v_channels or self.head_dim
         self.scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.head_dim)
         self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
 
@@ -67,10 +70,10 @@ class SDPAttention(MegatronModule):
             key, value = (cpar.gather_sequence(t, segs, 0, self.cp_group, sum_grads=True)
                           for t in (key, value))
             out = self._cp_causal(*(t.permute(1, 2, 0, 3) for t in (query, key, value)))
-            return out.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.head_dim)
+            return out.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.v_dim)
         # Megatron hands [s, b, heads, dim]; SDPA wants [b, heads, s, dim].
         out = self._causal(*(t.permute(1, 2, 0, 3) for t in (query, key, value)))
-        return out.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.head_dim)
+        return out.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.v_dim)
 
     def _causal(self, q, k, v, mask=None):
         """Causal SDPA on [b, heads, s, dim] (k, v with the query groups' heads); `mask`: an
@@ -134,7 +137,7 @@ class SDPAttention(MegatronModule):
                 q, k, v = (t[idx].view(n, length, *t.shape[1:]).transpose(1, 2)
                            for t in (query, key, value))
             o = self._causal(q, k, v)
-            outs.append(o.transpose(1, 2).reshape(n * length, self.heads * self.head_dim))
+            outs.append(o.transpose(1, 2).reshape(n * length, self.heads * self.v_dim))
             order.append(idx)
         # back to packed order
         return torch.cat(outs)[torch.argsort(torch.cat(order))]
@@ -160,6 +163,6 @@ class SDPAttention(MegatronModule):
             q = query[lidx].view(n, m, *query.shape[1:]).transpose(1, 2)
             k, v = (t[gidx].view(n, length, *t.shape[1:]).transpose(1, 2) for t in (key, value))
             o = self._cp_causal(q, k, v)
-            outs.append(o.transpose(1, 2).reshape(n * m, self.heads * self.head_dim))
+            outs.append(o.transpose(1, 2).reshape(n * m, self.heads * self.v_dim))
             order.append(lidx)
         return torch.cat(outs)[torch.argsort(torch.cat(order))]
