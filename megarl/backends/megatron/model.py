@@ -153,7 +153,8 @@ class ModelArgs:
         if hf.get("use_sliding_window"):
             raise ValueError("config.json use_sliding_window=true: not supported")
         moe = _moe_fields(hf) if arch == "qwen3_moe" else \
-            _glm4_moe_fields(hf) if arch in ("glm4_moe", "deepseek_v3") else {}
+            _glm4_moe_fields(hf) if arch == "glm4_moe" else \
+            _glm4_moe_fields(hf, "a DeepSeek-V3 MoE") if arch == "deepseek_v3" else {}
         partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
         if isinstance(partial, bool) or not isinstance(partial, (int, float)) or \
                 not 0 < partial <= 1:
@@ -213,7 +214,7 @@ def _moe_fields(hf: dict[str, Any]) -> dict[str, Any]:
                 norm_topk_prob=bool(hf.get("norm_topk_prob", False)))
 
 
-def _glm4_moe_fields(hf: dict[str, Any]) -> dict[str, Any]:
+def _glm4_moe_fields(hf: dict[str, Any], what: str = "a GLM-4.5 MoE") -> dict[str, Any]:
     """GLM-4.5's routing: sigmoid scores plus a correction bias choose the experts,
     group-limited, the chosen scores renormalised and scaled; shared experts; the first
     `first_k_dense_replace` layers dense. Refused by key what Megatron's router does not
@@ -222,7 +223,7 @@ def _glm4_moe_fields(hf: dict[str, Any]) -> dict[str, Any]:
     when there is one group or that quotient is 2."""
     experts, topk = hf.get("n_routed_experts"), hf.get("num_experts_per_tok")
     _positive_ints({k: hf.get(k) for k in ("n_routed_experts", "num_experts_per_tok",
-                                           "moe_intermediate_size")}, "a GLM-4.5 / DeepSeek-V3 MoE")
+                                           "moe_intermediate_size")}, what)
     if topk > experts:
         raise ValueError(f"config.json num_experts_per_tok={topk} exceeds n_routed_experts="
                          f"{experts}")
@@ -274,6 +275,12 @@ def mla_fields(hf: dict[str, Any], rope: dict[str, Any], kind: str | None) -> di
         raise ValueError(f"config.json quantization_config (quant_method {method!r}): "
                          f"quantised checkpoints are not read; convert the weights to bf16 "
                          f"first (DeepSeek's fp8_cast_bf16.py) and drop the key")
+    # DeepSeek-V2's softmax routers (scoring_func softmax, topk_method greedy /
+    # group_limited_greedy) are not this one; absent keys mean V3's
+    for key, want in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):
+        if hf.get(key, want) != want:
+            raise ValueError(f"config.json {key}={hf[key]!r}: supported is DeepSeek-V3's "
+                             f"{want!r} router")
     if hf.get("attention_bias"):
         raise ValueError("config.json attention_bias=true: DeepSeek-V3's multi-latent "
                          "attention has no biases in Megatron's MLA")
