@@ -121,7 +121,7 @@ def hf_config(arch: str, vocab_size: int, hidden_size: int, num_layers: int, num
             "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
         common.pop("rope_theta")
         common["num_key_value_heads"] = num_heads
-        return DeepseekV3Config(q_lora_rank=hidden_size // 2, kv_lora_rank=hidden_size // 2,
+        cfg = DeepseekV3Config(q_lora_rank=hidden_size // 2, kv_lora_rank=hidden_size // 2,
                                 qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
                                 n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
                                 moe_intermediate_size=intermediate_size // 4,
@@ -129,6 +129,12 @@ def hf_config(arch: str, vocab_size: int, hidden_size: int, num_layers: int, num
                                 routed_scaling_factor=2.5, first_k_dense_replace=1,
                                 rope_interleave=True, attention_bias=False,
                                 num_mtp_layers=0, **common)
+        # keys of the released config.json that transformers does not read and stock
+        # SGLang's loader does (moe_layer_freq: every layer past the dense ones an MoE)
+        for key, value in (("moe_layer_freq", 1), ("topk_method", "noaux_tc"),
+                           ("scoring_func", "sigmoid"), ("ep_size", 1)):
+            setattr(cfg, key, value)
+        return cfg
     raise ValueError(f"arch: unknown architecture {arch!r}; expected one of {ARCHS}")
 
 
