@@ -68,6 +68,10 @@ FORMULAS = [
     "share, s·b/CP (the budget counts per CP rank: at least s/CP), and training adds the "
     "K/V all-gathered over the CP group, L·s·b·2·kv_heads·head_dim/TP·e with s·b the whole "
     "micro-batch's",
+    "multi-latent attention (DeepSeek-V3): each layer's Q, K, V and attention output at "
+    "their widths, s·b·(2·heads·(nope+rope) + 2·heads·v − 4h)/TP·e, in place of four h-wide "
+    "tensors, plus the latents s·b·(2·(q_lora + kv_lora) + rope)·e (/TP with SP); the "
+    "engine's KV cache holds L·(kv_lora + rope)·e a token on every TP rank",
     "reference = N·e (params, ref layout) + s·b·V/TP·4 (fp32 logits), "
     "b = ref.log_prob_micro_batch_size_per_gpu",
     "rollout   = gpu_memory_utilization × capacity, reserved by each engine: "
@@ -125,6 +129,14 @@ def _activation_bytes(cfg: DictConfig, a: ModelArgs) -> int:
     # sequence parallelism shards the norms', residuals' and dropouts' share (the 10) over TP
     sp = bool(m.sequence_parallel) and tp > 1
     layer = sbh * (34 / tp if sp else 10 + 24 / tp) * e / 2
+    if a.is_mla:
+        # Q, K, V and the attention output at MLA's widths (heads × (nope + rope) for Q and
+        # K, heads × v for V and the output) in place of the four h-wide tensors counted
+        # above, and the latents (query, key/value, RoPE key) with their norms' outputs
+        n, qk = a.num_heads, a.qk_nope_head_dim + a.qk_rope_head_dim
+        wide = 2 * n * qk + 2 * n * a.v_head_dim - 4 * a.hidden_size
+        latents = 2 * (a.q_lora_rank + a.kv_lora_rank) + a.qk_rope_head_dim
+        layer += tokens * (wide / tp + latents / (tp if sp else 1)) * e
     kept = sbh * e / (tp if sp else 1)  # a recomputed group's input: one [s, b, h] slice
     layers = a.num_layers // pp
     rc = recompute_settings(m.override_transformer_config,
@@ -140,7 +152,7 @@ def _activation_bytes(cfg: DictConfig, a: ModelArgs) -> int:
         n = min(rc["recompute_num_layers"], layers)
         stack = n * kept + (layers - n) * layer + layer
     if cp > 1:  # each layer keeps the K and V it gathered, of the whole sequence(s)
-        stack += layers * tokens * cp * 2 * max(1, a.num_kv_heads // tp) * a.head_dim * e
+        stack += layers * tokens * cp * kv_width(a, tp) * e
     train = stack * pp + 2 * _logits_bytes(a, m, tokens)
     logp = _logits_bytes(a, m, micro_batch_tokens(cfg, "logp", cp))
     return int(max(train, logp))
@@ -203,9 +215,21 @@ def rollout_weights(cfg: DictConfig, stages: list[StageBuckets]) -> tuple[int, i
     return sum(s.total for s in stages) // tp, max(s.largest for s in stages)
 
 
+def kv_width(a: ModelArgs, tp: int) -> int:
+    """Elements of one token's K and V in one layer on one of TP ranks (KV heads shard over
+    TP, replicate beyond it; MLA's are per head, heads × (nope + rope) and heads × v)."""
+    if a.is_mla:
+        return a.num_heads // tp * (a.qk_nope_head_dim + a.qk_rope_head_dim + a.v_head_dim)
+    return 2 * max(1, a.num_kv_heads // tp) * a.head_dim
+
+
 def kv_bytes_per_token(a: ModelArgs, tp: int, e: int) -> int:
-    """K and V of one token on one device (KV heads shard over TP, replicate beyond it)."""
-    return 2 * a.num_layers * max(1, a.num_kv_heads // tp) * a.head_dim * e
+    """The KV cache of one token on one engine device: K and V (`kv_width`); with MLA,
+    SGLang caches the latent and the RoPE key instead (kv_lora_rank + qk_rope_head_dim a
+    layer, the same on every TP rank)."""
+    if a.is_mla:
+        return a.num_layers * (a.kv_lora_rank + a.qk_rope_head_dim) * e
+    return a.num_layers * kv_width(a, tp) * e
 
 
 def rollout_memory(cfg: DictConfig, a: ModelArgs, stages: list[StageBuckets],

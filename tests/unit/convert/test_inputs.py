@@ -232,15 +232,8 @@ DSV3 = json.loads((Path(__file__).resolve().parents[3] / "configs" / "models" /
                    "deepseek_v3_671b.json").read_text())
 # Kimi-K2-Instruct's released config.json (its model_type is its own, the architecture
 # DeepSeek-V3's), less auto_map and the FP8 quantization_config (refused: bf16 weights only)
-KIMI_K2 = {**DSV3, "model_type": "kimi_k2", "num_attention_heads": 64,
-           "num_key_value_heads": 64, "n_routed_experts": 384, "n_group": 1, "topk_group": 1,
-           "first_k_dense_replace": 1, "routed_scaling_factor": 2.827,
-           "max_position_embeddings": 131072, "vocab_size": 163840, "bos_token_id": 163584,
-           "eos_token_id": 163585,
-           "rope_scaling": {"beta_fast": 1.0, "beta_slow": 1.0, "factor": 32.0, "mscale": 1.0,
-                            "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
-                            "type": "yarn"},
-           "rope_theta": 50000.0}
+KIMI_K2 = json.loads((Path(__file__).resolve().parents[3] / "configs" / "models" /
+                      "kimi_k2_1t.json").read_text())
 
 
 @pytest.mark.parametrize("change,needle", [
