@@ -4,7 +4,8 @@ experts, expert weights TP-split at TP=2) and GLM-4.5 (a dense first layer, then
 routing with a correction bias, scaling and a shared expert; partial rotary; at PP=2 the dense
 layer is stage 0's, the MoE one stage 1's) and DeepSeek-V3 (multi-latent attention with
 YaRN, then GLM's kind of MoE with two expert groups). The TP=2 job also runs DeepSeek-V3 at
-TP1 × EP2 (its routing equal to transformers' at every token) and TP2 × EP2 with SP, and
+TP1 × EP2 (its routing equal to transformers' at every token) and TP2 × EP2 with SP (its
+HF export, TP and EP gathered, bit-exact), and
 every model with sequence parallelism (`sp:` keys), padded and packed (THD), 17-token rows that SP pads to 18. The PP=2
 job also runs a 4-layer Qwen2 (tied embeddings) at PP2 × VPP2 (`vpp:` keys): two model chunks
 per stage under Megatron's interleaved schedule.
@@ -45,6 +46,7 @@ def test_logits_logprobs_entropy_match_hf(tmp_path, tiny_qwen2, tiny_llama, tiny
     if tp > 1:
         r = res[str(tiny_deepseek_v3)]
         assert r["ep2:routing_off"] == 0, r
+        assert r["tp2ep2:export_off"] == [], r  # what the sync and the converter send
         for run in ("ep2:", "tp2ep2:"):
             assert r[f"{run}logits"] <= 1e-4, r
             for temp in ("1.0", "0.7"):

@@ -11,7 +11,8 @@ that each run the same rows, their tokens crossing to the experts' ranks).
 PARITY_EP_MODELS (os.pathsep-separated MoE model dirs, TP=2 jobs): after the others, each
 at TP1 × EP2 (`ep2:` keys; the two ranks data-parallel, their tokens crossing to the
 experts' ranks; `ep2:routing_off`: real tokens whose experts differ from transformers' in
-some layer) and at TP2 × EP2 (ETP1, the experts over the TP ranks) with SP (`tp2ep2:`).
+some layer) and at TP2 × EP2 (ETP1, the experts over the TP ranks) with SP (`tp2ep2:`;
+`tp2ep2:export_off`: HF tensors the export lacks, adds or changes against model.safetensors).
 PARITY_VPP_MODELS (os.pathsep-separated model dirs): run at PP×VPP with PARITY_VPP (default 2)
 model chunks per stage after the others, padded and packed, and with one-row micro-batches
 (3 of them, which the interleaved schedule pads to a multiple of PP).
@@ -127,6 +128,15 @@ def expert_parallel(d: str) -> dict:
             g = torch.Generator().manual_seed(1)
             r[key + "routing_off"] = routing_off(
                 w, hf, torch.randint(0, w.args.vocab_size, (3, 17), generator=g))
+        else:
+            # the export the weight sync and the converter send (TP and EP gathered): every
+            # HF tensor, bit-exact (names and fp32 values as loaded)
+            from safetensors.torch import load_file
+
+            src = load_file(os.path.join(d, "model.safetensors"))
+            got = {k: v.cpu() for k, v in w.export_hf()}
+            r[key + "export_off"] = sorted(set(src) ^ set(got)) + sorted(
+                k for k in set(src) & set(got) if not torch.equal(src[k], got[k]))
     return r
 
 
