@@ -128,6 +128,15 @@ def tiny_glm4_moe(tmp_path_factory) -> Path:
     return _make(tmp_path_factory, "glm4_moe")
 
 
+@pytest.fixture(scope="session")
+def tiny_deepseek_v3(tmp_path_factory) -> Path:
+    """DeepSeek-V3-shaped: multi-latent attention (q/kv latents 32, nope 16 + rope 8 key
+    channels, values 16), YaRN (factor 4, mscale_all_dim 1), layer 0 dense, layer 1 8 routed
+    experts in 2 groups (1 chosen, top-2; sigmoid + correction bias, scaled 2.5) and one
+    shared expert, untied embeddings."""
+    return _make(tmp_path_factory, "deepseek_v3")
+
+
 # Default-sized tiny models (make_tiny_model's defaults) for the rollout and weight-sync tests.
 @pytest.fixture(scope="session")
 def qwen_dir(tmp_path_factory):

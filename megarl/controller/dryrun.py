@@ -366,7 +366,13 @@ def stage_specs(a: ModelArgs, pp: int, params_dtype: str,
 def _layer_export_order(a: ModelArgs, i: int, ep: int = 1) -> list[str]:
     p = f"model.layers.{i}."
     names = [p + "input_layernorm.weight", p + "self_attn.o_proj.weight"]
-    names += [f"{p}self_attn.{x}_proj.weight" for x in "qkv"]
+    if a.is_mla:  # Megatron's MLA order: the linears, then the latent norms
+        q = ["q_a_proj", "q_b_proj"] if a.q_lora_rank else ["q_proj"]
+        names += [f"{p}self_attn.{x}.weight" for x in q + ["kv_a_proj_with_mqa", "kv_b_proj"]]
+        names += [f"{p}self_attn.{x}.weight"
+                  for x in (["q_a_layernorm"] if a.q_lora_rank else []) + ["kv_a_layernorm"]]
+    else:
+        names += [f"{p}self_attn.{x}_proj.weight" for x in "qkv"]
     if a.qkv_bias:
         names += [f"{p}self_attn.{x}_proj.bias" for x in "qkv"]
     if a.qk_norm:
@@ -427,10 +433,14 @@ def _header(plan: RunPlan) -> str:
     a = plan.model
     ffn = (f"{a.num_experts} experts (top-{a.moe_topk}, ffn {a.moe_ffn_hidden_size})"
            if a.is_moe else f"ffn {a.ffn_hidden_size}")
+    heads = (f"{a.num_heads} heads, multi-latent attention (q/kv latents "
+             f"{a.q_lora_rank or '-'}/{a.kv_lora_rank}, qk {a.qk_nope_head_dim}+"
+             f"{a.qk_rope_head_dim} rope, v {a.v_head_dim})" if a.is_mla else
+             f"heads {a.num_heads}/{a.num_kv_heads} kv")
     return "\n".join([
         "megarl train --dry-run: nothing is started",
-        f"  model: {a.arch}, {a.num_layers} layers, hidden {a.hidden_size}, heads "
-        f"{a.num_heads}/{a.num_kv_heads} kv, {ffn}, vocab {a.vocab_size}"
+        f"  model: {a.arch}, {a.num_layers} layers, hidden {a.hidden_size}, {heads}, {ffn}, "
+        f"vocab {a.vocab_size}"
         f"{', tied embeddings' if a.tie_word_embeddings else ''} (from {plan.hf_config})",
         f"  device: {plan.device}, launcher: {plan.launcher}"])
 

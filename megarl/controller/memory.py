@@ -58,6 +58,10 @@ FORMULAS = [
     "share, s·b/CP (the budget counts per CP rank: at least s/CP), and training adds the "
     "K/V all-gathered over the CP group, L·s·b·2·kv_heads·head_dim/TP·e with s·b the whole "
     "micro-batch's",
+    "multi-latent attention (DeepSeek-V3): each layer's Q, K, V and attention output at "
+    "their widths, s·b·(2·heads·(nope+rope) + 2·heads·v)/TP·e, in place of the attention "
+    "term above, plus the latents s·b·(2·(q_lora + kv_lora) + rope)·e (/TP with SP); the "
+    "engine's KV cache holds L·(kv_lora + rope)·e a token on every TP rank",
     "reference = N·e (params, ref layout) + c_logp·s·b·V/TP·4 (log-prob path), "
     "b = ref.log_prob_micro_batch_size_per_gpu",
     "rollout   = gpu_memory_utilization × capacity, reserved by each engine: "
@@ -136,6 +140,13 @@ def layer_activation_elements(a: ModelArgs, tp: int, sp: bool) -> float:
     experts' 5·F_moe and the routed hidden states permuted in and out (2·k·h), plus a shared
     expert's 5·F_shared (not measured)."""
     attn = 4 * a.num_heads * a.head_dim / tp
+    if a.is_mla:
+        # Q and K at heads × (nope + rope), V and the output at heads × v (measured for the
+        # plain layers only), and the latents (query, key/value, RoPE key) with their norms'
+        # outputs
+        n = a.num_heads
+        attn = (2 * n * (a.qk_nope_head_dim + a.qk_rope_head_dim) + 2 * n * a.v_head_dim) / tp
+        attn += (2 * (a.q_lora_rank + a.kv_lora_rank) + a.qk_rope_head_dim) / (tp if sp else 1)
     if a.is_moe:
         mlp = (5 * a.moe_ffn_hidden_size + 2 * a.hidden_size) * a.moe_topk \
             + 5 * a.moe_shared_ffn_hidden_size
@@ -171,7 +182,7 @@ def _activation_bytes(cfg: DictConfig, a: ModelArgs) -> int:
         n = min(rc["recompute_num_layers"], layers)
         stack, live = n * kept + (layers - n) * layer, layer
     if cp > 1:  # each layer keeps the K and V it gathered, of the whole sequence(s)
-        stack += layers * tokens * cp * 2 * max(1, a.num_kv_heads // tp) * a.head_dim * e
+        stack += layers * tokens * cp * kv_width(a, tp) * e
     # the last stage: its micro-batch's layers beside the log-prob path; a recomputed group
     # comes alive in backward, once that path is freed
     last = stack + max(live, logits)
@@ -280,9 +291,21 @@ def rollout_weights(cfg: DictConfig, stages: list[StageBuckets]) -> tuple[int, i
     return sum(s.total for s in stages) // tp, max(s.largest for s in stages)
 
 
+def kv_width(a: ModelArgs, tp: int) -> int:
+    """Elements of one token's K and V in one layer on one of TP ranks (KV heads shard over
+    TP, replicate beyond it; MLA's are per head, heads × (nope + rope) and heads × v)."""
+    if a.is_mla:
+        return a.num_heads // tp * (a.qk_nope_head_dim + a.qk_rope_head_dim + a.v_head_dim)
+    return 2 * max(1, a.num_kv_heads // tp) * a.head_dim
+
+
 def kv_bytes_per_token(a: ModelArgs, tp: int, e: int) -> int:
-    """K and V of one token on one device (KV heads shard over TP, replicate beyond it)."""
-    return 2 * a.num_layers * max(1, a.num_kv_heads // tp) * a.head_dim * e
+    """The KV cache of one token on one engine device: K and V (`kv_width`); with MLA,
+    SGLang caches the latent and the RoPE key instead (kv_lora_rank + qk_rope_head_dim a
+    layer, the same on every TP rank)."""
+    if a.is_mla:
+        return a.num_layers * (a.kv_lora_rank + a.qk_rope_head_dim) * e
+    return a.num_layers * kv_width(a, tp) * e
 
 
 def rollout_memory(cfg: DictConfig, a: ModelArgs, stages: list[StageBuckets],

@@ -56,6 +56,17 @@ def hf_shapes(a: ModelArgs) -> dict[str, tuple[int, ...]]:
                  "self_attn.o_proj.weight": (h, q), "mlp.gate_proj.weight": (f, h),
                  "mlp.up_proj.weight": (f, h), "mlp.down_proj.weight": (h, f),
                  "self_attn.q_norm.weight": (a.head_dim,), "self_attn.k_norm.weight": (a.head_dim,)}
+    if a.is_mla:
+        qk, n = a.qk_nope_head_dim + a.qk_rope_head_dim, a.num_heads
+        per_layer.update({
+            "self_attn.q_proj.weight": (n * qk, h), "self_attn.q_a_proj.weight": (a.q_lora_rank, h),
+            "self_attn.q_a_layernorm.weight": (a.q_lora_rank,),
+            "self_attn.q_b_proj.weight": (n * qk, a.q_lora_rank),
+            "self_attn.kv_a_proj_with_mqa.weight": (a.kv_lora_rank + a.qk_rope_head_dim, h),
+            "self_attn.kv_a_layernorm.weight": (a.kv_lora_rank,),
+            "self_attn.kv_b_proj.weight": (n * (a.qk_nope_head_dim + a.v_head_dim),
+                                           a.kv_lora_rank),
+            "self_attn.o_proj.weight": (h, n * a.v_head_dim)})
     fm, fs = a.moe_ffn_hidden_size, a.moe_shared_ffn_hidden_size
     per_layer.update({"mlp.gate.weight": (a.num_experts, h), "expert.gate_proj.weight": (fm, h),
                       "expert.up_proj.weight": (fm, h), "expert.down_proj.weight": (h, fm),
@@ -89,13 +100,17 @@ def mcore_params(a: ModelArgs, pp: int, padded_vocab: int) -> list[tuple[str, tu
     out = [("embedding.word_embeddings.weight", (padded_vocab, h), 0)]
     for i in range(a.num_layers):
         s, p = i // per_stage, f"decoder.layers.{i}."
-        out += [(p + "input_layernorm.weight", (h,), s),
-                (p + "self_attention.linear_qkv.weight", (qkv, h), s)]
+        out.append((p + "input_layernorm.weight", (h,), s))
+        if a.is_mla:
+            out += [(p + m, shape, s) for m, shape in _mla_params(a)]
+        else:
+            out.append((p + "self_attention.linear_qkv.weight", (qkv, h), s))
         if a.qkv_bias:
             out.append((p + "self_attention.linear_qkv.bias", (qkv,), s))
         if a.qk_norm:
             out += [(p + f"self_attention.{x}_layernorm.weight", (a.head_dim,), s) for x in "qk"]
-        out += [(p + "self_attention.linear_proj.weight", (h, a.num_heads * a.head_dim), s),
+        v_width = a.num_heads * (a.v_head_dim if a.is_mla else a.head_dim)
+        out += [(p + "self_attention.linear_proj.weight", (h, v_width), s),
                 (p + "pre_mlp_layernorm.weight", (h,), s)]
         if a.is_moe and i >= a.first_k_dense:
             fm, fs = a.moe_ffn_hidden_size, a.moe_shared_ffn_hidden_size
@@ -116,6 +131,20 @@ def mcore_params(a: ModelArgs, pp: int, padded_vocab: int) -> list[tuple[str, tu
     if not a.tie_word_embeddings or pp > 1:
         out.append(("output_layer.weight", (padded_vocab, h), pp - 1))
     return out
+
+
+def _mla_params(a: ModelArgs) -> list[tuple[str, tuple]]:
+    """Megatron's multi-latent attention tensors of one layer (in-layer name, full shape)."""
+    h, n, qk = a.hidden_size, a.num_heads, a.qk_nope_head_dim + a.qk_rope_head_dim
+    q = [("self_attention.linear_q_down_proj.weight", (a.q_lora_rank, h)),
+         ("self_attention.q_layernorm.weight", (a.q_lora_rank,)),
+         ("self_attention.linear_q_up_proj.weight", (n * qk, a.q_lora_rank))] \
+        if a.q_lora_rank else [("self_attention.linear_q_proj.weight", (n * qk, h))]
+    return q + [("self_attention.linear_kv_down_proj.weight",
+                 (a.kv_lora_rank + a.qk_rope_head_dim, h)),
+                ("self_attention.kv_layernorm.weight", (a.kv_lora_rank,)),
+                ("self_attention.linear_kv_up_proj.weight",
+                 (n * (a.qk_nope_head_dim + a.v_head_dim), a.kv_lora_rank))]
 
 
 def numel(shape) -> int:

@@ -88,19 +88,46 @@ class UpdateRefused(BadRequest):
         super().__init__("weights", message)
 
 
+# model_type -> the transformers config class that reads it: Kimi-K2's config.json names
+# its own model_type (with remote code) for DeepSeek-V3's architecture
+_MODEL_TYPE_AS = {"kimi_k2": "DeepseekV3Config"}
+
+
+def hf_config(model_path: str, trust_remote_code: bool = False):
+    """transformers' config of `model_path`; a model_type transformers does not register
+    (`_MODEL_TYPE_AS`) is read by the class of the architecture it ships, without remote
+    code."""
+    import json
+    from pathlib import Path
+
+    import transformers
+
+    try:
+        raw = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        raw = {}
+    as_cls = _MODEL_TYPE_AS.get(raw.get("model_type")) if isinstance(raw, dict) else None
+    if as_cls is None or trust_remote_code:
+        return transformers.AutoConfig.from_pretrained(model_path,
+                                                       trust_remote_code=trust_remote_code)
+    return getattr(transformers, as_cls).from_dict(
+        {k: v for k, v in raw.items() if k not in ("model_type", "auto_map")})
+
+
 def load_model(model_path: str, device: str, dtype: str | None, load_format: str,
                trust_remote_code: bool = False):
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     torch_dtype = getattr(torch, dtype) if dtype and dtype != "auto" else None
+    cfg = hf_config(model_path, trust_remote_code)
     if load_format == "dummy":
         # SGLang's dummy format: the architecture with random weights, for engines whose real
         # weights arrive from the trainer before the first rollout.
-        cfg = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch_dtype or torch.float32,
                                                  trust_remote_code=trust_remote_code)
     elif load_format == "auto":
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype or "auto",
+        model = AutoModelForCausalLM.from_pretrained(model_path, config=cfg,
+                                                     dtype=torch_dtype or "auto",
                                                      trust_remote_code=trust_remote_code)
     else:
         raise ValueError(f"load_format: {load_format!r} is not supported; use auto or dummy")

@@ -31,7 +31,7 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
-ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe", "glm4_moe")
+ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe", "glm4_moe", "deepseek_v3")
 
 
 def _corpus(rng: random.Random, lines: int = 4000) -> list[str]:
@@ -67,8 +67,8 @@ def hf_config(arch: str, vocab_size: int, hidden_size: int, num_layers: int, num
               rope_theta: float, max_position_embeddings: int, eos_token_id: int,
               pad_token_id: int, head_dim: int | None = None,
               rope_scaling: dict | None = None):
-    from transformers import (Glm4MoeConfig, LlamaConfig, Qwen2Config, Qwen3Config,
-                              Qwen3MoeConfig)
+    from transformers import (DeepseekV3Config, Glm4MoeConfig, LlamaConfig, Qwen2Config,
+                              Qwen3Config, Qwen3MoeConfig)
 
     common = dict(
         vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
@@ -109,6 +109,32 @@ def hf_config(arch: str, vocab_size: int, hidden_size: int, num_layers: int, num
                              n_group=1, topk_group=1, routed_scaling_factor=2.5,
                              first_k_dense_replace=1, use_qk_norm=True,
                              num_nextn_predict_layers=0, **common)
+    if arch == "deepseek_v3":
+        # DeepSeek-V3's layout at a small size: multi-latent attention (query and key/value
+        # latents, a RoPE key shared by the heads), YaRN with the released mscale settings,
+        # the first layer dense, 8 routed experts in 2 groups (one group chosen per token,
+        # top-2 within it: num_experts_per_tok / topk_group = 2 as in the released 8 / 4),
+        # sigmoid with correction bias, renormalised and scaled, one shared expert
+        common["rope_parameters"] = {
+            "rope_type": "yarn", "rope_theta": rope_theta, "factor": 4.0,
+            "original_max_position_embeddings": max_position_embeddings // 4,
+            "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
+        common.pop("rope_theta")
+        common["num_key_value_heads"] = num_heads
+        cfg = DeepseekV3Config(q_lora_rank=hidden_size // 2, kv_lora_rank=hidden_size // 2,
+                                qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                                n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+                                moe_intermediate_size=intermediate_size // 4,
+                                norm_topk_prob=True, n_group=2, topk_group=1,
+                                routed_scaling_factor=2.5, first_k_dense_replace=1,
+                                rope_interleave=True, attention_bias=False,
+                                num_mtp_layers=0, **common)
+        # keys of the released config.json that transformers does not read and stock
+        # SGLang's loader does (moe_layer_freq: every layer past the dense ones an MoE)
+        for key, value in (("moe_layer_freq", 1), ("topk_method", "noaux_tc"),
+                           ("scoring_func", "sigmoid"), ("ep_size", 1)):
+            setattr(cfg, key, value)
+        return cfg
     raise ValueError(f"arch: unknown architecture {arch!r}; expected one of {ARCHS}")
 
 
@@ -159,7 +185,7 @@ def make_tiny_model(out_dir: str | os.PathLike, arch: str = "qwen2", *, vocab_si
         for name, p in model.named_parameters():
             if p.dim() >= 2:
                 p.normal_(0.0, 0.1)
-            elif name.endswith(("q_norm.weight", "k_norm.weight")):
+            elif name.endswith(("q_norm.weight", "k_norm.weight", "a_layernorm.weight")):
                 # away from HF's init (ones), so a dropped or misplaced q/k norm shows
                 p.uniform_(0.5, 1.5)
             elif "bias" in name:

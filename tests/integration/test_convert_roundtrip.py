@@ -22,7 +22,10 @@ def _assert_bit_exact(src, dst):
 # suite's time has room for one MoE case). (Qwen2's tied embeddings, QKV bias and dense MLP
 # convert in test_pp2_vpp2_checkpoint_reads_back_at_pp1_and_pp2_vpp2 and test_convert_trained.py,
 # at PP2 x VPP2 and TP2;
-# Llama's tensors are Qwen2's without the bias, untied: the suite's time has no room for it.)
+# Llama's tensors are Qwen2's without the bias, untied: the suite's time has no room for it.
+# DeepSeek-V3's MLA tensors: loaded from HF in test_megatron_parity.py's jobs and exported
+# back bit-exact at TP2 x EP2 there (`tp2ep2:export_off`), the checkpoint steps being GLM's;
+# its HF -> TP2xEP2 -> HF(ETP1) run here measured bit-exact, 27 s, on 2026-11-29.)
 @pytest.mark.parametrize("arch", ["glm4_moe"])
 def test_hf_to_tp2_ep2_to_hf_roundtrip_and_reshard(tmp_path, request, arch):
     """One case for every layout move: HF -> TP2×EP2 (ETP = TP: 4 ranks, each EP rank 4 of the

@@ -2,8 +2,11 @@
 Qwen2, Llama 3 (llama3 RoPE scaling), Qwen3, Qwen3-MoE (every token through its top-2 of 8
 experts, expert weights TP-split at TP=2) and GLM-4.5 (a dense first layer, then sigmoid
 routing with a correction bias, scaling and a shared expert; partial rotary; at PP=2 the dense
-layer is stage 0's, the MoE one stage 1's). The TP=2 job also runs every model with sequence
-parallelism (`sp:` keys), padded and packed (THD), 17-token rows that SP pads to 18. The PP=2
+layer is stage 0's, the MoE one stage 1's) and DeepSeek-V3 (multi-latent attention with
+YaRN, then GLM's kind of MoE with two expert groups). The TP=2 job also runs DeepSeek-V3 at
+TP1 × EP2 (its routing equal to transformers' at every token) and TP2 × EP2 with SP (its
+HF export, TP and EP gathered, bit-exact), and
+every model with sequence parallelism (`sp:` keys), padded and packed (THD), 17-token rows that SP pads to 18. The PP=2
 job also runs a 4-layer Qwen2 (tied embeddings) at PP2 × VPP2 (`vpp:` keys): two model chunks
 per stage under Megatron's interleaved schedule.
 Context parallelism: CP=2 (Qwen3-MoE: Qwen3's Q/K norms and head_dim 24, routed experts, and
@@ -19,12 +22,15 @@ from megarl.utils.tiny_model import make_tiny_model
 
 @pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2)], ids=["tp1", "tp2", "pp2"])
 def test_logits_logprobs_entropy_match_hf(tmp_path, tiny_qwen2, tiny_llama, tiny_qwen3,
-                                          tiny_qwen3_moe, tiny_glm4_moe, tp, pp):
-    models = (tiny_qwen2, tiny_llama, tiny_qwen3, tiny_qwen3_moe, tiny_glm4_moe)
+                                          tiny_qwen3_moe, tiny_glm4_moe, tiny_deepseek_v3,
+                                          tp, pp):
+    models = (tiny_qwen2, tiny_llama, tiny_qwen3, tiny_qwen3_moe, tiny_glm4_moe,
+              tiny_deepseek_v3)
     out = tmp_path / "parity.json"
     # the MoE models also replay a forced routing (R3): Qwen3-MoE's softmax router, GLM-4.5's
     # sigmoid one behind its dense first layer (at PP2 the two are on different stages)
-    env = {"PARITY_REPLAY": "1", **({"PARITY_SP": "1"} if tp > 1 else {})}
+    env = {"PARITY_REPLAY": "1",
+           **({"PARITY_SP": "1", "PARITY_EP_MODELS": str(tiny_deepseek_v3)} if tp > 1 else {})}
     deep = None
     if pp > 1:  # layers 0,1 | 2,3 chunks over the two stages: stage 0 holds 0 and 2
         deep = make_tiny_model(tmp_path / "deep", "qwen2", num_layers=4, num_heads=4,
@@ -41,6 +47,16 @@ def test_logits_logprobs_entropy_match_hf(tmp_path, tiny_qwen2, tiny_llama, tiny
                 assert r[f"vpp:{layout}logprobs@{temp}"] <= 1e-5, r
                 assert r[f"vpp:{layout}entropy@{temp}"] <= 1e-5, r
                 assert r[f"vpp:{layout}pos0@{temp}"] == 0.0, r
+    if tp > 1:
+        r = res[str(tiny_deepseek_v3)]
+        assert r["ep2:routing_off"] == 0, r
+        assert r["tp2ep2:export_off"] == [], r  # what the sync and the converter send
+        for run in ("ep2:", "tp2ep2:"):
+            assert r[f"{run}logits"] <= 1e-4, r
+            for temp in ("1.0", "0.7"):
+                for layout in ("", "packed_") if run == "tp2ep2:" else ("",):
+                    assert r[f"{run}{layout}logprobs@{temp}"] <= 1e-5, r
+                    assert r[f"{run}{layout}entropy@{temp}"] <= 1e-5, r
     for model, r in res.items():
         runs = [""] + (["sp:"] if tp > 1 else [])
         for sp in runs:

@@ -102,11 +102,27 @@ def _moe_router_without_te() -> None:
         moe_utils.te_general_gemm = None
 
 
+def _mla_without_te() -> None:
+    """Without Transformer Engine installed, megatron-core 0.16's
+    `extensions/transformer_engine.py` still imports (its TE names stand on a mock), so
+    `multi_latent_attention.HAVE_TE` reads True and MLA's `isinstance(linear_proj, TELinear)`
+    raises on the mock. HAVE_TE set False where TE is not installed (CPU or GPU) is what
+    the module would say had the import failed."""
+    import importlib.util
+
+    if importlib.util.find_spec("transformer_engine") is not None:
+        return
+    from megatron.core.transformer import multi_latent_attention
+
+    multi_latent_attention.HAVE_TE = False
+
+
 def apply() -> None:
     """Install the CPU accommodations (idempotent; no-op with CUDA, except the MoE router's
-    missing name, which any process without Transformer Engine needs)."""
+    missing name and MLA's HAVE_TE, which any process without Transformer Engine needs)."""
     global _applied
     _moe_router_without_te()
+    _mla_without_te()
     if _applied or cuda_available():
         return
     import megatron.core

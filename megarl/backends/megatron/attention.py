@@ -5,7 +5,8 @@ Engine is a GPU-only extra, so this module is the core attention wherever TE's i
 on the CPU and on a GPU without TE. It is plugged in through the layer spec, so no Megatron
 layer code changes. Causal self-attention; grouped query heads (GQA) go to SDPA as they are
 (`enable_gqa`), not repeated to the query heads' count. Padding is on the right, so a causal
-mask alone keeps real tokens from attending to pads.
+mask alone keeps real tokens from attending to pads. Multi-latent attention (DeepSeek-V3)
+hands keys wider than values (`k_channels`, `v_channels`): the output is heads × v_channels.
 
 `backend` (the config's `override_transformer_config.attention_backend`, Megatron's names
 where they apply; `BACKENDS`): `auto` lets SDPA choose its kernel (flash / cuDNN / memory-
@@ -75,7 +76,8 @@ def packed_path(backend: str, cuda: bool | None = None) -> str:
 class SDPAttention(MegatronModule):
     def __init__(self, config, layer_number, attn_mask_type, attention_type,
                  attention_dropout=None, softmax_scale=None, cp_comm_type=None,
-                 pg_collection=None, backend: str = "auto"):
+                 pg_collection=None, backend: str = "auto",
+                 k_channels=None, v_channels=None):
         super().__init__(config=config)
         if backend not in BACKENDS:
             raise ValueError(f"attention_backend must be one of {', '.join(BACKENDS)}, "
@@ -88,7 +90,9 @@ class SDPAttention(MegatronModule):
         self.cp_group = pg_collection.cp if config.context_parallel_size > 1 else None
         self.heads = config.num_attention_heads // tp
         self.groups = config.num_query_groups // tp
-        self.head_dim = config.kv_channels
+        self.head_dim = k_channels or config.kv_channels
+        # the output's per-head width: the values' (MLA's v_head_dim), else the keys'
+        self.v_dim = v_channels or self.head_dim
         self.scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.head_dim)
         self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         self.backend = backend
@@ -110,10 +114,10 @@ class SDPAttention(MegatronModule):
             key, value = (cpar.gather_sequence(t, segs, 0, self.cp_group, sum_grads=True)
                           for t in (key, value))
             out = self._cp_causal(*(t.permute(1, 2, 0, 3) for t in (query, key, value)))
-            return out.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.head_dim)
+            return out.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.v_dim)
         # Megatron hands [s, b, heads, dim]; SDPA wants [b, heads, s, dim].
         out = self._causal(*(t.permute(1, 2, 0, 3) for t in (query, key, value)))
-        return out.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.head_dim)
+        return out.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.v_dim)
 
     def _causal(self, q, k, v, mask=None):
         """Causal SDPA on [b, heads, s, dim] (k, v with the query groups' heads); `mask`: an
@@ -172,7 +176,7 @@ class SDPAttention(MegatronModule):
             mask = packed.document_block_mask(plan, params.cu_seqlens_q, key.shape[0])
             q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (query, key, value))
             out = packed.flex(q, k, v, mask, self.scale)  # [1, heads, t(/CP), dim]
-            return out[0].transpose(0, 1).reshape(query.shape[0], self.heads * self.head_dim)
+            return out[0].transpose(0, 1).reshape(query.shape[0], self.heads * self.v_dim)
         outs = []
         for length, n, qi, kvi in plan.groups:
             m = length // cp
@@ -186,6 +190,6 @@ class SDPAttention(MegatronModule):
                 k, v = (t[kvi].view(n, length, *t.shape[1:]).transpose(1, 2)
                         for t in (key, value))
             o = self._cp_causal(q, k, v) if cp > 1 else self._causal(q, k, v)
-            outs.append(o.transpose(1, 2).reshape(n * m, self.heads * self.head_dim))
+            outs.append(o.transpose(1, 2).reshape(n * m, self.heads * self.v_dim))
         # back to packed order
         return torch.cat(outs)[plan.inverse]

@@ -1,5 +1,5 @@
 """Megatron-core GPTModel from a Hugging Face `config.json` (Llama, Qwen2, Qwen3, Qwen3-MoE,
-GLM-4.5).
+GLM-4.5, DeepSeek-V3 / Kimi-K2).
 
 Owns the mapping from HF hyper-parameters to Megatron's `TransformerConfig` and the layer
 spec: Megatron's local layers with `SDPAttention` as core attention (attention.py) where
@@ -21,6 +21,8 @@ logger = logging.getLogger(__name__)
 SUPPORTED_ARCHS = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                    "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe",
                    "Glm4MoeForCausalLM": "glm4_moe",
+                   # Kimi-K2 ships the same architecture name (its model_type kimi_k2)
+                   "DeepseekV3ForCausalLM": "deepseek_v3",
                    # a critic in HF form (verl's too): the transformer + `score` (hidden -> 1)
                    "LlamaForTokenClassification": "llama",
                    "Qwen2ForTokenClassification": "qwen2",
@@ -109,6 +111,24 @@ class ModelArgs:
     first_k_dense: int = 0
     """The first this many layers have a dense MLP (``first_k_dense_replace``, of width
     ``intermediate_size``); the rest are mixtures."""
+    # Multi-latent attention (DeepSeek-V3, Kimi-K2): Megatron's MLASelfAttention. With
+    # `kv_lora_rank` 0 the model has ordinary attention and none of these apply.
+    q_lora_rank: int = 0
+    """Width of the query's low-rank latent (``q_lora_rank``); 0: one direct q_proj."""
+    kv_lora_rank: int = 0
+    """Width of the shared key/value latent (``kv_lora_rank``); > 0 means MLA."""
+    qk_nope_head_dim: int = 0
+    """Per-head query/key channels without RoPE (``qk_nope_head_dim``)."""
+    qk_rope_head_dim: int = 0
+    """Per-head query/key channels with RoPE, the key's shared by all heads."""
+    v_head_dim: int = 0
+    """Per-head value channels (``v_head_dim``)."""
+    yarn: tuple = ()
+    """YaRN RoPE as (factor, original_max_position_embeddings, beta_fast, beta_slow, mscale,
+    mscale_all_dim); (): plain RoPE. Read for MLA models only."""
+    mtp_layers: int = 0
+    """Multi-token-prediction layers the checkpoint holds (``num_nextn_predict_layers``):
+    never built, loaded or synced (RL does not train them)."""
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> "ModelArgs":
@@ -121,6 +141,9 @@ class ModelArgs:
         rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
         kind = rope.get("rope_type", rope.get("type", "default"))
         scaling = _llama3_factor(rope) if kind == "llama3" else None
+        mla = mla_fields(hf, rope, kind) if arch == "deepseek_v3" else {}
+        if kind == "yarn" and mla:
+            kind = "default"  # read by mla_fields
         if kind not in ("default", None, "llama3"):
             raise ValueError(f"config.json rope_scaling={rope}: supported are plain RoPE and "
                              f"rope_type llama3")
@@ -130,7 +153,8 @@ class ModelArgs:
         if hf.get("use_sliding_window"):
             raise ValueError("config.json use_sliding_window=true: not supported")
         moe = _moe_fields(hf) if arch == "qwen3_moe" else \
-            _glm4_moe_fields(hf) if arch == "glm4_moe" else {}
+            _glm4_moe_fields(hf) if arch == "glm4_moe" else \
+            _glm4_moe_fields(hf, "a DeepSeek-V3 MoE") if arch == "deepseek_v3" else {}
         partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
         if isinstance(partial, bool) or not isinstance(partial, (int, float)) or \
                 not 0 < partial <= 1:
@@ -139,7 +163,7 @@ class ModelArgs:
             arch=arch, vocab_size=hf["vocab_size"], hidden_size=hidden,
             num_layers=hf["num_hidden_layers"], num_heads=heads,
             num_kv_heads=hf.get("num_key_value_heads") or heads,
-            head_dim=hf.get("head_dim") or hidden // heads,
+            head_dim=mla.pop("head_dim", None) or hf.get("head_dim") or hidden // heads,
             ffn_hidden_size=hf["intermediate_size"], norm_eps=hf.get("rms_norm_eps", 1e-6),
             rope_theta=float(theta),
             max_position_embeddings=hf.get("max_position_embeddings", 4096),
@@ -149,12 +173,16 @@ class ModelArgs:
             qk_norm=arch in ("qwen3", "qwen3_moe") or (
                 arch == "glm4_moe" and bool(hf.get("use_qk_norm", False))),
             rope_scaling_factor=scaling, rotary_percent=float(partial),
-            **moe,
+            **moe, **mla,
         )
 
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
 
 
 def _positive_ints(values: dict[str, Any], what: str) -> None:
@@ -186,7 +214,7 @@ def _moe_fields(hf: dict[str, Any]) -> dict[str, Any]:
                 norm_topk_prob=bool(hf.get("norm_topk_prob", False)))
 
 
-def _glm4_moe_fields(hf: dict[str, Any]) -> dict[str, Any]:
+def _glm4_moe_fields(hf: dict[str, Any], what: str = "a GLM-4.5 MoE") -> dict[str, Any]:
     """GLM-4.5's routing: sigmoid scores plus a correction bias choose the experts,
     group-limited, the chosen scores renormalised and scaled; shared experts; the first
     `first_k_dense_replace` layers dense. Refused by key what Megatron's router does not
@@ -195,7 +223,7 @@ def _glm4_moe_fields(hf: dict[str, Any]) -> dict[str, Any]:
     when there is one group or that quotient is 2."""
     experts, topk = hf.get("n_routed_experts"), hf.get("num_experts_per_tok")
     _positive_ints({k: hf.get(k) for k in ("n_routed_experts", "num_experts_per_tok",
-                                           "moe_intermediate_size")}, "a GLM-4.5 MoE")
+                                           "moe_intermediate_size")}, what)
     if topk > experts:
         raise ValueError(f"config.json num_experts_per_tok={topk} exceeds n_routed_experts="
                          f"{experts}")
@@ -228,6 +256,79 @@ def _glm4_moe_fields(hf: dict[str, Any]) -> dict[str, Any]:
                 moe_scaling_factor=float(scale),
                 moe_shared_ffn_hidden_size=hf["moe_intermediate_size"] * shared,
                 first_k_dense=dense)
+
+
+def _yarn_mscale(factor: float, mscale: float) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def mla_fields(hf: dict[str, Any], rope: dict[str, Any], kind: str | None) -> dict[str, Any]:
+    """DeepSeek-V3's (and Kimi-K2's) multi-latent attention and RoPE, as Megatron's
+    MLATransformerConfig computes them. Refused by key: attention biases, non-interleaved
+    RoPE (Megatron's MLA always de-interleaves the rotary channels, transformers' does so
+    only with rope_interleave), RoPE types other than plain and YaRN, YaRN settings whose
+    cos/sin scale transformers infers differently from Megatron (its `mscale` ratio), and
+    FP8 checkpoints (block-quantised weights with scales that the maps do not read)."""
+    if hf.get("quantization_config") is not None:
+        method = hf["quantization_config"].get("quant_method", "?") \
+            if isinstance(hf["quantization_config"], dict) else "?"
+        raise ValueError(f"config.json quantization_config (quant_method {method!r}): "
+                         f"quantised checkpoints are not read; convert the weights to bf16 "
+                         f"first (DeepSeek's fp8_cast_bf16.py) and drop the key")
+    # DeepSeek-V2's softmax routers (scoring_func softmax, topk_method greedy /
+    # group_limited_greedy) are not this one; absent keys mean V3's
+    for key, want in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):
+        if hf.get(key, want) != want:
+            raise ValueError(f"config.json {key}={hf[key]!r}: supported is DeepSeek-V3's "
+                             f"{want!r} router")
+    if hf.get("attention_bias"):
+        raise ValueError("config.json attention_bias=true: DeepSeek-V3's multi-latent "
+                         "attention has no biases in Megatron's MLA")
+    if hf.get("rope_interleave", True) is not True:
+        raise ValueError(f"config.json rope_interleave={hf['rope_interleave']!r}: Megatron's "
+                         f"MLA applies RoPE to interleaved channels only")
+    q_lora = hf.get("q_lora_rank") or 0
+    keys = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+    _positive_ints({k: hf.get(k) for k in keys}, "multi-latent attention")
+    if q_lora:
+        _positive_ints({"q_lora_rank": q_lora}, "multi-latent attention")
+    yarn: tuple = ()
+    if kind == "yarn":
+        factor = rope.get("factor")
+        orig = rope.get("original_max_position_embeddings")
+        _positive_ints({"rope_scaling.original_max_position_embeddings": orig}, "YaRN")
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
+            raise ValueError(f"config.json rope_scaling.factor={factor!r}: YaRN needs a "
+                             f"positive number")
+        if rope.get("truncate", True) is not True:
+            raise ValueError("config.json rope_scaling.truncate=false: Megatron's YaRN rounds "
+                             "its correction range (truncate true) only")
+        mscale, all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
+        # transformers' cos/sin factor (attention_factor) against Megatron's, which is
+        # mscale(factor, mscale) / mscale(factor, mscale_all_dim) with defaults 1 and 0
+        ours = _yarn_mscale(factor, 1.0 if mscale is None else mscale) / \
+            _yarn_mscale(factor, all_dim or 0.0)
+        theirs = rope.get("attention_factor")
+        if theirs is None:
+            theirs = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, all_dim) \
+                if mscale and all_dim else _yarn_mscale(factor, 1.0)
+        if not math.isclose(ours, theirs, rel_tol=1e-12):
+            raise ValueError(f"config.json rope_scaling mscale={mscale!r} mscale_all_dim="
+                             f"{all_dim!r} attention_factor={rope.get('attention_factor')!r}: "
+                             f"transformers scales cos/sin by {theirs:.6g}, Megatron's YaRN "
+                             f"by {ours:.6g}")
+        yarn = (float(factor), int(orig), float(rope.get("beta_fast") or 32),
+                float(rope.get("beta_slow") or 1), float(1.0 if mscale is None else mscale),
+                float(all_dim or 0.0))
+    elif kind not in ("default", None):
+        raise ValueError(f"config.json rope_scaling={rope}: multi-latent attention supports "
+                         f"plain RoPE and rope_type yarn")
+    mtp = hf.get("num_nextn_predict_layers", hf.get("num_mtp_layers", 0)) or 0
+    return dict(q_lora_rank=q_lora, kv_lora_rank=hf["kv_lora_rank"],
+                qk_nope_head_dim=hf["qk_nope_head_dim"],
+                qk_rope_head_dim=hf["qk_rope_head_dim"], v_head_dim=hf["v_head_dim"],
+                head_dim=hf["qk_nope_head_dim"] + hf["qk_rope_head_dim"], yarn=yarn,
+                mtp_layers=int(mtp))
 
 
 # Megatron-core's llama3 RoPE takes the factor; these three it holds at Llama 3.1/3.2/3.3's
@@ -388,8 +489,33 @@ def transformer_config(args: ModelArgs, tp: int, pp: int, params_dtype: str = "f
             moe_grouped_gemm=False)
     if recompute:
         kw.update(FULL_RECOMPUTE if recompute is True else recompute)
+    if args.is_mla:
+        from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+        kw.update(mla_config(args))
+        kw.update(overrides)
+        return MLATransformerConfig(**kw)
     kw.update(overrides)
     return TransformerConfig(**kw)
+
+
+def mla_config(args: ModelArgs) -> dict:
+    """MLATransformerConfig's fields of a multi-latent-attention model. Every head has its
+    own key (the shared RoPE key is expanded per head), so there are as many query groups
+    as heads; `qk_layernorm` is MLA's q_a / kv_a latent norms."""
+    kw = dict(multi_latent_attention=True, q_lora_rank=args.q_lora_rank or None,
+              kv_lora_rank=args.kv_lora_rank, qk_head_dim=args.qk_nope_head_dim,
+              qk_pos_emb_head_dim=args.qk_rope_head_dim, v_head_dim=args.v_head_dim,
+              num_query_groups=args.num_heads, kv_channels=args.head_dim, qk_layernorm=True,
+              rotary_base=args.rope_theta, rope_type="yarn" if args.yarn else "rope",
+              # Megatron's MLA softmax scale is mscale(rotary_scaling_factor,
+              # mscale_all_dim)² / sqrt(q head dim): factor 1 gives plain RoPE's
+              rotary_scaling_factor=1.0, mscale=1.0, mscale_all_dim=0.0)
+    if args.yarn:
+        factor, orig, fast, slow, mscale, all_dim = args.yarn
+        kw.update(rotary_scaling_factor=factor, original_max_position_embeddings=orig,
+                  beta_fast=fast, beta_slow=slow, mscale=mscale, mscale_all_dim=all_dim)
+    return kw
 
 
 def transformer_engine_usable() -> bool:
@@ -403,7 +529,8 @@ _SPEC_LOGGED: set = set()
 
 
 def layer_spec(impl: str = "auto", qk_norm: bool = False, num_experts: int = 0,
-               context_parallel: int = 1, attention_backend: str = "auto"):
+               context_parallel: int = 1, attention_backend: str = "auto",
+               mla: bool = False):
     """The transformer layer: Transformer Engine's (each pre-norm fused into the linear after
     it) for `transformer_engine`, or `auto` where TE is usable; else Megatron's local layers.
     TE's layers come with TE's own core attention (`TEDotProductAttention`, its CP ring
@@ -417,6 +544,12 @@ def layer_spec(impl: str = "auto", qk_norm: bool = False, num_experts: int = 0,
     from .attention import SDPAttention, packed_path
 
     use_te = impl == "transformer_engine" or (impl == "auto" and transformer_engine_usable())
+    if mla and impl == "transformer_engine":
+        raise ValueError("transformer_impl=transformer_engine: multi-latent attention "
+                         "(DeepSeek-V3) runs on Megatron's local layers only; use local or auto")
+    if mla:
+        use_te = False
+        impl = "local (multi-latent attention)" if impl == "auto" else impl
     if use_te:
         spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
             num_experts=num_experts or None, moe_grouped_gemm=False, qk_layernorm=qk_norm)
@@ -424,10 +557,12 @@ def layer_spec(impl: str = "auto", qk_norm: bool = False, num_experts: int = 0,
     else:
         spec = gpt_layer_specs.get_gpt_layer_local_spec(
             num_experts=num_experts or None, moe_grouped_gemm=False, normalization="RMSNorm",
-            qk_layernorm=qk_norm)
+            qk_layernorm=qk_norm or mla, multi_latent_attention=mla)
         why = {"local": "transformer_impl=local",
                "auto": "Transformer Engine not installed or no CUDA"}.get(impl, impl)
         what = f"Megatron local layers ({why})"
+        if mla:
+            what = "Megatron local layers, multi-latent attention"
     if use_te and attention_backend != "flex":
         what += ", Transformer Engine attention" + (
             f" (CP={context_parallel}: TE's ring)" if context_parallel > 1 else "")
@@ -510,12 +645,15 @@ def _local_norms(layer):
     slots = [(subs, "input_layernorm"), (subs, "pre_mlp_layernorm")]
     attn = getattr(subs.self_attention, "submodules", None)
     if attn is not None:
-        slots += [(attn, "q_layernorm"), (attn, "k_layernorm")]
+        slots += [(attn, "q_layernorm"), (attn, "k_layernorm"), (attn, "kv_layernorm")]
+    # MLA's latent norms (q_layernorm, kv_layernorm) run on the residual stream's sequence
+    # slice under SP, so they are marked like the layers' norms; Q/K head norms are not
+    mla = getattr(attn, "kv_layernorm", None) is not None
     local = False
     for holder, name in slots:
         if getattr(holder, name, None) is WrappedTorchNorm:
             setattr(holder, name, QKRMSNorm if name in ("q_layernorm", "k_layernorm")
-                    else RMSNorm)
+                    and not mla else RMSNorm)
             local = True
     return layer, local
 
@@ -566,15 +704,19 @@ def build_gpt_model(args: ModelArgs, config, make_vocab_size_divisible_by: int =
     _patches.apply()
     tp = ps.get_tensor_model_parallel_world_size()
     dense = layer_spec(transformer_impl, args.qk_norm, 0, config.context_parallel_size,
-                       attention_backend) \
-        if args.first_k_dense else None
+                       attention_backend, args.is_mla) if args.first_k_dense else None
+    if args.mtp_layers and not _SPEC_LOGGED.intersection({"mtp"}):
+        _SPEC_LOGGED.add("mtp")
+        logger.info("megatron: the checkpoint's %d multi-token-prediction layer(s) "
+                    "(num_nextn_predict_layers) are not built, loaded or synced: RL trains "
+                    "the next-token model only", args.mtp_layers)
     # the embedding lives in the first stage's first chunk, the output layer in the last
     # stage's last chunk (ignore_virtual=False asks for the chunk's place, not the rank's)
     virtual = vp_stage is not None
     model = GPTModel(
         config=config, transformer_layer_spec=block_spec(
             layer_spec(transformer_impl, args.qk_norm, args.num_experts,
-                       config.context_parallel_size, attention_backend), config,
+                       config.context_parallel_size, attention_backend, args.is_mla), config,
             dense_layer=dense, first_k_dense=args.first_k_dense, vp_stage=vp_stage),
         vocab_size=padded_vocab_size(args.vocab_size, make_vocab_size_divisible_by, tp),
         max_sequence_length=args.max_position_embeddings,

@@ -10,6 +10,11 @@ the mixture-of-experts models (the world is then larger than TP×PP: data-parall
 that each run the same rows, their tokens crossing to the experts' ranks).
 PARITY_ATTENTION (default auto): the workers' attention_backend (flex: packed rows through
 FlexAttention's document mask).
+PARITY_EP_MODELS (os.pathsep-separated MoE model dirs, TP=2 jobs): after the others, each
+at TP1 × EP2 (`ep2:` keys; the two ranks data-parallel, their tokens crossing to the
+experts' ranks; `ep2:routing_off`: real tokens whose experts differ from transformers' in
+some layer) and at TP2 × EP2 (ETP1, the experts over the TP ranks) with SP (`tp2ep2:`;
+`tp2ep2:export_off`: HF tensors the export lacks, adds or changes against model.safetensors).
 PARITY_VPP_MODELS (os.pathsep-separated model dirs): run at PP×VPP with PARITY_VPP (default 2)
 model chunks per stage after the others, padded and packed, and with one-row micro-batches
 (3 of them, which the interleaved schedule pads to a multiple of PP).
@@ -80,6 +85,65 @@ def forced_routing(w, hf, cp: int) -> dict:
     return r
 
 
+def routing_off(w, hf, ids) -> int:
+    """Tokens (all real here) whose chosen experts differ from transformers' in some MoE
+    layer (dense layers have no router on either side)."""
+    got, hs = {}, []
+    for i, layer in enumerate(hf.model.layers):
+        gate = getattr(layer.mlp, "gate", None)
+        if isinstance(gate, torch.nn.Module):
+            hs.append(gate.register_forward_hook(
+                lambda _m, _i, out, i=i: got.__setitem__(i, out[2])))
+    seen = []
+    hs += [router.register_forward_hook(
+        lambda _m, _i, out, layer=layer: seen.append((layer, out[1].detach().clone())))
+        for layer, router in w.routers]
+    with torch.no_grad():
+        hf(ids)
+    B, S = ids.shape
+    w.compute_logp({"input_ids": ids}, micro_batch_size=B)
+    for h in hs:
+        h.remove()
+    assert seen and {layer for layer, _ in seen} == set(got), (sorted(got), seen)
+    off = torch.zeros(B, S, dtype=torch.bool)
+    for layer, routing_map in seen:
+        chosen = routing_map.reshape(S, B, -1).transpose(0, 1)  # Megatron's [S, B] order
+        want = torch.zeros_like(chosen).scatter_(2, got[layer].reshape(B, S, -1), True)
+        off |= (chosen != want).any(-1)
+    return int(off.sum())
+
+
+def expert_parallel(d: str) -> dict:
+    """`d` at TP1 × EP2 and at TP2 × EP2 (ETP1) with SP, on the job's two ranks."""
+    from megatron.core import parallel_state as ps
+    from transformers import AutoModelForCausalLM
+
+    from megarl.backends.megatron.model import MoESettings
+    from megarl.backends.megatron.worker import MegatronWorker
+
+    hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    r = {}
+    for key, tp, sp in (("ep2:", 1, False), ("tp2ep2:", 2, True)):
+        ps.destroy_model_parallel()  # Megatron's groups again (the world stays)
+        w = MegatronWorker(d, tp, 1, trainable=False, moe=MoESettings(ep=2, etp=1),
+                           sequence_parallel=sp)
+        r.update({key + k: v for k, v in compare(w, hf, sp).items()})
+        if tp == 1:
+            g = torch.Generator().manual_seed(1)
+            r[key + "routing_off"] = routing_off(
+                w, hf, torch.randint(0, w.args.vocab_size, (3, 17), generator=g))
+        else:
+            # the export the weight sync and the converter send (TP and EP gathered): every
+            # HF tensor, bit-exact (names and fp32 values as loaded)
+            from safetensors.torch import load_file
+
+            src = load_file(os.path.join(d, "model.safetensors"))
+            got = {k: v.cpu() for k, v in w.export_hf()}
+            r[key + "export_off"] = sorted(set(src) ^ set(got)) + sorted(
+                k for k in set(src) & set(got) if not torch.equal(src[k], got[k]))
+    return r
+
+
 def main():
     out, tp, pp, dirs = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4:]
     from transformers import AutoModelForCausalLM
@@ -114,6 +178,8 @@ def main():
                 r.update({("sp:" if sp else "") + k: v
                           for k, v in forced_routing(w, hf, cp).items()})
         results[d] = r
+    for d in [d for d in os.environ.get("PARITY_EP_MODELS", "").split(os.pathsep) if d]:
+        results.setdefault(d, {}).update(expert_parallel(d))
     vpp_dirs = [d for d in os.environ.get("PARITY_VPP_MODELS", "").split(os.pathsep) if d]
     if vpp_dirs:
         from megatron.core import parallel_state as ps

@@ -173,7 +173,8 @@ def test_result_is_read_only():
 
 
 @pytest.mark.parametrize("name", ["quickstart.yaml", "qwen2_7b_async.yaml", "qwen3_8b_async.yaml",
-                                  "qwen3_30b_a3b_async.yaml", "glm45_355b.yaml"])
+                                  "qwen3_30b_a3b_async.yaml", "glm45_355b.yaml",
+                                  "deepseek_v3_671b.yaml"])
 def test_shipped_configs_load_and_validate(name):
     cfg = load_config(str(REPO / "configs" / name), [])
     assert cfg.actor_rollout_ref.async_pipeline is True

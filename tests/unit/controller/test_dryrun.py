@@ -96,6 +96,47 @@ def test_qwen3_8b_plan_sends_every_tensor_transformers_has(capsys):
     assert "trainer (logp+actor-train): TP4 × PP1 × DP4" in out
 
 
+def test_deepseek_v3_671b_plan_sends_every_tensor_and_counts_mla(capsys):
+    """configs/deepseek_v3_671b.yaml: the dry run exits 0 and fits 179 GiB GPUs; its plan
+    names every checkpoint tensor of transformers' DeepSeek-V3 (MLA's latent projections and
+    norms, experts per expert, the fp32 correction bias) with its shape; the engine's KV cache
+    is MLA's latent one (61 × (512 + 64) bf16 a token on every TP rank)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from megarl.controller.memory import kv_bytes_per_token
+    from megarl.rollout.weights import expert_views
+
+    out, a, planned, params = _shipped_plan(capsys, "deepseek_v3_671b.yaml",
+                                            "deepseek_v3_671b.json", "--gpu-memory-gib", "179")
+    views = expert_views(params)
+    fused = {n for n, p in params.items() if p.dim() == 3}
+    want = {n: tuple(p.shape) for n, p in {**params, **views}.items() if n not in fused}
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(
+            AutoConfig.from_pretrained(REPO / "configs" / "models" / "deepseek_v3_671b.json"))
+    want.update({n: tuple(b.shape) for n, b in model.named_buffers()
+                 if n.endswith("e_score_correction_bias")})
+    assert planned == want
+    assert "kv_a_proj_with_mqa" in " ".join(want) and len(views) == 58 * 256 * 3
+    assert kv_bytes_per_token(a, 8, 2) == 61 * 576 * 2
+    assert "multi-latent attention (q/kv latents 1536/512, qk 128+64 rope, v 128)" in out
+    assert "experts EP64 × ETP1: 4 of 256 per EP rank, expert-DP2" in out
+
+
+def test_kimi_k2_config_json_dry_runs_as_deepseek_v3(capsys):
+    """Kimi-K2's config.json (model_type kimi_k2, DeepSeek-V3's architecture: 384 experts in
+    one group, 64 heads, one dense layer) in the DeepSeek-V3 job: accepted and planned (1T
+    parameters: experts over EP128, and 288 GiB GPUs for its bf16 engines)."""
+    kimi = REPO / "configs" / "models" / "kimi_k2_1t.json"
+    path = str(REPO / "configs" / "deepseek_v3_671b.yaml")
+    assert main(["train", "--config", path, "--dry-run", "--gpu-memory-gib", "288",
+                 f"actor_rollout_ref.model.hf_config_path={kimi}",
+                 "actor_rollout_ref.actor.megatron.expert_model_parallel_size=128"]) == 0
+    out = capsys.readouterr().out
+    assert "model: deepseek_v3, 61 layers, hidden 7168, 64 heads, multi-latent" in out
+    assert "experts EP128 × ETP1: 3 of 384 per EP rank" in out
+
+
 def test_qwen3_30b_a3b_plan_sends_every_expert_stock_sglang_loads(capsys):
     """configs/qwen3_30b_a3b_async.yaml (MoE, 128 experts): the dry run exits 0 and fits, and
     its plan names every checkpoint tensor of transformers' Qwen3-30B-A3B with its shape:

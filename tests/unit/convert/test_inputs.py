@@ -226,3 +226,99 @@ def test_glm45_transformer_config_keeps_the_correction_bias_fixed():
             c.moe_shared_expert_intermediate_size, c.moe_router_num_groups) == (
         "sigmoid", True, 0.0, 2.5, 1536, None)
     assert c.moe_layer_freq == [0, 0, 0] + [1] * 89
+
+
+DSV3 = json.loads((Path(__file__).resolve().parents[3] / "configs" / "models" /
+                   "deepseek_v3_671b.json").read_text())
+# Kimi-K2-Instruct's released config.json (its model_type is its own, the architecture
+# DeepSeek-V3's), less auto_map and the FP8 quantization_config (refused: bf16 weights only)
+KIMI_K2 = json.loads((Path(__file__).resolve().parents[3] / "configs" / "models" /
+                      "kimi_k2_1t.json").read_text())
+
+
+@pytest.mark.parametrize("change,needle", [
+    ({}, None),
+    ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}},
+     "quantization_config (quant_method 'fp8'): quantised checkpoints are not read"),
+    ({"scoring_func": "softmax"}, "scoring_func='softmax': supported is DeepSeek-V3's"),
+    ({"topk_method": "group_limited_greedy"}, "topk_method='group_limited_greedy'"),
+    ({"attention_bias": True}, "attention_bias=true: DeepSeek-V3's multi-latent attention"),
+    ({"rope_interleave": False}, "rope_interleave=False: Megatron's MLA applies RoPE to "
+                                 "interleaved channels only"),
+    ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "multi-latent attention supports "
+                                                          "plain RoPE and rope_type yarn"),
+    # transformers then scales cos/sin by mscale(40) (its default when either is 0),
+    # Megatron by 1 / mscale(40, 1)
+    ({"rope_scaling": {**DSV3["rope_scaling"], "mscale": 0}},
+     "transformers scales cos/sin by 1.36889, Megatron's YaRN by 0.73052"),
+    ({"rope_scaling": {**DSV3["rope_scaling"], "truncate": False}}, "rope_scaling.truncate"),
+    ({"n_group": 8, "topk_group": 2}, "n_group=8 topk_group=2: Megatron scores a group"),
+    ({"kv_lora_rank": None}, "kv_lora_rank=None: multi-latent attention needs a positive"),
+])
+def test_deepseek_v3_config_json_refused_by_key(change, needle):
+    """DeepSeek-V3's config.json read into the MLA and MoE fields; what Megatron does not
+    compute as transformers does is refused naming the key, before any work."""
+    from megarl.backends.megatron.hf.model_config import model_args
+
+    cfg = {k: v for k, v in {**DSV3, **change}.items() if v is not None}
+    if needle is None:
+        a = model_args(cfg, "config.json")
+        assert (a.arch, a.is_mla, a.q_lora_rank, a.kv_lora_rank, a.head_dim, a.v_head_dim,
+                a.first_k_dense, a.moe_num_groups, a.moe_group_topk, a.mtp_layers) == (
+            "deepseek_v3", True, 1536, 512, 192, 128, 3, 8, 4, 1)
+        assert a.yarn == (40.0, 4096, 32.0, 1.0, 1.0, 1.0)
+        return
+    with pytest.raises(ConvertError, match="config.json: ") as err:
+        model_args(cfg, "config.json")
+    assert needle in str(err.value)
+
+
+@pytest.mark.parametrize("tp,problem", [
+    (8, None), (16, None),
+    (3, "num_attention_heads=128 is not divisible by TP=3"),
+    (256, "num_attention_heads=128 is not divisible by TP=256"),
+])
+def test_deepseek_v3_tp_rules_name_the_mla_sizes(tp, problem):
+    a = ModelArgs.from_hf(DSV3)
+    assert layout_error(a, tp, 1, 8, 1) == problem
+    small = dataclasses.replace(a, num_heads=8, q_lora_rank=12)
+    assert layout_error(small, 8, 1) == "q_lora_rank=12 is not divisible by TP=8"
+    small = dataclasses.replace(a, num_heads=8, qk_rope_head_dim=60)
+    assert layout_error(small, 8, 1) == ("kv_lora_rank + qk_rope_head_dim = 512 + 60 is not "
+                                         "divisible by TP=8")
+
+
+def test_deepseek_v3_transformer_config_is_megatrons_mla_with_yarn():
+    """MLATransformerConfig: the latent ranks and head dims, YaRN's settings, one query group
+    per head, the latent norms (qk_layernorm); the router as GLM-4.5's with groups."""
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    from megarl.backends.megatron.model import MoESettings, transformer_config
+
+    c = transformer_config(ModelArgs.from_hf(DSV3), 8, 1, "bfloat16", MoESettings(ep=64, etp=1),
+                           sequence_parallel=True)
+    assert isinstance(c, MLATransformerConfig)
+    assert (c.q_lora_rank, c.kv_lora_rank, c.qk_head_dim, c.qk_pos_emb_head_dim, c.v_head_dim,
+            c.num_query_groups, c.qk_layernorm, c.rope_type, c.rotary_scaling_factor,
+            c.original_max_position_embeddings, c.mscale, c.mscale_all_dim) == (
+        1536, 512, 128, 64, 128, 128, True, "yarn", 40.0, 4096, 1.0, 1.0)
+    assert (c.moe_router_num_groups, c.moe_router_group_topk, c.moe_router_topk_scaling_factor,
+            c.moe_router_enable_expert_bias, c.moe_router_bias_update_rate) == (8, 4, 2.5, True,
+                                                                                0.0)
+    assert c.moe_layer_freq == [0, 0, 0] + [1] * 58
+
+
+def test_kimi_k2_config_json_reads_as_deepseek_v3(tmp_path):
+    """Kimi-K2's model_type (kimi_k2) is not transformers': megarl reads its config.json as
+    DeepSeek-V3's, for Megatron and for the embedded engine, without remote code."""
+    from megarl.backends.megatron.hf.model_config import model_args
+    from megarl.rollout.engine import hf_config
+
+    a = model_args(KIMI_K2, "config.json")
+    assert (a.arch, a.num_experts, a.moe_num_groups, a.first_k_dense, a.num_heads) == (
+        "deepseek_v3", 384, 0, 1, 64)
+    assert layout_error(a, 8, 1, 64, 1) is None
+    (tmp_path / "config.json").write_text(json.dumps(KIMI_K2))
+    cfg = hf_config(str(tmp_path))
+    assert (cfg.model_type, cfg.n_routed_experts, cfg.num_attention_heads) == (
+        "deepseek_v3", 384, 64)

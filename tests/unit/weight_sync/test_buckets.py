@@ -57,6 +57,30 @@ def test_small_buckets_fill_per_dtype():
     assert names == [["d"], ["a", "e"], ["b", "c"]]
 
 
+@pytest.mark.parametrize("bucket_bytes", [1, 60, 100, 10_000])
+def test_mla_down_projections_share_one_bucket(bucket_bytes):
+    """Stock SGLang fuses DeepSeek-V3's q_a_proj with kv_a_proj_with_mqa only within one update
+    call (a lone half is dropped): each layer's two go out in one bucket, in any export order
+    and whatever the bucket size; a layer without a query latent sends its kv_a_proj alone."""
+    a = "model.layers.{}.self_attn.{}.weight"
+    named = [(a.format(0, "kv_a_proj_with_mqa"), torch.ones(5, 2)),   # 40 B
+             (a.format(0, "kv_b_proj"), torch.ones(4, 2)),            # 32 B
+             ("x", torch.ones(6)),                                    # 24 B
+             (a.format(1, "q_a_proj"), torch.ones(3, 2)),             # 24 B
+             (a.format(0, "q_a_proj"), torch.ones(3, 2)),
+             (a.format(1, "kv_a_proj_with_mqa"), torch.ones(5, 2)),
+             (a.format(2, "kv_a_proj_with_mqa"), torch.ones(5, 2))]   # no q_a_proj in layer 2
+    buckets = _pack(named, bucket_bytes)
+    where = {s.name: b.meta.index for b in buckets for s in b.meta.specs}
+    assert set(where) == {n for n, _ in named}
+    for layer in (0, 1):
+        assert where[a.format(layer, "q_a_proj")] == where[a.format(layer, "kv_a_proj_with_mqa")]
+    assert all(b.meta.nbytes <= bucket_bytes for b in buckets
+               if len(b.meta.specs) > 1 and not any("_a_proj" in s.name for s in b.meta.specs))
+    plan = plan_buckets([TensorSpec.of(n, t) for n, t in named], bucket_bytes)
+    assert [m.specs for m in plan] == [b.meta.specs for b in buckets]
+
+
 def test_last_call_carries_the_version_as_sglang_string():
     b = _pack(_tensors(), 10_000)[0]
     assert b.meta.request("grp", weight_version=12)["weight_version"] == "12"

@@ -1,4 +1,5 @@
-"""Pure HF <-> Megatron name and layout maps for the Llama, Qwen2, Qwen3 and GLM-4.5 families.
+"""Pure HF <-> Megatron name and layout maps for the Llama, Qwen2, Qwen3, GLM-4.5 and
+DeepSeek-V3 families.
 
 "Full" Megatron tensors are unsharded and carry global layer indices; the TP split of a full
 tensor is `shard()`, its inverse `unshard()`. The families share HF names; they differ only in
@@ -38,13 +39,31 @@ FP32_BUFFERS = ("mlp.router.expert_bias",)
 # One routed expert's SwiGLU inside a layer (Megatron's SequentialMLP): sharded over TP like
 # the dense MLP's linear_fc1 / linear_fc2, with the expert index in the name.
 _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$")
+# Multi-latent attention (DeepSeek-V3, Kimi-K2, local spec): one tensor each way, same
+# layout on both sides (the HF q/kv up-projections are per head [nope, rope] and [nope, v],
+# Megatron's too; kv_a_proj_with_mqa is [latent, rope key], Megatron's kv down-projection
+# too). Megatron's q_layernorm is the query latent's norm here, not Qwen3's per-head one.
+_MLA_1TO1 = {
+    "self_attention.linear_q_proj.weight": "self_attn.q_proj.weight",
+    "self_attention.linear_q_down_proj.weight": "self_attn.q_a_proj.weight",
+    "self_attention.q_layernorm.weight": "self_attn.q_a_layernorm.weight",
+    "self_attention.linear_q_up_proj.weight": "self_attn.q_b_proj.weight",
+    "self_attention.linear_kv_down_proj.weight": "self_attn.kv_a_proj_with_mqa.weight",
+    "self_attention.kv_layernorm.weight": "self_attn.kv_a_layernorm.weight",
+    "self_attention.linear_kv_up_proj.weight": "self_attn.kv_b_proj.weight",
+}
 _GLOBAL_1TO1 = {
     "decoder.final_layernorm.weight": "model.norm.weight",
 }
 # TP partition dim of each Megatron tensor kind; absent = replicated on every TP rank.
 _COLUMN = ("embedding.word_embeddings.weight", "output_layer.weight",
            "self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias",
-           "mlp.linear_fc1.weight")
+           "mlp.linear_fc1.weight",
+           # MLA's linears are all column-parallel in the local spec (the down-projections'
+           # outputs are all-gathered before the latent norms)
+           "self_attention.linear_q_proj.weight", "self_attention.linear_q_down_proj.weight",
+           "self_attention.linear_q_up_proj.weight", "self_attention.linear_kv_down_proj.weight",
+           "self_attention.linear_kv_up_proj.weight")
 _ROW = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")
 
 
@@ -177,6 +196,8 @@ def mcore_from_hf(name: str, get_hf: Callable[[str], torch.Tensor], a: ModelArgs
     if layer is None:
         raise KeyError(f"{name}: no HF counterpart")
     pre = f"model.layers.{layer}."
+    if a.is_mla and suffix in _MLA_1TO1:
+        return get_hf(pre + _MLA_1TO1[suffix])
     if suffix in _LAYER_1TO1:
         return get_hf(pre + _LAYER_1TO1[suffix])
     if suffix.startswith("self_attention.linear_qkv."):
@@ -213,6 +234,8 @@ def hf_from_mcore(name: str, full: torch.Tensor, a: ModelArgs) -> list[tuple[str
     if layer is None:
         raise KeyError(f"{name}: no HF counterpart")
     pre = f"model.layers.{layer}."
+    if a.is_mla and suffix in _MLA_1TO1:
+        return [(pre + _MLA_1TO1[suffix], full)]
     if suffix in _LAYER_1TO1:
         return [(pre + _LAYER_1TO1[suffix], full)]
     if suffix.startswith("self_attention.linear_qkv."):
@@ -238,10 +261,15 @@ def hf_names(a: ModelArgs) -> list[str]:
     for i in range(a.num_layers):
         p = f"model.layers.{i}."
         names += [p + "input_layernorm.weight"]
-        for x in "qkv":
-            names.append(f"{p}self_attn.{x}_proj.weight")
-            if a.qkv_bias:
-                names.append(f"{p}self_attn.{x}_proj.bias")
+        if a.is_mla:
+            q = ["q_a_proj", "q_a_layernorm", "q_b_proj"] if a.q_lora_rank else ["q_proj"]
+            names += [f"{p}self_attn.{x}.weight"
+                      for x in q + ["kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj"]]
+        else:
+            for x in "qkv":
+                names.append(f"{p}self_attn.{x}_proj.weight")
+                if a.qkv_bias:
+                    names.append(f"{p}self_attn.{x}_proj.bias")
         if a.qk_norm:
             names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
         names += [p + "self_attn.o_proj.weight", p + "post_attention_layernorm.weight"]

@@ -67,6 +67,10 @@ _FIELDS = {
     # GLM-4.5 (and the DeepSeek-V3 family's routing keys)
     "n_routed_experts": (False, "int"), "n_group": (False, "int"), "topk_group": (False, "int"),
     "routed_scaling_factor": (False, "float"), "use_qk_norm": (False, "bool"),
+    # DeepSeek-V3 / Kimi-K2 multi-latent attention (q_lora_rank may be null: no query latent)
+    "kv_lora_rank": (False, "int"), "q_lora_rank": (False, "int"),
+    "qk_nope_head_dim": (False, "int"), "qk_rope_head_dim": (False, "int"),
+    "v_head_dim": (False, "int"),
 }
 
 
@@ -140,11 +144,19 @@ def layout_error(a: ModelArgs, tp: int, pp: int, ep: int = 1,
         return f"num_experts={a.num_experts} is not divisible by EP={ep}"
     if a.num_heads % tp:
         return f"num_attention_heads={a.num_heads} is not divisible by TP={tp}"
-    if a.num_kv_heads % tp and tp % a.num_kv_heads:
+    if a.is_mla:
+        # the local spec's MLA splits its down-projections' outputs over TP (all-gathered
+        # before the latent norms), so the latents must split evenly
+        if a.q_lora_rank % tp:
+            return f"q_lora_rank={a.q_lora_rank} is not divisible by TP={tp}"
+        if (a.kv_lora_rank + a.qk_rope_head_dim) % tp:
+            return (f"kv_lora_rank + qk_rope_head_dim = {a.kv_lora_rank} + "
+                    f"{a.qk_rope_head_dim} is not divisible by TP={tp}")
+    elif a.num_kv_heads % tp and tp % a.num_kv_heads:
         return (f"num_key_value_heads={a.num_kv_heads} is neither a multiple nor a divisor of "
                 f"TP={tp}")
     qkv_rows = (a.num_heads + 2 * a.num_kv_heads) * a.head_dim
-    if qkv_rows % tp:
+    if not a.is_mla and qkv_rows % tp:
         return (f"the fused QKV projection ((num_attention_heads + 2 × num_key_value_heads) × "
                 f"head_dim = {qkv_rows} rows) is not divisible by TP={tp}")
     if a.is_moe and a.moe_ffn_hidden_size % etp:

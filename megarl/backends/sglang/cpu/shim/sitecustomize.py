@@ -23,6 +23,12 @@ else: no sglang file is edited, and a process without `MEGARL_SGLANG_CPU_SHIM=1`
    `cudaHostRegister`; CPU torch has no CUDA, so the server fails at start-up. Pinning only
    speeds up copies between a GPU and the host; with the CPU engine the "device" is the host,
    so here the "cpu" entry allocates the same buffer with the same allocator, unpinned.
+4. DeepSeek-V3's attention on torch_native. sglang's DeepSeek model picks its attention method
+   per backend from `AttentionBackendRegistry`; torch_native has no entry, so it falls back to
+   triton's choice, whose prefill takes the MHA path, while torch_native then reads K/V from
+   the latent (MLA) pool: wrong tokens. Registered here, torch_native takes the absorbed MLA
+   method (the one every other MLA backend decodes with; `_dispatch_mla_subtype`), and a
+   tiny DeepSeek-V3 then serves what transformers computes (tests/stock/test_stock_deepseek.py).
 """
 import logging
 import os
@@ -113,8 +119,17 @@ def _unpinned_cpu_host_buffers(common) -> None:
     logger.debug("megarl CPU shim: host buffers on device 'cpu' are not pinned")
 
 
+def _torch_native_mla(handlers) -> None:
+    handlers.AttentionBackendRegistry.register(
+        "torch_native", lambda attn, forward_batch: handlers._dispatch_mla_subtype(
+            attn, forward_batch))
+    logger.debug("megarl CPU shim: DeepSeek MLA on torch_native takes the absorbed MLA method")
+
+
 if os.environ.get("MEGARL_SGLANG_CPU_SHIM") == "1":
     _skip_missing_torchvision_fakes()
     if os.environ.get("SGLANG_USE_CPU_ENGINE") == "1":
         _stand_in_sgl_kernel()
         _after_import("sglang.srt.mem_cache.pool_host.common", _unpinned_cpu_host_buffers)
+        _after_import("sglang.srt.models.deepseek_common.attention_backend_handler",
+                      _torch_native_mla)
