@@ -51,6 +51,9 @@ CASES = {
                   [f"{A}.model.enable_gradient_checkpointing=true"]),
     "pp2": ("dense, PP2 (2 gloo ranks), padded, 2 micro-batches", 2,
             [f"{M}.pipeline_model_parallel_size=2"]),
+    "chunked": ("dense, 1 rank, padded, log-probs in 256-token chunks", 1,
+                [f"{A}.actor.entropy_from_logits_with_chunking=true",
+                 f"{A}.actor.entropy_from_logits_chunk_size=256"]),
 }
 
 

@@ -43,20 +43,24 @@ FORMULAS = [
     "rollout.enable_dual_buffer: the largest stage's HF bytes (snapshot), else its largest "
     "bucket (packing buffer)",
     "activations = max(train, logp): train = L·s·b·(6h (/TP with megatron.sequence_parallel)"
-    " + 4·heads·head_dim/TP + 5·F/TP)·e [what the local layers save: norms' inputs and "
-    "outputs, SDPA's q and repeated K/V, SwiGLU; a mixture of experts 5·F_moe·k + 2·k·h + "
+    " + 2·(heads + kv_heads)·head_dim/TP + 5·F/TP)·e [what the local layers save: norms' "
+    "inputs and outputs, SDPA's q and output, K/V at the query groups' heads (under CP "
+    "repeated to every head: 4·heads·head_dim/TP), SwiGLU; a mixture of experts 5·F_moe·k + 2·k·h + "
     "5·F_shared for the MLP; with gradient checkpointing each recomputed group keeps its "
     "input L·s·b·h·e (/TP with sequence parallelism) + one group live, alive in backward once "
     "the log-prob path is freed] + c_train·s·b·V/TP·4 on the last PP stage, the layers' term "
     "× PP micro-batches in flight on the first, b = actor.ppo_micro_batch_size_per_gpu; logp = "
     "c_logp·s·b'·V/TP·4, b' = rollout.log_prob_micro_batch_size_per_gpu; c = the fp32 vocab "
     "tensors the log-prob path holds at once (memory.logit_copies: training with entropy "
-    "e/4 + 6.25, forward without e/4 + 3)",
+    "e/4 + 6.25, forward without e/4 + 3; with actor.entropy_from_logits_with_chunking "
+    "the logits (and their gradient when training) in e/4 each + 2 fp32 chunks of "
+    "entropy_from_logits_chunk_size tokens)",
     "with use_dynamic_bsz (packed micro-batches) s·b is the pass's token budget "
     "(*_max_token_len_per_gpu; at least s, as a longer sequence goes alone)",
     "context parallelism (megatron.context_parallel_size = CP): s·b above is one rank's "
     "share, s·b/CP (the budget counts per CP rank: at least s/CP), and training adds the "
-    "K/V all-gathered over the CP group, L·s·b·2·kv_heads·head_dim/TP·e with s·b the whole "
+    "K/V all-gathered over the CP group and repeated to every query head (CUDA's masked "
+    "SDPA takes no GQA), L·s·b·2·heads·head_dim/TP·e with s·b the whole "
     "micro-batch's",
     "multi-latent attention (DeepSeek-V3): each layer's Q, K, V and attention output at "
     "their widths, s·b·(2·heads·(nope+rope) + 2·heads·v)/TP·e, in place of the attention "
@@ -109,11 +113,14 @@ def _logits_bytes(a: ModelArgs, m: DictConfig, tokens: int) -> int:
     return tokens * vocab // tp * 4
 
 
-def logit_copies(training: bool, with_entropy: bool, e: int) -> float:
+def logit_copies(training: bool, with_entropy: bool, e: int,
+                 chunk_frac: float | None = None) -> float:
     """fp32 [tokens, V/TP] tensors alive at once at the peak of the log-prob path the worker
-    takes (backends/megatron/logprobs.py ``vocab_parallel_logprobs`` on the output layer's
-    logits, whole micro-batch at a time), counted from that code: the logits themselves (in
-    the params' dtype, e/4 of an fp32 copy), z = logits.float() / T, z - max, and:
+    takes (backends/megatron/logprobs.py), in units of one such tensor.
+
+    The whole-micro-batch path (``vocab_parallel_logprobs``), counted from its code: the
+    logits themselves (in the params' dtype, e/4 of an fp32 copy), z = logits.float() / T,
+    z - max, and:
 
     - without entropy: exp(z - max) (kept for backward when training, else a temporary);
     - with entropy, forward only: p, its finite mask's zero-filled copy, p · finite, and
@@ -121,12 +128,34 @@ def logit_copies(training: bool, with_entropy: bool, e: int) -> float:
     - with entropy, training: exp(z - max) kept for backward besides those.
 
     Measured on CPU in fp32 (tools/bench_memory_estimate.py): 7.2 copies for a train step with
-    entropy, against 7.25 here. A chunked or fused log-prob path changes this count: this is
-    the one place to change it."""
+    entropy, against 7.25 here.
+
+    The token-chunked path (``actor.entropy_from_logits_with_chunking``; `chunk_frac` = chunk
+    size / tokens, at most 1) keeps no vocabulary-wide fp32 tensor for backward: the logits,
+    their gradient when training (both in the params' dtype), and two fp32 chunks (a chunk's
+    softmax and its product) at a time."""
+    if chunk_frac is not None:
+        return e / 4 * (2 if training else 1) + 2 * min(chunk_frac, 1.0)
     copies = e / 4 + 2  # logits, z, z - max
     if not with_entropy:
         return copies + 1
     return copies + 3.25 + (1 if training else 0)
+
+
+def _pass_logits_bytes(cfg: DictConfig, a: ModelArgs, m: DictConfig, role: str, cp: int,
+                       e: int) -> int:
+    """The log-prob path's vocabulary tensors in a forward-only pass (no entropy) of `role`."""
+    tokens = micro_batch_tokens(cfg, role, cp)
+    return int(logit_copies(False, False, e, chunk_frac(cfg, tokens)) * _logits_bytes(a, m, tokens))
+
+
+def chunk_frac(cfg: DictConfig, tokens: int) -> float | None:
+    """The log-prob chunk's share of a pass's tokens, or None on the whole-micro-batch path
+    (the actor's key, which the reference and the logp replica read too)."""
+    actor = cfg.actor_rollout_ref.actor
+    if not actor.entropy_from_logits_with_chunking:
+        return None
+    return min(1.0, int(actor.entropy_from_logits_chunk_size) / max(tokens, 1))
 
 
 def layer_activation_elements(a: ModelArgs, tp: int, sp: bool) -> float:
@@ -134,12 +163,13 @@ def layer_activation_elements(a: ModelArgs, tp: int, sp: bool) -> float:
     from what megarl's local layers save (torch autograd's saved tensors of a Qwen2 layer,
     checked with saved-tensor hooks): each RMSNorm its input and its normalised input, each
     norm's output as the next linear's input (6·h, all sequence-parallel); SDPA its q and the
-    K/V repeated to every query head, and the attention output as the projection's input
-    (4·heads·head_dim / TP); the SwiGLU MLP fc1's gate+up output, silu(gate), the product as
-    fc2's input and one more F-wide copy (5·F / TP). A mixture of experts: each token's top-k
-    experts' 5·F_moe and the routed hidden states permuted in and out (2·k·h), plus a shared
-    expert's 5·F_shared (not measured)."""
-    attn = 4 * a.num_heads * a.head_dim / tp
+    attention output at every query head, K/V at the query groups' heads (``enable_gqa``); the
+    attention output as the projection's input ((2·heads + 2·kv_heads)·head_dim / TP; under
+    context parallelism see ``_activation_bytes``); the SwiGLU MLP fc1's
+    gate+up output, silu(gate), the product as fc2's input and one more F-wide copy (5·F / TP).
+    A mixture of experts: each token's top-k experts' 5·F_moe and the routed hidden states
+    permuted in and out (2·k·h), plus a shared expert's 5·F_shared (not measured)."""
+    attn = 2 * (a.num_heads + a.num_kv_heads) * a.head_dim / tp
     if a.is_mla:
         # Q and K at heads × (nope + rope), V and the output at heads × v (measured for the
         # plain layers only), and the latents (query, key/value, RoPE key) with their norms'
@@ -170,7 +200,7 @@ def _activation_bytes(cfg: DictConfig, a: ModelArgs) -> int:
     rc = recompute_settings(m.override_transformer_config,
                             arr.model.enable_gradient_checkpointing)
     # training always computes the entropy (a metric even at entropy_coeff 0)
-    logits = logit_copies(True, True, e) * _logits_bytes(a, m, tokens)
+    logits = logit_copies(True, True, e, chunk_frac(cfg, tokens)) * _logits_bytes(a, m, tokens)
     full = rc is not None and rc["recompute_granularity"] == "full"
     if not full:
         # (SDPA keeps no attention scores, which is what selective recompute would save)
@@ -181,16 +211,17 @@ def _activation_bytes(cfg: DictConfig, a: ModelArgs) -> int:
     else:  # block: the first n layers kept as inputs, the others whole, one recomputed live
         n = min(rc["recompute_num_layers"], layers)
         stack, live = n * kept + (layers - n) * layer, layer
-    if cp > 1:  # each layer keeps the K and V it gathered, of the whole sequence(s)
-        stack += layers * tokens * cp * kv_width(a, tp) * e
+    if cp > 1:
+        # each layer keeps the K and V it gathered, of the whole sequence(s), repeated to every
+        # query head: on CUDA the masked chunk calls cannot take enable_gqa (attention.py)
+        stack += layers * tokens * cp * e * (kv_width(a, tp) if a.is_mla else
+                                             2 * max(1, a.num_heads // tp) * a.head_dim)
     # the last stage: its micro-batch's layers beside the log-prob path; a recomputed group
     # comes alive in backward, once that path is freed
     last = stack + max(live, logits)
     # 1F1B: the first stage holds PP micro-batches in flight (and no log-prob path)
     train = max(last, pp * stack + live) if pp > 1 else last
-    logp = logit_copies(False, False, e) * _logits_bytes(
-        a, m, micro_batch_tokens(cfg, "logp", cp))
-    return int(max(train, logp))
+    return int(max(train, _pass_logits_bytes(cfg, a, m, "logp", cp, e)))
 
 
 def trainer_memory(cfg: DictConfig, a: ModelArgs, devices: int,
@@ -258,9 +289,8 @@ def reference_memory(cfg: DictConfig, a: ModelArgs) -> list[MemoryItem]:
     ref = cfg.actor_rollout_ref.ref
     n, e = _rank_params(a, ref.megatron), itemsize(ref.megatron.params_dtype)
     return [MemoryItem(f"reference params ({_count(n)} × {e} B)", n * e),
-            MemoryItem("reference logits", int(logit_copies(False, False, e) * _logits_bytes(
-                a, ref.megatron, micro_batch_tokens(
-                    cfg, "ref", ref.megatron.context_parallel_size))))]
+            MemoryItem("reference logits", _pass_logits_bytes(
+                cfg, a, ref.megatron, "ref", ref.megatron.context_parallel_size, e))]
 
 
 def replica_megatron(cfg: DictConfig) -> DictConfig:
@@ -281,8 +311,8 @@ def replica_memory(cfg: DictConfig, a: ModelArgs, stages: list[StageBuckets]
     hf = sum(s.total for s in stages)
     return [MemoryItem(f"replica params ({_count(n)} × {e} B)", n * e),
             MemoryItem("replica receiver (HF weights, live + staged)", 2 * hf),
-            MemoryItem("replica logits", int(logit_copies(False, False, e) * _logits_bytes(
-                a, m, micro_batch_tokens(cfg, "logp", m.context_parallel_size))))]
+            MemoryItem("replica logits", _pass_logits_bytes(
+                cfg, a, m, "logp", m.context_parallel_size, e))]
 
 
 def rollout_weights(cfg: DictConfig, stages: list[StageBuckets]) -> tuple[int, int]:

@@ -433,7 +433,7 @@ def test_context_parallelism_divides_activations_and_budgets_count_per_rank():
     one, two = train_bytes(), train_bytes(f"{M}.context_parallel_size=2")
     tp, e = cfg.actor_rollout_ref.actor.megatron.tensor_model_parallel_size, 2
     tokens = memory.micro_batch_tokens(cfg, "actor")
-    kv = a.num_layers * tokens * 2 * max(1, a.num_kv_heads // tp) * a.head_dim * e
+    kv = a.num_layers * tokens * 2 * max(1, a.num_heads // tp) * a.head_dim * e
     assert two == pytest.approx(one / 2 + kv, rel=1e-6)
     assert two < 0.6 * one
     budget = ["actor_rollout_ref.actor.use_dynamic_bsz=true",

@@ -51,12 +51,15 @@ def test_logit_copies_follow_the_log_prob_path():
     assert memory.logit_copies(False, True, 4) == 6.25
     assert memory.logit_copies(True, False, 4) == 4
     assert memory.logit_copies(False, False, 2) == 3.5
+    # token-chunked: the logits and their gradient, two fp32 chunks (a quarter of the tokens)
+    assert memory.logit_copies(True, True, 4, 0.25) == 2.5
+    assert memory.logit_copies(False, True, 2, 4.0) == 2.5  # a chunk is at most the pass
 
 
 def test_activations_count_the_layers_and_the_log_prob_path(model):
     path, a = model
-    per_token = 6 * 512 + 4 * 8 * 64 + 5 * 2816  # norms, attention, SwiGLU
-    assert memory.layer_activation_elements(a, 1, False) == per_token == 19200
+    per_token = 6 * 512 + 2 * (8 + 2) * 64 + 5 * 2816  # norms, attention (GQA), SwiGLU
+    assert memory.layer_activation_elements(a, 1, False) == per_token == 18432
     stack = 4 * 1024 * per_token * 4
     logits = 1024 * 16384 * 4
     assert memory._activation_bytes(_cfg(path), a) == int(stack + 7.25 * logits)
