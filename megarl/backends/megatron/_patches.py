@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import threading
 import types
 
 import torch
@@ -117,12 +118,77 @@ def _mla_without_te() -> None:
     multi_latent_attention.HAVE_TE = False
 
 
+class _SumRopeKeyGrad(torch.autograd.Function):
+    """Identity forward on the gathered [.., kv_lora_rank + rope] latent; backward sums the
+    RoPE key's columns over the TP group (each rank's share counts only its own heads)."""
+
+    @staticmethod
+    def forward(ctx, kv_combined, rope: int, group):
+        ctx.rope, ctx.group = rope, group
+        return kv_combined.view_as(kv_combined)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        rope = grad[..., -ctx.rope:].contiguous()
+        torch.distributed.all_reduce(rope, group=ctx.group)
+        grad[..., -ctx.rope:] = rope
+        return grad, None, None
+
+
+def _mla_rope_key_grads() -> None:
+    """megatron-core 0.16.1's multi-latent attention on the local spec (its down projections
+    column-parallel, `gather_output=False`) gathers the latent over TP, whose backward only
+    takes each rank's columns back. The compressed KV's gradient is whole there (the
+    column-parallel up projection after it reduced it), but the RoPE key (`k_pos_emb`, split
+    off the same gathered tensor and shared by every head) gets from each rank only its own
+    heads' share: at TP > 1 the KV down projection, and everything before it, trained on a
+    partial gradient (Megatron-LM issue #1699; measured: a tiny DeepSeek-V3's gradients 1.2%
+    off TP1's at TP2 + SP). Summing those columns over TP in backward is the gradient of the
+    shared key. TE's spec (a duplicated down projection) does not take this path."""
+    from megatron.core.transformer import multi_latent_attention as mla
+
+    if getattr(mla, "_megarl_rope_key_grads", False):
+        return
+    gather, qkv = mla.gather_from_tensor_model_parallel_region, \
+        mla.MLASelfAttention.get_query_key_value_tensors
+    local = threading.local()
+
+    def gather_latent(x, *args, **kwargs):
+        out = gather(x, *args, **kwargs)
+        frame = getattr(local, "frame", None)
+        if frame is None:
+            return out
+        self, calls = frame
+        c = self.config
+        frame[1] = calls + 1
+        # the calls are the query's (when it has a LoRA rank) and then the KV's
+        kv_call = 1 if c.q_lora_rank is not None else 0
+        if calls == kv_call and out.size(-1) == c.kv_lora_rank + c.qk_pos_emb_head_dim:
+            out = _SumRopeKeyGrad.apply(out, c.qk_pos_emb_head_dim, self.tp_group)
+        return out
+
+    def get_query_key_value_tensors(self, *args, **kwargs):
+        outer = getattr(local, "frame", None)
+        local.frame = [self, 0]
+        try:
+            return qkv(self, *args, **kwargs)
+        finally:
+            local.frame = outer
+
+    mla.gather_from_tensor_model_parallel_region = gather_latent
+    mla.MLASelfAttention.get_query_key_value_tensors = get_query_key_value_tensors
+    mla._megarl_rope_key_grads = True
+
+
 def apply() -> None:
     """Install the CPU accommodations (idempotent; no-op with CUDA, except the MoE router's
-    missing name and MLA's HAVE_TE, which any process without Transformer Engine needs)."""
+    missing name and MLA's HAVE_TE, which any process without Transformer Engine needs, and
+    MLA's RoPE-key gradient under TP, a correction wherever the local spec runs)."""
     global _applied
     _moe_router_without_te()
     _mla_without_te()
+    _mla_rope_key_grads()
     if _applied or cuda_available():
         return
     import megatron.core
