@@ -12,9 +12,14 @@
 # travels with the checkout; tools/gpu_common.sh installs them with --no-deps).
 
 # D's fast-kernel keys: run-config keys relative to actor_rollout_ref.actor.megatron (or full
-# dotted paths), space-separated, e.g. "override_transformer_config.bias_swiglu_fusion=true".
-# Every kernel key that issue 46 adds goes here.
-KERNEL_OVERRIDES="${KERNEL_OVERRIDES:-}"
+# dotted paths), space-separated. Every kernel key that issue 46 adds, each off by default
+# until measured here (attention_backend's default, auto, already takes FlexAttention for
+# packed rows and SDPA's own kernel choice on CUDA): Megatron's fused SwiGLU and
+# bias-dropout-add, the token-chunked log-prob + entropy path, fused AdamW + foreach grad norm.
+KERNEL_OVERRIDES="${KERNEL_OVERRIDES:-override_transformer_config.bias_activation_fusion=true \
+override_transformer_config.bias_dropout_fusion=true \
+actor_rollout_ref.actor.entropy_from_logits_with_chunking=true \
+actor_rollout_ref.actor.optim.fused=true}"
 
 set -uo pipefail  # no -e: a failed step is recorded and the session goes on
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
