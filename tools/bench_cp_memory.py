@@ -23,14 +23,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from megarl.utils.procmem import reset_peak, status_kib
+
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def _rss_kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"/proc/self/status has no {field}")
 
 
 def _rank(model: str, seq: int, cp: int, out: str) -> None:
@@ -56,13 +51,13 @@ def _rank(model: str, seq: int, cp: int, out: str) -> None:
         batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": mask}
         w.train_step(batch, loss_fn, micro_batch_size=1)
         dist.barrier()
-        Path("/proc/self/clear_refs").write_text("5")  # the peak (VmHWM) restarts from now
-        base = _rss_kib("VmRSS")
+        reset_peak()  # the peak (VmHWM) restarts from now
+        base = status_kib("VmRSS")
         t = time.perf_counter()
         step = w.train_step(batch, loss_fn, micro_batch_size=1)
         seconds = time.perf_counter() - t
         Path(f"{out}.{dist.get_rank()}").write_text(json.dumps({
-            "peak_mib": (_rss_kib("VmHWM") - base) / 1024, "seconds": seconds,
+            "peak_mib": (status_kib("VmHWM") - base) / 1024, "seconds": seconds,
             "grad_norm": step["grad_norm"], "loss": step["loss"]}))
 
 

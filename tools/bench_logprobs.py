@@ -23,14 +23,9 @@ import sys
 import time
 from pathlib import Path
 
+from megarl.utils.procmem import reset_peak, status_kib
+
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def _rss_kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"/proc/self/status has no {field}")
 
 
 def _side(tokens: int, vocab: int, chunk: int, dtype: str, path: str, device: str) -> dict:
@@ -48,8 +43,8 @@ def _side(tokens: int, vocab: int, chunk: int, dtype: str, path: str, device: st
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
     else:
-        Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
-        base = _rss_kib("VmRSS") * 1024
+        reset_peak()  # VmHWM := VmRSS
+        base = status_kib("VmRSS") * 1024
     t0 = time.perf_counter()
     lp, ent = token_logprobs(logits, targets, vocab, 1.0, True,
                              chunk if path == "chunked" else None)
@@ -58,7 +53,7 @@ def _side(tokens: int, vocab: int, chunk: int, dtype: str, path: str, device: st
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - base
     else:
-        peak = _rss_kib("VmHWM") * 1024 - base
+        peak = status_kib("VmHWM") * 1024 - base
     return {"peak_mib": peak / 2**20, "seconds": time.perf_counter() - t0,
             "logits_mib": logits.numel() * logits.element_size() / 2**20,
             "logp_sum": float(lp.detach().double().sum())}

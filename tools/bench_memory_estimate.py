@@ -38,6 +38,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from megarl.utils.procmem import reset_peak, status_kib
+
 ROOT = Path(__file__).resolve().parent.parent
 A, M = "actor_rollout_ref", "actor_rollout_ref.actor.megatron"
 
@@ -55,13 +57,6 @@ CASES = {
                 [f"{A}.actor.entropy_from_logits_with_chunking=true",
                  f"{A}.actor.entropy_from_logits_chunk_size=256"]),
 }
-
-
-def _kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"/proc/self/status has no {field}")
 
 
 def _config(model: str, case: str, width: int, rows: int, ranks: int):
@@ -95,7 +90,7 @@ def _rank(model: str, case: str, width: int, rows: int, out: str) -> None:
 
     cfg = _config(model, case, width, rows, int(os.environ["WORLD_SIZE"]))
     with rank_program():
-        base0 = _kib("RssAnon")
+        base0 = status_kib("RssAnon")
         torch.manual_seed(0)
         w = MegatronWorker.from_spec(megatron_spec(cfg, "actor").model)
         micro = micro_batching(cfg, "actor")
@@ -114,14 +109,14 @@ def _rank(model: str, case: str, width: int, rows: int, out: str) -> None:
         dist.barrier()
         # the state above anonymous memory only: the safetensors the weights were read from
         # stay mapped (file pages), which no device holds
-        state = _kib("RssAnon") - base0
-        start = _kib("VmRSS")
-        Path("/proc/self/clear_refs").write_text("5")  # the peak (VmHWM) restarts from now
+        state = status_kib("RssAnon") - base0
+        start = status_kib("VmRSS")
+        reset_peak()  # the peak (VmHWM) restarts from now
         t = time.perf_counter()
         step = w.train_step(batch, loss_fn, micro, with_entropy=True)
         seconds = time.perf_counter() - t
         Path(f"{out}.{dist.get_rank()}").write_text(json.dumps({
-            "state_mib": state / 1024, "step_mib": (_kib("VmHWM") - start) / 1024,
+            "state_mib": state / 1024, "step_mib": (status_kib("VmHWM") - start) / 1024,
             "seconds": seconds, "loss": step["loss"]}))
 
 

@@ -31,6 +31,8 @@ import time
 
 import torch
 
+from megarl.utils.procmem import status_kib
+
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -92,14 +94,6 @@ def setup(args):
     return lengths, batch, loss_fn, worker, micro
 
 
-def _rss_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    return 0
-
-
 def memory_child(args) -> None:
     """One side's log-prob pass and train step; print the peak rise in MiB as JSON."""
     _, batch, loss_fn, worker, micro = setup(args)
@@ -109,11 +103,11 @@ def memory_child(args) -> None:
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
     else:
-        base = _rss_kib("VmRSS") * 1024
+        base = status_kib("VmRSS") * 1024
     w.compute_logp(batch, 1.0, m)
     w.train_step(batch, loss_fn, m)
     peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() \
-        else _rss_kib("VmHWM") * 1024
+        else status_kib("VmHWM") * 1024
     print(json.dumps({"peak_mib": (peak - base) / 2**20}))
 
 

@@ -1,13 +1,16 @@
 """A mixture of experts (tiny Qwen3-MoE: 8 experts, top-2) under expert parallelism: the
 Megatron model equals transformers at EP=2 × TP=2, and routing replay makes its routers take
-the given experts (the log-probs then those of transformers under the same routing); a GRPO
-run of a tiny GLM-4.5 (a dense first layer, then sigmoid routing with a correction bias and a
-shared expert) at TP=2 × EP=2 with routing replay learns and sends every expert to the engines
-bit for bit. (Qwen3-MoE at EP=2 with routing replay trains end to end, restarts and resumes
+the given experts (the log-probs then those of transformers under the same routing); GRPO
+runs of a tiny GLM-4.5 (a dense first layer, then sigmoid routing with a correction bias and a
+shared expert) and a tiny DeepSeek-V3 (the same kind of MoE in expert groups, behind
+multi-latent attention with YaRN) at TP=2 × EP=2 with routing replay learn and send every
+expert to the engines bit for bit. (Qwen3-MoE at EP=2 with routing replay trains end to end, restarts and resumes
 to the same per-step batches, with its routing cached in checkpoints:
 test_train_e2e.py::test_a_lost_trainer_worker_restarts_...)"""
 import json
 import shutil
+
+import pytest
 
 from launch_helpers import ROOT, SCRIPTS, read_json, torchrun
 from test_train_e2e import megarl, scalars
@@ -38,10 +41,10 @@ def test_expert_parallel_model_equals_hf_and_replays_routing(tmp_path, tiny_qwen
 MOE_KEYS = "actor_rollout_ref.actor.megatron.override_transformer_config"
 
 
-def _moe_args(assets, run_dir, *extra):
+def _moe_args(assets, run_dir, *extra, arch="glm4_moe"):
     return ["--config", str(ROOT / "configs" / "quickstart.yaml"),
             f"actor_rollout_ref.model.path={assets / 'moe'}",
-            "actor_rollout_ref.model.make_tiny=glm4_moe",
+            f"actor_rollout_ref.model.make_tiny={arch}",
             f"data.train_files={assets / 'data' / 'train.jsonl'}",
             f"data.val_files={assets / 'data' / 'val.jsonl'}",
             f"trainer.default_local_dir={run_dir}", "trainer.experiment_name=t",
@@ -53,9 +56,14 @@ def _moe_args(assets, run_dir, *extra):
             "trainer.test_freq=-1", "trainer.val_before_train=False", *extra]
 
 
+# the tensors a version sends (checksummed on the engines)
+TENSORS = {"glm4_moe": 57, "deepseek_v3": 53}
+
+
+@pytest.mark.parametrize("arch", list(TENSORS))
 def test_grpo_at_tp2_ep2_sp_with_routing_replay_learns_and_syncs_experts_exactly(
-        quickstart_assets, tmp_path):
-    """A tiny GLM-4.5 (`make_tiny: glm4_moe`) at TP=2 × EP=2 with sequence parallelism on two
+        quickstart_assets, tmp_path, arch):
+    """A tiny GLM-4.5 (`make_tiny: glm4_moe`) or DeepSeek-V3 (`deepseek_v3`) at TP=2 × EP=2 with sequence parallelism on two
     ranks (Megatron's parallel folding: the experts' own layout, EP=2 × ETP=1, spans the same
     two ranks as TP=2; four experts each), three steps ahead, packed micro-batches (the
     allgather dispatcher then needs one packed length on every EP rank, a multiple of TP), the
@@ -74,7 +82,8 @@ def test_grpo_at_tp2_ep2_sp_with_routing_replay_learns_and_syncs_experts_exactly
         "actor_rollout_ref.actor.megatron.expert_tensor_parallel_size=1",
         "actor_rollout_ref.actor.megatron.sequence_parallel=true",
         # small router losses, for their metrics (RL runs leave them off)
-        f"{MOE_KEYS}.moe_aux_loss_coeff=0.001", f"{MOE_KEYS}.moe_z_loss_coeff=0.001"))
+        f"{MOE_KEYS}.moe_aux_loss_coeff=0.001", f"{MOE_KEYS}.moe_z_loss_coeff=0.001",
+        arch=arch))
     assert "actor model: 2 process(es)" in out and "EP=2" in out, out[-3000:]
     assert "TP=2" in out, out[-3000:]
     # step 1 is on-policy (version 0 everywhere): the trainer's log-probs at TP=2 × EP=2 are the
@@ -88,7 +97,7 @@ def test_grpo_at_tp2_ep2_sp_with_routing_replay_learns_and_syncs_experts_exactly
     assert last > first + 0.1, (first, last)
     # every version reached both engines bit for bit, experts, the shared expert and the fp32
     # correction bias included (checksums per tensor)
-    assert out.count("57 tensors equal the trainer's") >= 2 * 40, out[-3000:]
+    assert out.count(f"{TENSORS[arch]} tensors equal the trainer's") >= 2 * 40, out[-3000:]
     assert "differ" not in out
     # expert load per layer, the busiest expert over the mean: between even and collapsed
     load = scalars(run, "actor/moe/expert_load_max")
