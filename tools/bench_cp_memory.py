@@ -20,10 +20,9 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-from megarl.utils.procmem import reset_peak, status_kib
+from bench_recompute import measured_step  # tools/, this script's own folder
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -37,28 +36,11 @@ def _rank(model: str, seq: int, cp: int, out: str) -> None:
     from megarl.backends.megatron.parallel import rank_program
     from megarl.backends.megatron.worker import MegatronWorker
 
-    def loss_fn(logprobs, entropy, mb):
-        mask = mb["loss_mask"].float()
-        return -(logprobs * mask).sum() / mask.sum(), {}
-
     with rank_program():
         torch.manual_seed(0)
         w = MegatronWorker(model, 1, 1, optim=OptimConfig(lr=1e-4), context_parallel=cp)
-        ids = torch.randint(0, w.args.vocab_size, (1, seq),
-                            generator=torch.Generator().manual_seed(1))
-        mask = torch.ones_like(ids)
-        mask[:, 0] = 0
-        batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": mask}
-        w.train_step(batch, loss_fn, micro_batch_size=1)
-        dist.barrier()
-        reset_peak()  # the peak (VmHWM) restarts from now
-        base = status_kib("VmRSS")
-        t = time.perf_counter()
-        step = w.train_step(batch, loss_fn, micro_batch_size=1)
-        seconds = time.perf_counter() - t
-        Path(f"{out}.{dist.get_rank()}").write_text(json.dumps({
-            "peak_mib": (status_kib("VmHWM") - base) / 1024, "seconds": seconds,
-            "grad_norm": step["grad_norm"], "loss": step["loss"]}))
+        Path(f"{out}.{dist.get_rank()}").write_text(json.dumps(
+            measured_step(w, seq, between=dist.barrier)))
 
 
 def _side(model: str, seq: int, cp: int) -> dict:

@@ -19,12 +19,32 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-from megarl.utils.procmem import reset_peak, status_kib
+from megarl.utils.procmem import peak_of
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def measured_step(w, seq: int, *, between=None) -> dict:
+    """One sequence of `seq` random tokens: a warm-up train step, `between()` if given, then
+    the measured step's peak RSS above its start (MiB), seconds, loss and grad norm."""
+    import torch
+
+    def loss_fn(logprobs, entropy, mb):
+        mask = mb["loss_mask"].float()
+        return -(logprobs * mask).sum() / mask.sum(), {}
+
+    ids = torch.randint(0, w.args.vocab_size, (1, seq), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[:, 0] = 0
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": mask}
+    w.train_step(batch, loss_fn, micro_batch_size=1)
+    if between is not None:
+        between()
+    peak, seconds, step = peak_of(lambda: w.train_step(batch, loss_fn, micro_batch_size=1))
+    return {"peak_mib": peak, "seconds": seconds, "grad_norm": step["grad_norm"],
+            "loss": step["loss"]}
 
 
 def _side(model: str, seq: int, recompute: bool, out: str) -> None:
@@ -35,26 +55,10 @@ def _side(model: str, seq: int, recompute: bool, out: str) -> None:
     from megarl.backends.megatron.parallel import rank_program
     from megarl.backends.megatron.worker import MegatronWorker
 
-    def loss_fn(logprobs, entropy, mb):
-        mask = mb["loss_mask"].float()
-        return -(logprobs * mask).sum() / mask.sum(), {}
-
     with rank_program():
         torch.manual_seed(0)
         w = MegatronWorker(model, 1, 1, optim=OptimConfig(lr=1e-4), recompute=recompute)
-        ids = torch.randint(0, w.args.vocab_size, (1, seq),
-                            generator=torch.Generator().manual_seed(1))
-        mask = torch.ones_like(ids)
-        mask[:, 0] = 0
-        batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": mask}
-        w.train_step(batch, loss_fn, micro_batch_size=1)
-        reset_peak()  # the peak (VmHWM) restarts from now
-        base = status_kib("VmRSS")
-        t = time.perf_counter()
-        step = w.train_step(batch, loss_fn, micro_batch_size=1)
-        seconds = time.perf_counter() - t
-        Path(out).write_text(json.dumps({"peak_mib": (status_kib("VmHWM") - base) / 1024,
-                                         "seconds": seconds, "grad_norm": step["grad_norm"]}))
+        Path(out).write_text(json.dumps(measured_step(w, seq)))
 
 
 def _run(model: str, seq: int, recompute: bool) -> dict:
